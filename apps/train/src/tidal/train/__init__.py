@@ -1,0 +1,1 @@
+"""tidal.train."""
