@@ -1,0 +1,67 @@
+"""BatchingConfig: how a rollout becomes optimizer steps and micro-batches. Standard library only."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tidal.batching.arithmetic import BatchArithmetic, resolve_batch_arithmetic
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchingConfig:
+    """Batch sizes and micro-batching (slime's flag names, dashed, in the messages)."""
+
+    rollout_batch_size: int
+    """Prompts per rollout (--rollout-batch-size)."""
+    n_samples_per_prompt: int = 1
+    """Samples generated per prompt (--n-samples-per-prompt)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step (--global-batch-size); derived from --num-steps-per-rollout when None."""
+    num_steps_per_rollout: int | None = None
+    """Optimizer steps per rollout (--num-steps-per-rollout); derived, or 1, when None."""
+    use_dynamic_batch_size: bool = False
+    """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed count (--use-dynamic-batch-size)."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget of one micro-batch on one GPU, with dynamic batch size (--max-tokens-per-gpu)."""
+    micro_batch_size: int | None = None
+    """Sequences per micro-batch without dynamic batch size (--micro-batch-size); 1 when None."""
+    pad_to_multiple_of: int = 1
+    """Pad each micro-batch's token count to a multiple of this for kernel alignment (--pad-to-multiple-of)."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--max-tokens-per-gpu", self.max_tokens_per_gpu),
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--pad-to-multiple-of", self.pad_to_multiple_of),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError(
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu (e.g. --max-tokens-per-gpu 16384), got none"
+            )
+        if self.use_dynamic_batch_size and self.micro_batch_size is not None:
+            logger.warning("--micro-batch-size %d has no effect with --use-dynamic-batch-size", self.micro_batch_size)
+        if not self.use_dynamic_batch_size and self.max_tokens_per_gpu is not None:
+            logger.warning(
+                "--max-tokens-per-gpu %d has no effect without --use-dynamic-batch-size", self.max_tokens_per_gpu
+            )
+        # Checks everything that does not depend on the data-parallel size (raises ValueError with the fix).
+        self.resolve(dp_size=1)
+
+    def resolve(self, *, dp_size: int) -> BatchArithmetic:
+        """Resolve global batch size and steps per rollout for ``dp_size`` data-parallel ranks.
+
+        Raises:
+            ValueError: naming the flags and the fix when the numbers are inconsistent or do not divide.
+        """
+        return resolve_batch_arithmetic(
+            rollout_batch_size=self.rollout_batch_size,
+            n_samples_per_prompt=self.n_samples_per_prompt,
+            global_batch_size=self.global_batch_size,
+            num_steps_per_rollout=self.num_steps_per_rollout,
+            dp_size=dp_size,
+        )

@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tidal.batching import (
+    BatchingConfig,
+    BatchingError,
+    alignment_multiple,
+    pack,
+    pack_micro_batches,
+    plan_from_config,
+    plan_micro_batches,
+    unpack_micro_batches,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dp=st.integers(1, 4),
+    per_rank=st.integers(1, 12),
+    budget=st.integers(40, 200),
+    multiple=st.sampled_from([1, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_then_unpack_restores_every_sample_once(dp, per_rank, budget, multiple, seed):
+    rng = np.random.default_rng(seed)
+    n = dp * per_rank
+    lengths = rng.integers(1, budget - multiple + 1, size=n)
+    seqs = [rng.integers(0, 1000, size=int(k)).tolist() for k in lengths]
+    logp = [(-rng.random(int(k))).tolist() for k in lengths]
+    rewards = rng.random(n).tolist()
+    plan = plan_micro_batches(lengths, dp_size=dp, max_tokens_per_gpu=budget, pad_to_multiple_of=multiple)
+    per_rank_batches = [
+        pack_micro_batches(
+            plan,
+            r,
+            seqs,
+            token_fields={"old_log_probs": logp},
+            sample_fields={"rewards": rewards},
+            pad_to_multiple_of=multiple,
+        )
+        for r in range(dp)
+    ]
+    assert {len(b) for b in per_rank_batches} == {plan.num_micro_batches}
+    flat = [b for rank in per_rank_batches for b in rank]
+    assert all(b.num_tokens <= budget and b.num_tokens % multiple == 0 for b in flat)
+    for b in flat:
+        assert b.sample_fields["rewards"].tolist() == pytest.approx([rewards[i] for i in b.sample_indices.tolist()])
+    # shuffle the micro-batches, as an all-gather over ranks may order them
+    order = rng.permutation(len(flat))
+    flat = [flat[i] for i in order]
+    tokens = unpack_micro_batches([b.tokens for b in flat], flat, num_samples=n)
+    assert [t.tolist() for t in tokens] == seqs
+    back = unpack_micro_batches([b.token_fields["old_log_probs"] for b in flat], flat, num_samples=n)
+    assert all(torch.allclose(t, torch.tensor(v, dtype=torch.float32)) for t, v in zip(back, logp, strict=True))
+
+
+def test_tensor_fields_are_indexed_too():
+    seqs = [torch.arange(k) for k in (3, 5, 2, 4)]
+    plan = plan_micro_batches([3, 5, 2, 4], dp_size=2, micro_batch_size=1)
+    batches = pack_micro_batches(plan, 1, seqs, sample_fields={"version": torch.tensor([10, 11, 12, 13])})
+    for b in batches:
+        assert b.sample_fields["version"].tolist() == [10 + i for i in b.sample_indices.tolist()]
+
+
+def test_unpack_detects_missing_and_duplicate_samples():
+    a = pack([[1, 2], [3]], sample_indices=[0, 1])
+    b = pack([[4]], sample_indices=[1])
+    with pytest.raises(BatchingError, match="sample 1 appears in more than one"):
+        unpack_micro_batches([a.tokens, b.tokens], [a, b], num_samples=2)
+    with pytest.raises(BatchingError, match="1 of 3 samples have no outputs"):
+        unpack_micro_batches([a.tokens], [a], num_samples=3)
+    with pytest.raises(BatchingError, match="outside"):
+        unpack_micro_batches([a.tokens], [a], num_samples=1)
+
+
+def test_pack_micro_batches_checks_its_arguments():
+    plan = plan_micro_batches([3, 5], dp_size=2, micro_batch_size=1)
+    with pytest.raises(ValueError, match="rank must be in"):
+        pack_micro_batches(plan, 2, [[1, 2, 3], [1, 2, 3, 4, 5]])
+    with pytest.raises(ValueError, match="covers 2 samples but 1"):
+        pack_micro_batches(plan, 0, [[1, 2, 3]])
+
+
+def test_alignment_multiple():
+    assert alignment_multiple(8) == 8
+    assert alignment_multiple(8, tensor_model_parallel_size=4) == 8  # no sequence parallelism: TP does not matter
+    assert alignment_multiple(8, tensor_model_parallel_size=3, sequence_parallel=True) == 24
+    assert alignment_multiple(128, tensor_model_parallel_size=8, sequence_parallel=True) == 128
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
+        alignment_multiple(8, tensor_model_parallel_size=0)
+
+
+def test_plan_from_config_follows_the_mode():
+    lengths = [100, 300, 50, 500, 20, 90, 400, 10]
+    dynamic = BatchingConfig(
+        rollout_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=512, pad_to_multiple_of=8
+    )
+    plan = plan_from_config(dynamic, lengths, dp_size=2, tensor_model_parallel_size=3, sequence_parallel=True)
+    assert plan.token_budget == 504  # 512 rounded down to lcm(8, 3) = 24
+    assert plan.tokens().max() <= 504
+    fixed = BatchingConfig(rollout_batch_size=8, micro_batch_size=2)
+    plan = plan_from_config(fixed, lengths, dp_size=2)
+    assert plan.token_budget is None and plan.num_micro_batches == 2
+    assert plan_from_config(BatchingConfig(rollout_batch_size=8), lengths, dp_size=1).num_micro_batches == 8
