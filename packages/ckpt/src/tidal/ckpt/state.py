@@ -1,0 +1,119 @@
+"""The non-tensor state a resumed run needs: the trainer's counters and every RNG stream.
+
+``TrainerState`` goes into the checkpoint's common state (one copy, written by rank 0). RNG states differ per
+rank, so they are a ``ShardedObject`` with one shard per global rank: loading them at another world size is a
+``CheckpointMismatchError`` that says to pass ``--no-load-rng``. Everything here survives
+``torch.load(weights_only=True)``: numpy's state is stored as a tensor, not as a pickled ndarray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing import ShardedObject
+from tidal.ckpt.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+RNG_STATE_KEY = "rng_state"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerState:
+    """Where the training loop stands; saved in the common state, restored exactly on resume."""
+
+    rollout_id: int
+    """The last finished rollout; the resumed run starts at rollout_id + 1."""
+    weight_version: int
+    """Version of the weights the rollout engines hold (bumped at every weight sync)."""
+    data_epoch: int = 0
+    """Epoch of the prompt dataset."""
+    data_offset: int = 0
+    """Prompts consumed in the current epoch."""
+    data_seed: int = 0
+    """Seed of the dataset shuffle."""
+
+    def to_dict(self) -> dict[str, int]:
+        """Plain dict for ``save_checkpoint(common_state=...)``."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> TrainerState:
+        """Rebuild from a loaded common state; a missing field is a ``CheckpointError`` naming it."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in state]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint common state lacks trainer field(s) {missing} (it has {sorted(state)}); it was not "
+                f"written by tidal's trainer. Load it with --hf-checkpoint or a fresh --save directory instead."
+            )
+        return cls(**{name: int(state[name]) for name in names if name in state})
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's python, numpy, torch CPU, CUDA (when present) and Megatron tracker RNG states."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "random": random.getstate(),
+        "numpy": (
+            str(np_state[0]),
+            torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": _tracker_states(),
+    }
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set every RNG stream from ``capture_rng_state()``'s output (as loaded from a checkpoint)."""
+    random.setstate(_as_tuples(state["random"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        if not torch.cuda.is_available():
+            logger.warning("checkpoint holds CUDA RNG states but CUDA is unavailable; they are not restored")
+        else:
+            torch.cuda.set_rng_state_all(state["cuda"])
+    if state["tracker"]:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def rng_state_sharded_object(key: str = RNG_STATE_KEY) -> ShardedObject:
+    """This rank's RNG states as a ShardedObject (one shard per global rank) for a sharded state dict.
+
+    For loading, pass the same object (its data is replaced by the loaded states); then
+    ``restore_rng_state(loaded[key])``. Requires ``torch.distributed`` to be initialized.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return ShardedObject(key, capture_rng_state(), (world,), (rank,), replica_id=0)
+
+
+def _tracker_states() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    try:
+        return dict(get_cuda_rng_tracker().get_states())
+    except (RuntimeError, AssertionError):  # tracker not initialized / no CUDA on an unpatched CPU run
+        return {}
+
+
+def _as_tuples(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_as_tuples(v) for v in value)
+    return value

@@ -1,0 +1,86 @@
+"""Run functions on N real gloo ranks: forked processes, each with its own process group.
+
+Forking (not spawning) reuses the parent's imported megatron/torch, which take tens of seconds to import on a
+busy two-core box; the parent itself never initializes torch.distributed, so every child starts clean.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RANK_TIMEOUT_S = 120
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, queue: Any, args: tuple) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        # Plain pickle: torch's queue reducers would pass tensors by shared memory owned by this exiting process.
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException as e:
+        queue.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
+    finally:
+        queue.close()
+        queue.join_thread()  # flush the result before the hard exit below
+        os._exit(0)
+
+
+class RankError(Exception):
+    """An exception raised on a rank, re-raised in the test with its type name, message and traceback."""
+
+    def __init__(self, rank: int, type_name: str, message: str, tb: str) -> None:
+        super().__init__(f"rank {rank}: {type_name}: {message}\n{tb}")
+        self.rank, self.type_name, self.message = rank, type_name, message
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, tmp_path: Path) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank or raise."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    store = tmp_path / f"store-{os.urandom(4).hex()}"
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, str(store), queue, args))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    try:
+        for _ in procs:
+            rank, status, payload = queue.get(timeout=RANK_TIMEOUT_S)
+            outcomes[rank] = (status, payload)
+            if status == "error":
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outcomes) == world_size else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank in sorted(outcomes):
+        status, payload = outcomes[rank]
+        if status == "error":
+            raise RankError(rank, *payload)
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Callable[..., list[Any]]:
+    """``ranks(world_size, fn, *args)`` runs fn on that many gloo ranks (see run_ranks)."""
+
+    def run(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return run_ranks(world_size, fn, *args, tmp_path=tmp_path)
+
+    return run

@@ -1,0 +1,127 @@
+"""resolve_checkpoint: every directory that cannot be loaded exactly is a distinct error naming the fix."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from tidal.ckpt import (
+    TRACKER_FILENAME,
+    CheckpointNotFoundError,
+    IterationNotFoundError,
+    NotAMegatronCheckpointError,
+    TrackerFileMissingError,
+    resolve_checkpoint,
+)
+
+
+def _iteration(root: Path, iteration: int, *, complete: bool = True) -> Path:
+    """An iteration directory as megatron leaves it; metadata.json is its last write."""
+    path = root / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"\0")
+    if complete:
+        (path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    return path
+
+
+def test_tracker_names_the_iteration(tmp_path):
+    _iteration(tmp_path, 50)
+    latest = _iteration(tmp_path, 100)
+    (tmp_path / TRACKER_FILENAME).write_text("100\n")
+    assert resolve_checkpoint(tmp_path) == (100, latest)
+
+
+def test_ckpt_step_overrides_the_tracker(tmp_path):
+    older = _iteration(tmp_path, 50)
+    _iteration(tmp_path, 100)
+    (tmp_path / TRACKER_FILENAME).write_text("100")
+    assert resolve_checkpoint(tmp_path, ckpt_step=50) == (50, older)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointNotFoundError) as e:
+        resolve_checkpoint(tmp_path / "nope", flag="--ref-load")
+    assert str(e.value).startswith(f"--ref-load {tmp_path / 'nope'} does not exist.")
+    assert "--hf-checkpoint" in str(e.value)
+
+
+def test_empty_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointNotFoundError, match=r"holds no checkpoint .*it contains: notes.txt"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_iterations_without_tracker_name_the_ckpt_step_to_pass(tmp_path):
+    _iteration(tmp_path, 50)
+    _iteration(tmp_path, 100)
+    with pytest.raises(TrackerFileMissingError) as e:
+        resolve_checkpoint(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path} holds iter_0000050 and iter_0000100 but no latest_checkpointed_iteration.txt; "
+        f"pass --ckpt-step 100 to load the newest (or another listed step)."
+    )
+
+
+def test_tracker_naming_a_missing_iteration(tmp_path):
+    _iteration(tmp_path, 50)
+    (tmp_path / TRACKER_FILENAME).write_text("100")
+    with pytest.raises(IterationNotFoundError) as e:
+        resolve_checkpoint(tmp_path)
+    assert f"names iteration 100 but {tmp_path}/iter_0000100 does not exist" in str(e.value)
+    assert str(e.value).endswith("Pass --ckpt-step 50 to load the newest complete one.")
+
+
+def test_tracker_naming_an_incomplete_iteration(tmp_path):
+    _iteration(tmp_path, 50)
+    _iteration(tmp_path, 100, complete=False)
+    (tmp_path / TRACKER_FILENAME).write_text("100")
+    with pytest.raises(IterationNotFoundError, match=r"is incomplete \(no metadata.json"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_ckpt_step_naming_a_missing_iteration(tmp_path):
+    _iteration(tmp_path, 50)
+    _iteration(tmp_path, 100)
+    with pytest.raises(IterationNotFoundError, match=r"^--ckpt-step 70 but .*holds iter_0000050 and iter_0000100"):
+        resolve_checkpoint(tmp_path, ckpt_step=70)
+
+
+def test_garbled_tracker(tmp_path):
+    _iteration(tmp_path, 7)
+    (tmp_path / TRACKER_FILENAME).write_text("latest\n")
+    with pytest.raises(IterationNotFoundError, match=r"holds 'latest', expected an iteration number.*--ckpt-step 7"):
+        resolve_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hf_checkpoint_passed_as_load_dir(tmp_path, sharded):
+    (tmp_path / "config.json").write_text("{}")
+    names = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)] if sharded else ["model.safetensors"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(NotAMegatronCheckpointError) as e:
+        resolve_checkpoint(tmp_path, flag="--ref-load")
+    message = str(e.value)
+    assert message.startswith(f"--ref-load {tmp_path} is a Hugging Face checkpoint (config.json + {len(names)} ")
+    assert f"Pass it as --hf-checkpoint {tmp_path} instead" in message
+
+
+def test_single_iteration_directory_passed_as_load_dir(tmp_path):
+    iter_dir = _iteration(tmp_path, 100)
+    with pytest.raises(NotAMegatronCheckpointError, match=re.escape(f"--load {tmp_path} --ckpt-step 100")):
+        resolve_checkpoint(iter_dir)
+
+
+def test_file_passed_as_load_dir(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(CheckpointNotFoundError, match="is a file"):
+        resolve_checkpoint(tmp_path / "f")
+
+
+def test_hidden_leftovers_of_a_crashed_save_are_not_iterations(tmp_path):
+    (tmp_path / ".iter_0000200.tmp").mkdir()
+    _iteration(tmp_path, 100)
+    with pytest.raises(TrackerFileMissingError, match="holds iter_0000100 but"):
+        resolve_checkpoint(tmp_path)
