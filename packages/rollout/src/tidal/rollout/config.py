@@ -1,0 +1,93 @@
+"""RolloutConfig: the rollout section of tidal's configuration (standard library only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SGLANG_FLAG_PREFIX = "--sglang-"
+
+
+def sglang_server_args(flags: Sequence[str]) -> tuple[str, ...]:
+    """Map tidal's ``--sglang-*`` flags to ``sglang.launch_server`` arguments.
+
+    ``["--sglang-mem-fraction-static", "0.7", "--sglang-enable-metrics"]`` becomes
+    ``("--mem-fraction-static", "0.7", "--enable-metrics")``; values pass through unchanged, so any
+    SGLang option works without a code change here.
+
+    Raises:
+        ValueError: A flag does not start with ``--sglang-``.
+    """
+    out = []
+    for arg in flags:
+        if arg.startswith("--"):
+            if not arg.startswith(SGLANG_FLAG_PREFIX) or len(arg) == len(SGLANG_FLAG_PREFIX):
+                raise ValueError(f"{arg!r} is not an SGLang pass-through flag: write it as --sglang-<server-option>")
+            arg = "--" + arg[len(SGLANG_FLAG_PREFIX) :]
+        out.append(arg)
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """How rollouts are generated and scored (slime's flag names, dashed, in the messages)."""
+
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt (one GRPO group)."""
+    rollout_max_response_len: int = 1024
+    """Most new tokens per response (SGLang max_new_tokens)."""
+    rollout_temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+    rollout_top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    rollout_top_k: int = -1
+    """Sample from the k most likely tokens; -1 for all."""
+    rollout_stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response besides the model's EOS."""
+    rm_type: str = "math"
+    """Built-in reward: exact_match, numeric_match or math (ignored when custom_rm_path is set)."""
+    custom_rm_path: str | None = None
+    """Reward function by import path 'pkg.module:fn' (takes a Sample, returns a float)."""
+    sglang_host: str = "127.0.0.1"
+    """Address the SGLang servers listen on."""
+    sglang_server_args: tuple[str, ...] = ()
+    """Extra sglang.launch_server arguments, already mapped from --sglang-* (see sglang_server_args())."""
+    sglang_startup_timeout_s: float = 300.0
+    """Longest wait for an SGLang server to become healthy."""
+    sglang_request_timeout_s: float = 600.0
+    """Timeout of one HTTP request to an SGLang server (a whole batched generation)."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("n-samples-per-prompt", self.n_samples_per_prompt, self.n_samples_per_prompt >= 1, ">= 1"),
+            ("rollout-max-response-len", self.rollout_max_response_len, self.rollout_max_response_len >= 1, ">= 1"),
+            ("rollout-temperature", self.rollout_temperature, self.rollout_temperature >= 0, ">= 0"),
+            ("rollout-top-p", self.rollout_top_p, 0 < self.rollout_top_p <= 1, "in (0, 1]"),
+            ("rollout-top-k", self.rollout_top_k, self.rollout_top_k == -1 or self.rollout_top_k >= 1, "-1 or >= 1"),
+            ("sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
+            ("sglang-request-timeout-s", self.sglang_request_timeout_s, self.sglang_request_timeout_s > 0, "> 0"),
+        )
+        for flag, value, ok, requirement in checks:
+            if not ok:
+                raise ValueError(f"--{flag} must be {requirement}, got {value!r}")
+        if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math"):
+            raise ValueError(
+                f"--rm-type must be exact_match, numeric_match or math, got {self.rm_type!r}; "
+                "or give --custom-rm-path pkg.module:fn"
+            )
+        if self.custom_rm_path is not None and ":" not in self.custom_rm_path:
+            raise ValueError(f"--custom-rm-path must look like 'pkg.module:fn', got {self.custom_rm_path!r}")
+
+    def sampling_params(self) -> dict[str, Any]:
+        """SGLang sampling parameters for :meth:`SGLangEngine.generate` (``n`` included)."""
+        params: dict[str, Any] = {
+            "n": self.n_samples_per_prompt,
+            "max_new_tokens": self.rollout_max_response_len,
+            "temperature": self.rollout_temperature,
+            "top_p": self.rollout_top_p,
+            "top_k": self.rollout_top_k,
+        }
+        if self.rollout_stop_token_ids:
+            params["stop_token_ids"] = list(self.rollout_stop_token_ids)
+        return params

@@ -1,0 +1,89 @@
+"""Import-time stand-in for ``sgl_kernel`` in SGLang server processes on a machine without CUDA.
+
+Why: SGLang imports ``sgl_kernel`` (distribution ``sglang-kernel``) unconditionally in many modules, but
+the real package loads ``common_ops`` at import time, which needs ``libcuda.so.1``; without a GPU driver
+the import fails ("libcuda.so.1 ... No module named 'common_ops'") and the server cannot start. On the
+CPU path (``--device cpu --attention-backend torch_native``) none of its kernels is ever called for a
+Qwen2-style model, so a stand-in that only satisfies the imports is enough.
+
+How: tidal-rollout puts THIS directory on the server's ``PYTHONPATH`` only when
+``torch.cuda.is_available()`` is false; Python then runs this file at start-up in the server process
+and in every process it spawns (they inherit the environment). It installs a meta-path finder that
+serves ``sgl_kernel`` and every ``sgl_kernel.*`` submodule. Any attribute of those modules is a
+callable that raises ``NotImplementedError`` naming itself, so an unexpected call fails loudly instead
+of computing garbage. ``tests/test_cpu_stub.py`` fails when upstream changes make this unnecessary.
+
+This file must stay importable with the standard library only: it runs before anything else.
+"""
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+_ROOT = "sgl_kernel"
+_STUB_VERSION = "0.0.0+tidal.cpu.stub"
+# Written once per process to stderr (the server log) when SGLang first imports sgl_kernel, so that a
+# test can tell the stand-in is still in use.
+MARKER = "[tidal cpu_stub] serving sgl_kernel with CPU stand-ins"
+
+
+class _Unavailable:
+    """Stands for one ``sgl_kernel`` attribute: calling it raises, attribute access nests."""
+
+    def __init__(self, qualname):
+        self._qualname = qualname
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{self._qualname} is a CPU stand-in installed by tidal.rollout (no CUDA here); "
+            "this SGLang code path needs the real sgl_kernel on a GPU machine"
+        )
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Unavailable(f"{self._qualname}.{name}")
+
+    def __repr__(self):
+        return f"<tidal CPU stand-in {self._qualname}>"
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Unavailable(f"{self.__name__}.{name}")
+
+
+class _StubLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []  # a package, so that every submodule import also reaches the finder
+        if spec.name == _ROOT:
+            module.__version__ = _STUB_VERSION
+            sys.stderr.write(MARKER + "\n")
+        module.__tidal_cpu_stub__ = True
+        return module
+
+    def exec_module(self, module):
+        return None
+
+
+class SglKernelStubFinder(importlib.abc.MetaPathFinder):
+    """Serves ``sgl_kernel`` and ``sgl_kernel.*`` before the real (CUDA-only) package is found."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        """A stand-in spec for ``sgl_kernel`` and its submodules; None (not ours) for anything else."""
+        if fullname == _ROOT or fullname.startswith(_ROOT + "."):
+            return importlib.machinery.ModuleSpec(fullname, _StubLoader(), is_package=True)
+        return None
+
+
+def install():
+    """Put the finder first on ``sys.meta_path`` (idempotent)."""
+    if not any(isinstance(finder, SglKernelStubFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, SglKernelStubFinder())
+
+
+install()

@@ -1,0 +1,134 @@
+"""From token-id prompts to Samples: batched generation, stop-token checks, rollout metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tidal.rollout.engine import SGLangEngine
+from tidal.rollout.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def model_stop_token_ids(model_path: str | Path) -> set[int]:
+    """EOS token ids an HF checkpoint directory declares (generation_config.json, then config.json)."""
+    found: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        eos = _read_json(Path(model_path) / name).get("eos_token_id")
+        if isinstance(eos, int):
+            found.add(eos)
+        elif isinstance(eos, list):
+            found.update(int(t) for t in eos)
+    return found
+
+
+def check_stop_tokens(model_path: str | Path, stop_token_ids: Sequence[int] = ()) -> set[int]:
+    """Fail before any rollout when generation could only end by length.
+
+    Returns:
+        Every token id that ends a response: the model's EOS ids plus ``stop_token_ids``.
+
+    Raises:
+        ValueError: The checkpoint declares no EOS token and no stop token ids were given.
+    """
+    stops = model_stop_token_ids(model_path) | {int(t) for t in stop_token_ids}
+    if not stops:
+        raise ValueError(
+            f"the model at {model_path} declares no eos_token_id (generation_config.json, config.json) and "
+            "--rollout-stop-token-ids is empty, so every response would run to --rollout-max-response-len; "
+            "set --rollout-stop-token-ids (or --rollout-stop) or add eos_token_id to generation_config.json"
+        )
+    return stops
+
+
+def generate_samples(
+    engine: SGLangEngine,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: Mapping[str, Any],
+    *,
+    labels: Sequence[Any] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[Sample]:
+    """Generate ``n`` responses per prompt in one batched call and wrap them as unscored Samples.
+
+    Args:
+        engine: A running engine.
+        prompts: Token ids of each prompt.
+        sampling_params: As for :meth:`SGLangEngine.generate` (``n`` samples per prompt).
+        labels: Reference answer per prompt, copied to each of its samples.
+        decode: Token ids -> text for ``Sample.response_text`` (e.g. a tokenizer's decode); the ids
+            stay what the engine sampled either way.
+
+    Returns:
+        ``len(prompts) * n`` Samples, prompt-major; ``group_index`` is the prompt's index.
+    """
+    if labels is not None and len(labels) != len(prompts):
+        raise ValueError(f"got {len(labels)} labels for {len(prompts)} prompts")
+    n = int(sampling_params.get("n", 1))
+    outputs = engine.generate(prompts, sampling_params)
+    samples = []
+    for i, out in enumerate(outputs):
+        group = i // n
+        samples.append(
+            Sample(
+                prompt_ids=list(prompts[group]),
+                response_ids=out["output_ids"],
+                response_log_probs=out["output_log_probs"],
+                finish_reason=out["finish_reason"],
+                label=None if labels is None else labels[group],
+                group_index=group,
+                weight_version=out["weight_version"],
+                response_text=decode(out["output_ids"]) if decode is not None else "",
+            )
+        )
+    return samples
+
+
+def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Per-rollout metrics with slash keys: response length, truncated fraction, rewards, reward errors."""
+    if not samples:
+        return {}
+    lengths = [len(s.response_ids) for s in samples]
+    metrics = {
+        "rollout/num_samples": float(len(samples)),
+        "rollout/response_len/mean": statistics.fmean(lengths),
+        "rollout/response_len/max": float(max(lengths)),
+        "rollout/truncated_frac": sum(s.truncated for s in samples) / len(samples),
+        "rollout/aborted_frac": sum(s.finish_reason == "abort" for s in samples) / len(samples),
+    }
+    rewards = [s.reward for s in samples if s.reward is not None]
+    if rewards:
+        metrics["rollout/reward/mean"] = statistics.fmean(rewards)
+        metrics["rollout/reward/std"] = statistics.pstdev(rewards)
+        metrics["rollout/reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+    return metrics
+
+
+def filter_uniform_groups(samples: Sequence[Sample]) -> tuple[list[Sample], int]:
+    """DAPO dynamic filtering: drop every group whose rewards are all equal (no learning signal under GRPO).
+
+    Returns:
+        The kept samples (order preserved) and the number of groups dropped.
+
+    Raises:
+        ValueError: A sample has not been scored.
+    """
+    rewards: dict[int, set[float]] = {}
+    for s in samples:
+        if s.reward is None:
+            raise ValueError(f"filter_uniform_groups needs scored samples; group {s.group_index} has one unscored")
+        rewards.setdefault(s.group_index, set()).add(s.reward)
+    uniform = {group for group, values in rewards.items() if len(values) == 1}
+    return [s for s in samples if s.group_index not in uniform], len(uniform)

@@ -1,0 +1,197 @@
+"""Rule-based rewards and custom reward functions loaded by import path (``pkg.module:fn``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import logging
+import math
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from fractions import Fraction
+from typing import Any, Protocol
+
+from tidal.rollout.types import Sample
+
+logger = logging.getLogger(__name__)
+
+# A number as people write it: sign, thousands separators, decimals, a plain fraction ("3/4").
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+class RewardFn(Protocol):
+    """A reward function: one sample in, a scalar out (or an awaitable of one)."""
+
+    def __call__(self, sample: Sample) -> float | Awaitable[float]:
+        """Score ``sample`` (use ``sample.response_text`` and ``sample.label``)."""
+        ...
+
+
+def _parse_number(text: str) -> Fraction | float | None:
+    text = text.strip().replace(",", "").rstrip(".")
+    if not text:
+        return None
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _same_number(a: Fraction | float, b: Fraction | float) -> bool:
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return a == b
+    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in ``text`` ("1,000", "-2.5", "3/4"), or None."""
+    matches = _NUMBER.findall(text)
+    return matches[-1] if matches else None
+
+
+def extract_boxed(text: str) -> str | None:
+    r"""The content of the last ``\boxed{...}`` (nested braces allowed) or ``\boxed x``, or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    rest = text[start + len("\\boxed") :]
+    if rest.startswith(" "):
+        return rest.strip().split()[0].rstrip("$.") if rest.strip() else None
+    if not rest.startswith("{"):
+        return None
+    depth = 0
+    for i, char in enumerate(rest):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth == 0:
+            return rest[1:i]
+    return None  # unbalanced braces: no answer
+
+
+def normalize_math_answer(answer: str) -> str:
+    r"""Strip LaTeX decoration that does not change a final answer (``$``, ``\text{}``, ``\left``, ...)."""
+    s = answer.strip()
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+    s = re.sub(r"\\frac(\d)(\d)", r"\1/\2", s)
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", "^\\circ", "^{\\circ}", "\\%", "%"):
+        s = s.replace(token, "")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"^\((-?[\d.]+)\)/\((-?[\d.]+)\)$", r"\1/\2", s)  # "(3)/(4)" -> "3/4"
+    return s
+
+
+def exact_match(sample: Sample) -> float:
+    """1.0 when the response equals the label up to surrounding and repeated whitespace, else 0.0."""
+    return float(" ".join(sample.response_text.split()) == " ".join(str(sample.label).split()))
+
+
+def numeric_match(sample: Sample) -> float:
+    """1.0 when the last number in the response equals the label's (last) number, else 0.0."""
+    predicted, expected = last_number(sample.response_text), last_number(str(sample.label))
+    if predicted is None or expected is None:
+        return 0.0
+    a, b = _parse_number(predicted), _parse_number(expected)
+    return float(a is not None and b is not None and _same_number(a, b))
+
+
+def math_answer(sample: Sample) -> float:
+    r"""1.0 when the final answer (last ``\boxed{}``, else the last number) matches the label.
+
+    Answers are compared as numbers when both parse as one (``\frac{1}{2}`` equals ``0.5``), else as
+    normalized LaTeX strings.
+    """
+    response = sample.response_text
+    predicted = extract_boxed(response)
+    if predicted is None:
+        predicted = last_number(response)
+    if predicted is None:
+        return 0.0
+    label = str(sample.label)
+    expected = extract_boxed(label) or label
+    a, b = normalize_math_answer(predicted), normalize_math_answer(expected)
+    na, nb = _parse_number(a), _parse_number(b)
+    if na is not None and nb is not None:
+        return float(_same_number(na, nb))
+    return float(a == b)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "math": math_answer,
+}
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    """Import a reward function given as ``pkg.module:fn``.
+
+    Raises:
+        ValueError: The path is malformed, the module cannot be imported, or the attribute is missing
+            or not callable; the message names the path.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--custom-rm-path must look like 'pkg.module:fn', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--custom-rm-path {path!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"--custom-rm-path {path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"--custom-rm-path {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    """A built-in reward by name (``exact_match``, ``numeric_match``, ``math``) or one by import path."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" in spec:
+        return load_reward_fn(spec)
+    raise ValueError(f"unknown reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or an import path 'pkg.module:fn'")
+
+
+async def _await_all(pending: dict[int, Awaitable[Any]]) -> dict[int, Any]:
+    results = await asyncio.gather(*pending.values(), return_exceptions=True)
+    return dict(zip(pending, results, strict=True))
+
+
+def score_samples(samples: Sequence[Sample], reward_fn: RewardFn | Callable[[Sample], Any]) -> list[Sample]:
+    """Score every sample; a failure marks its own sample (reward 0.0, ``reward_error``) and no other.
+
+    ``reward_fn`` may be sync or async; async calls run concurrently. Call from synchronous code.
+    """
+    outcomes: dict[int, Any] = {}
+    pending: dict[int, Awaitable[Any]] = {}
+    for i, sample in enumerate(samples):
+        try:
+            result = reward_fn(sample)
+        except Exception as e:  # one bad sample must not lose the batch
+            outcomes[i] = e
+            continue
+        if inspect.isawaitable(result):
+            pending[i] = result
+        else:
+            outcomes[i] = result
+    if pending:
+        outcomes.update(asyncio.run(_await_all(pending)))
+    scored = []
+    for i, sample in enumerate(samples):
+        outcome = outcomes[i]
+        if isinstance(outcome, BaseException) or not isinstance(outcome, int | float):
+            error = repr(outcome) if isinstance(outcome, BaseException) else f"returned {outcome!r}, not a number"
+            logger.warning("reward failed for sample %d (group %d): %s", i, sample.group_index, error)
+            scored.append(dataclasses.replace(sample, reward=0.0, reward_error=error))
+        else:
+            scored.append(dataclasses.replace(sample, reward=float(outcome), reward_error=None))
+    return scored

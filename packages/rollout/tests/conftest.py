@@ -1,0 +1,110 @@
+"""Session fixtures: a tiny random Qwen2 checkpoint and one real SGLang server on it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from tidal.rollout import SGLangEngine
+
+# Words the tokenizer knows; prompts in the tests are built from them.
+CORPUS = [
+    "the answer is 0 1 2 3 4 5 6 7 8 9",
+    "what is two plus two ? four",
+    "a b c d e f g h i j k l m n o p",
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "stops_sglang_server: stops the session's SGLang server; run after the rest")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that stop the shared server run last, so that nothing after them pays for a restart.
+    items.sort(key=lambda item: item.get_closest_marker("stops_sglang_server") is not None)
+
+
+def build_tiny_qwen2(out_dir: Path, *, seed: int) -> Path:
+    """A word-level tokenizer trained on CORPUS and a random 2-layer Qwen2, saved in the HF layout."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<eos>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.save_pretrained(out_dir)
+    config = Qwen2Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    # A wider init than the default 0.02 so that the next-token distribution is far from uniform
+    # and different weights give clearly different greedy outputs.
+    config.initializer_range = 0.5
+    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(out_dir)
+    generation_config = {"eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config))
+    return out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> Callable[[], int]:
+    """A function returning a currently unused TCP port on 127.0.0.1."""
+    return free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_a"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture and tokenizer as tiny_model_dir, different weights."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_b"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def _sglang_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangEngine]:
+    logging.getLogger("tidal").setLevel(logging.INFO)
+    engine = SGLangEngine(
+        tiny_model_dir,
+        port=free_port(),
+        log_dir=tmp_path_factory.mktemp("sglang_logs"),
+        # SGLang serves a float32 checkpoint in float16 unless told; float32 lets the tests compare
+        # its log-probs with transformers' to 1e-3.
+        extra_server_args=["--dtype", "float32"],
+        startup_timeout_s=600,
+    )
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def sglang_server(_sglang_engine: SGLangEngine) -> SGLangEngine:
+    """The session's real SGLang server on tiny_model_dir; restarted if a test stopped it."""
+    if not _sglang_engine.is_running():
+        _sglang_engine.start()
+    return _sglang_engine

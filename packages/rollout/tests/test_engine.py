@@ -1,0 +1,173 @@
+"""SGLangEngine against a real SGLang server on CPU (one per session, see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tidal.rollout import CPU_SERVER_ARGS, RolloutError, SGLangEngine
+
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+
+
+def _procs() -> list[tuple[int, int, int]]:
+    """(pid, ppid, pgid) of every live process, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if fields[0] != "Z":
+            out.append((int(entry), int(fields[1]), int(fields[2])))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    procs = _procs()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, ppid, _ in procs if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_command_on_cpu_adds_cpu_flags_and_lets_extra_args_win(tmp_path: Path) -> None:
+    engine = SGLangEngine(
+        "/m", port=1234, nccl_port=1235, log_dir=tmp_path, extra_server_args=["--max-total-tokens", "2048"], cpu=True
+    )
+    cmd = engine.command()
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--nccl-port") + 1] == "1235"
+    for flag in CPU_SERVER_ARGS:
+        assert flag[0] in cmd
+    assert cmd.count("--max-total-tokens") == 1
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "2048"
+    gpu_cmd = SGLangEngine("/m", port=1234, log_dir=tmp_path, cpu=False).command()
+    assert "--device" not in gpu_cmd and "--nccl-port" not in gpu_cmd
+
+
+def test_non_loopback_host_needs_an_api_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="set --sglang-api-key"):
+        SGLangEngine("/m", host="0.0.0.0", port=1234, log_dir=tmp_path)
+    engine = SGLangEngine("/m", host="0.0.0.0", port=1234, log_dir=tmp_path, api_key="k3y", cpu=True)
+    cmd = engine.command()
+    assert cmd[cmd.index("--api-key") + 1] == "k3y"
+
+
+def test_server_on_cpu_runs_with_the_sgl_kernel_stand_in(sglang_server: SGLangEngine) -> None:
+    if not sglang_server.cpu:
+        pytest.skip("CUDA present: the real sgl_kernel is used")
+    # SGLang still imports sgl_kernel on the CPU path (else the stand-in could go), and got ours.
+    assert "[tidal cpu_stub] serving sgl_kernel" in sglang_server.log_path.read_text(errors="replace")
+    assert sglang_server.get_model_info()["is_generation"] is True
+
+
+def test_generate_returns_sampled_tokens_with_their_log_probs(sglang_server: SGLangEngine, tiny_model_dir) -> None:
+    from transformers import Qwen2ForCausalLM
+
+    params = {"n": 3, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    outputs = sglang_server.generate(PROMPTS, params)
+    assert len(outputs) == len(PROMPTS) * 3
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    for out in outputs:
+        assert 1 <= len(out["output_ids"]) <= 8
+        assert len(out["output_log_probs"]) == len(out["output_ids"])
+        assert all(lp <= 0.0 for lp in out["output_log_probs"])
+        assert all(0 <= t < vocab for t in out["output_ids"])
+        assert out["finish_reason"] in ("stop", "length")
+        assert out["weight_version"] is not None
+    # The log-probs are those of the sampled tokens under the served weights: recompute them with HF.
+    model = Qwen2ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for i, out in enumerate(outputs):
+        prompt = PROMPTS[i // 3]  # prompt-major: the 3 samples of prompt 0 come first
+        tokens = torch.tensor([prompt + out["output_ids"]])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(tokens).logits[0].float(), dim=-1)
+        positions = torch.arange(len(prompt) - 1, tokens.shape[1] - 1)
+        expected = log_probs[positions, tokens[0, len(prompt) :]]
+        torch.testing.assert_close(torch.tensor(out["output_log_probs"]), expected, atol=2e-3, rtol=0)
+
+
+def test_max_new_tokens_truncates_with_finish_reason_length(sglang_server: SGLangEngine) -> None:
+    outputs = sglang_server.generate(PROMPTS, {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True})
+    assert [out["finish_reason"] for out in outputs] == ["length"] * len(PROMPTS)
+    assert all(len(out["output_ids"]) == 3 for out in outputs)
+
+
+def test_stop_token_ends_generation_and_is_kept(sglang_server: SGLangEngine, tiny_model_dir) -> None:
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    stop_ids = list(range(3, vocab))  # every ordinary token stops: the first one sampled ends the response
+    outputs = sglang_server.generate(PROMPTS, {"max_new_tokens": 8, "temperature": 1.0, "stop_token_ids": stop_ids})
+    for out in outputs:
+        assert out["finish_reason"] == "stop"
+        assert len(out["output_ids"]) == 1
+        assert out["output_ids"][0] in stop_ids or out["output_ids"][0] == 2  # a stop id or the model's EOS
+
+
+def test_update_weights_from_disk_changes_greedy_outputs(
+    sglang_server: SGLangEngine, tiny_model_dir: Path, other_model_dir: Path
+) -> None:
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    before = [out["output_ids"] for out in sglang_server.generate(PROMPTS, greedy)]
+    assert [out["output_ids"] for out in sglang_server.generate(PROMPTS, greedy)] == before  # greedy is repeatable
+    try:
+        sglang_server.update_weights_from_disk(other_model_dir, weight_version="v1")
+        assert sglang_server.get_model_info()["weight_version"] == "v1"
+        after = sglang_server.generate(PROMPTS, greedy)
+        assert [out["output_ids"] for out in after] != before
+        assert {out["weight_version"] for out in after} == {"v1"}
+    finally:
+        sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="v2")
+    sglang_server.flush_cache()
+    assert [out["output_ids"] for out in sglang_server.generate(PROMPTS, greedy)] == before
+
+
+def test_update_weights_from_missing_dir_raises_with_server_message(sglang_server: SGLangEngine, tmp_path) -> None:
+    with pytest.raises(RolloutError, match="refused update_weights_from_disk"):
+        sglang_server.update_weights_from_disk(tmp_path / "no_such_checkpoint")
+    assert sglang_server.generate([[3, 4]], {"max_new_tokens": 2})[0]["output_ids"]  # still serving
+
+
+def test_bad_model_fails_fast_with_log_tail_and_leaves_no_process(tmp_path: Path, free_port) -> None:
+    bad = tmp_path / "bad_model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    engine = SGLangEngine(bad, port=free_port(), log_dir=tmp_path / "logs", startup_timeout_s=300)
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match="exited with code") as info:
+        engine.start()
+    assert time.monotonic() - start < 200
+    assert "last" in str(info.value) and "lines of" in str(info.value)
+    assert "no_such_architecture" in str(info.value)  # the server's own complaint, from its log
+    assert engine.pid is None and not engine.is_running()
+
+
+def test_startup_timeout_raises_and_kills_the_server(tiny_model_dir: Path, tmp_path: Path, free_port) -> None:
+    engine = SGLangEngine(tiny_model_dir, port=free_port(), log_dir=tmp_path, startup_timeout_s=1.0)
+    engine.start(wait=False)
+    pgid = engine.pid
+    with pytest.raises(RolloutError, match="not healthy after 1 s"):
+        engine.wait_healthy()
+    assert not [p for p, _, g in _procs() if g == pgid]
+
+
+@pytest.mark.stops_sglang_server
+def test_shutdown_leaves_no_process(sglang_server: SGLangEngine) -> None:
+    pid = sglang_server.pid
+    assert pid is not None
+    children = _descendants(pid)
+    assert children, "SGLang runs its scheduler and detokenizer as child processes"
+    sglang_server.shutdown()
+    live = {p for p, _, _ in _procs()}
+    assert not ({pid} | children) & live
+    assert not [p for p, _, g in _procs() if g == pid]
+    sglang_server.shutdown()  # idempotent

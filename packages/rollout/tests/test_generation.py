@@ -1,0 +1,85 @@
+"""generate_samples, stop-token checks and rollout metrics, on the session's real SGLang server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tidal.rollout import Sample, SGLangEngine, numeric_match, score_samples
+from tidal.rollout.generation import check_stop_tokens, filter_uniform_groups, generate_samples, rollout_metrics
+from transformers import AutoTokenizer
+
+
+def test_generate_samples_groups_responses_and_keeps_sampled_ids(
+    sglang_server: SGLangEngine, tiny_model_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tokenizer.encode("what is two plus two ?"), tokenizer.encode("the answer is")]
+    params = {"n": 4, "max_new_tokens": 6, "temperature": 1.0}
+    samples = generate_samples(sglang_server, prompts, params, labels=["4", "7"], decode=tokenizer.decode)
+    assert len(samples) == 8
+    assert [s.group_index for s in samples] == [0] * 4 + [1] * 4
+    assert [s.label for s in samples] == ["4"] * 4 + ["7"] * 4
+    for s in samples:
+        assert list(s.prompt_ids) == prompts[s.group_index]
+        assert len(s.response_log_probs) == len(s.response_ids) >= 1
+        assert s.response_text == tokenizer.decode(s.response_ids)
+        assert s.weight_version is not None
+    scored = score_samples(samples, numeric_match)
+    metrics = rollout_metrics(scored)
+    assert metrics["rollout/num_samples"] == 8.0
+    assert 0.0 <= metrics["rollout/truncated_frac"] <= 1.0
+    assert metrics["rollout/truncated_frac"] == sum(s.finish_reason == "length" for s in samples) / 8
+    assert metrics["rollout/reward/mean"] == sum(s.reward for s in scored) / 8
+    assert metrics["rollout/reward_errors"] == 0.0
+
+
+def test_rollout_metrics_count_truncation_and_reward_errors() -> None:
+    def sample(finish_reason: str, reward: float, error: str | None) -> Sample:
+        return Sample(
+            prompt_ids=[1],
+            response_ids=[2, 3],
+            response_log_probs=[-1.0, -1.0],
+            finish_reason=finish_reason,
+            reward=reward,
+            reward_error=error,
+        )
+
+    samples = [sample("length", 1.0, None), sample("stop", 0.0, "boom"), sample("stop", 1.0, None)]
+    samples.append(sample("length", 0.0, None))
+    metrics = rollout_metrics(samples)
+    assert metrics["rollout/truncated_frac"] == 0.5
+    assert metrics["rollout/reward/mean"] == 0.5
+    assert metrics["rollout/reward_errors"] == 1.0
+    assert metrics["rollout/response_len/mean"] == 2.0
+    assert rollout_metrics([]) == {}
+
+
+def test_check_stop_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
+    eos = json.loads((tiny_model_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert check_stop_tokens(tiny_model_dir) == {eos}
+    assert check_stop_tokens(tiny_model_dir, [5]) == {eos, 5}
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ValueError, match="set --rollout-stop-token-ids"):
+        check_stop_tokens(tmp_path)
+    assert check_stop_tokens(tmp_path, [7]) == {7}
+
+
+def test_filter_uniform_groups_drops_groups_without_signal() -> None:
+    def sample(group: int, reward: float | None) -> Sample:
+        return Sample(
+            prompt_ids=[1],
+            response_ids=[2],
+            response_log_probs=[-1.0],
+            finish_reason="stop",
+            reward=reward,
+            group_index=group,
+        )
+
+    samples = [sample(0, 1.0), sample(0, 1.0), sample(1, 0.0), sample(1, 1.0), sample(2, 0.0), sample(2, 0.0)]
+    kept, dropped = filter_uniform_groups(samples)
+    assert dropped == 2
+    assert kept == samples[2:4]
+    with pytest.raises(ValueError, match="needs scored samples"):
+        filter_uniform_groups([sample(0, None)])

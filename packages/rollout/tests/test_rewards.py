@@ -1,0 +1,160 @@
+"""Rule-based rewards, custom reward functions by import path, and per-sample error isolation."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+from tidal.rollout import (
+    Sample,
+    exact_match,
+    extract_boxed,
+    last_number,
+    load_reward_fn,
+    math_answer,
+    numeric_match,
+    resolve_reward_fn,
+    score_samples,
+)
+
+
+def _sample(text: str, label: object, group: int = 0) -> Sample:
+    return Sample(
+        prompt_ids=[1, 2],
+        response_ids=[3],
+        response_log_probs=[-0.5],
+        finish_reason="stop",
+        label=label,
+        response_text=text,
+        group_index=group,
+    )
+
+
+def test_sample_pairs_tokens_with_log_probs_and_builds_the_training_sequence() -> None:
+    s = _sample("x", "y")
+    assert s.tokens == [1, 2, 3]
+    assert s.loss_mask == [0, 0, 1]
+    assert not s.truncated
+    with pytest.raises(ValueError, match="response_log_probs has 2 entries for 1 response tokens"):
+        Sample(prompt_ids=[1], response_ids=[3], response_log_probs=[-1.0, -2.0], finish_reason="stop")
+
+
+@pytest.mark.parametrize(
+    ("text", "label", "expected"),
+    [("four", "four", 1.0), ("  four\n", "four", 1.0), ("a  b", "a b", 1.0), ("Four", "four", 0.0), ("", "x", 0.0)],
+)
+def test_exact_match(text: str, label: str, expected: float) -> None:
+    assert exact_match(_sample(text, label)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "label", "expected"),
+    [
+        ("2 + 2 = 4", "4", 1.0),
+        ("first 3, then 5", "5", 1.0),
+        ("first 5, then 3", "5", 0.0),
+        ("the total is 1,000.", "1000", 1.0),
+        ("it is -2.50", "-2.5", 1.0),
+        ("half: 1/2", "0.5", 1.0),
+        ("#### 72", "The answer is 72", 1.0),
+        ("no number here", "4", 0.0),
+        ("4", "not a number", 0.0),
+    ],
+)
+def test_numeric_match_compares_the_last_number(text: str, label: str, expected: float) -> None:
+    assert numeric_match(_sample(text, label)) == expected
+
+
+def test_last_number_and_boxed_extraction() -> None:
+    assert last_number("a 1 b 22 c") == "22"
+    assert last_number("none") is None
+    assert extract_boxed(r"so \boxed{\frac{1}{2}} and finally \boxed{x^{2}}") == "x^{2}"
+    assert extract_boxed(r"\boxed 7") == "7"
+    assert extract_boxed(r"\boxed{unclosed") is None
+    assert extract_boxed("plain") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "label", "expected"),
+    [
+        (r"Thus \boxed{12}.", "12", 1.0),
+        (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+        (r"\boxed{\dfrac{3}{4}}", r"\frac34", 1.0),
+        (r"\boxed{$10\%$}", "10", 1.0),
+        (r"\boxed{\text{(B)}}", "(B)", 1.0),
+        (r"\boxed{x^{2}+1}", "x^2+1", 0.0),  # no symbolic algebra: different strings differ
+        (r"\boxed{x^{2}+1}", "x^{2} + 1", 1.0),
+        ("the answer is 7", "7", 1.0),  # no box: falls back to the last number
+        (r"\boxed{13}", "12", 0.0),
+        ("no answer", "12", 0.0),
+    ],
+)
+def test_math_answer(text: str, label: str, expected: float) -> None:
+    assert math_answer(_sample(text, label)) == expected
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            import asyncio
+
+            def length_reward(sample):
+                return float(len(sample.response_text))
+
+            async def async_reward(sample):
+                await asyncio.sleep(0)
+                return 2.0
+
+            def flaky(sample):
+                if sample.label == "boom":
+                    raise RuntimeError("judge unavailable")
+                return 1.0
+
+            NOT_CALLABLE = 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_rewards"
+    sys.modules.pop("my_rewards", None)
+
+
+def test_custom_reward_by_import_path(reward_module: str) -> None:
+    fn = load_reward_fn(f"{reward_module}:length_reward")
+    assert fn(_sample("abc", None)) == 3.0
+    assert resolve_reward_fn(f"{reward_module}:length_reward") is fn
+    assert resolve_reward_fn("math") is math_answer
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("no_colon", "must look like 'pkg.module:fn'"),
+        ("no_such_module_xyz:fn", "'no_such_module_xyz:fn': cannot import module 'no_such_module_xyz'"),
+        ("my_rewards:missing", "'my_rewards:missing': module 'my_rewards' has no attribute 'missing'"),
+        ("my_rewards:NOT_CALLABLE", "'my_rewards:NOT_CALLABLE': 'NOT_CALLABLE' is a int, not a function"),
+    ],
+)
+def test_bad_reward_path_errors_name_the_path(reward_module: str, path: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_reward_fn(path)
+
+
+def test_unknown_reward_name_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown reward 'f1': use one of \['exact_match', 'math', 'numeric_match'\]"):
+        resolve_reward_fn("f1")
+
+
+def test_score_samples_isolates_failures_and_runs_async_functions(reward_module: str) -> None:
+    samples = [_sample("a", "ok", 0), _sample("b", "boom", 1), _sample("c", "ok", 2)]
+    scored = score_samples(samples, load_reward_fn(f"{reward_module}:flaky"))
+    assert [s.reward for s in scored] == [1.0, 0.0, 1.0]
+    assert scored[1].reward_error is not None and "judge unavailable" in scored[1].reward_error
+    assert scored[0].reward_error is None and scored[0].response_text == "a"
+    assert samples[0].reward is None  # inputs are not mutated
+    assert [s.reward for s in score_samples(samples, load_reward_fn(f"{reward_module}:async_reward"))] == [2.0] * 3
+    bad = score_samples(samples[:1], lambda s: "high")
+    assert bad[0].reward == 0.0 and "not a number" in bad[0].reward_error
