@@ -1,1 +1,66 @@
-"""tidal.actor."""
+"""tidal.actor: Megatron-core policy model built from an HF checkpoint, packed log-probs, RL losses, train step.
+
+Config and errors import eagerly (standard library only); the rest loads on first access, so that
+command-line validation answers before heavy dependencies are imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+# Patch 1 of compat.py, here because it must precede the first megatron-core import, and every tidal.actor
+# submodule import runs this file first: sglang ships a flash_mla wheel whose import raises OSError without
+# libcuda, which megatron-core does not catch; None makes it an ImportError.
+sys.modules.setdefault("flash_mla", None)
+
+from tidal.actor.config import ActorConfig  # noqa: E402
+from tidal.actor.errors import ActorError  # noqa: E402
+
+if TYPE_CHECKING:
+    from tidal.actor.actor import Actor
+    from tidal.actor.compat import apply_cpu_compat
+    from tidal.actor.distributed import destroy_distributed, init_distributed
+    from tidal.actor.hf_config import HFModelSpec, read_hf_config
+    from tidal.actor.loss import grpo_advantages, kl_penalty, ppo_clip_loss
+
+_LAZY = {
+    "Actor": "actor",
+    "apply_cpu_compat": "compat",
+    "destroy_distributed": "distributed",
+    "init_distributed": "distributed",
+    "HFModelSpec": "hf_config",
+    "read_hf_config": "hf_config",
+    "grpo_advantages": "loss",
+    "kl_penalty": "loss",
+    "ppo_clip_loss": "loss",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [
+    "Actor",
+    "ActorConfig",
+    "ActorError",
+    "HFModelSpec",
+    "apply_cpu_compat",
+    "destroy_distributed",
+    "grpo_advantages",
+    "init_distributed",
+    "kl_penalty",
+    "ppo_clip_loss",
+    "read_hf_config",
+]

@@ -1,17 +1,55 @@
-"""tidal.placement: Ray resource plans, ordered placement groups, conflict-free ports, and Ray lifecycle."""
+"""tidal.placement: Ray resource plans, ordered placement groups, conflict-free ports, and Ray lifecycle.
+
+Config and errors import eagerly (standard library only); the rest loads on first access, so that
+command-line validation answers before heavy dependencies are imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from tidal.placement.config import PlacementConfig, parse_ray_env
 from tidal.placement.errors import PlacementError, ResourceShortageError
-from tidal.placement.groups import (
-    BundleInfo,
-    Placement,
-    Rendezvous,
-    create_placement,
-    wait_for_placement_group,
-)
-from tidal.placement.lifecycle import ray_session, read_cluster, runtime_env, shutdown_ray, start_ray
-from tidal.placement.plan import NodeResources, ResourcePlan, check_resources
-from tidal.placement.ports import EnginePorts, PortAllocator, allocate_ports
+
+if TYPE_CHECKING:
+    from tidal.placement.groups import BundleInfo, Placement, Rendezvous, create_placement, wait_for_placement_group
+    from tidal.placement.lifecycle import ray_session, read_cluster, runtime_env, shutdown_ray, start_ray
+    from tidal.placement.plan import NodeResources, ResourcePlan, check_resources
+    from tidal.placement.ports import EnginePorts, PortAllocator, allocate_ports
+
+_LAZY = {
+    "BundleInfo": "groups",
+    "Placement": "groups",
+    "Rendezvous": "groups",
+    "create_placement": "groups",
+    "wait_for_placement_group": "groups",
+    "ray_session": "lifecycle",
+    "read_cluster": "lifecycle",
+    "runtime_env": "lifecycle",
+    "shutdown_ray": "lifecycle",
+    "start_ray": "lifecycle",
+    "NodeResources": "plan",
+    "ResourcePlan": "plan",
+    "check_resources": "plan",
+    "EnginePorts": "ports",
+    "PortAllocator": "ports",
+    "allocate_ports": "ports",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BundleInfo",

@@ -1,0 +1,180 @@
+"""Core attention over packed (THD) sequences, for Megatron's local layer spec.
+
+Megatron's local ``DotProductAttention`` refuses ``packed_seq_params`` (it points at Transformer
+Engine). ``PackedCoreAttention`` takes its place in the layer spec: the attention module hands it
+``query [T, heads, dim]`` and ``key/value [T, groups, dim]`` plus ``PackedSeqParams`` with
+``cu_seqlens``; each segment attends causally to itself only.
+
+* CUDA with fp16/bf16 inputs or under bf16/fp16 autocast: ``torch.nn.attention.varlen.varlen_attn``
+  (FlashAttention varlen);
+  it has no ``is_causal``, causal is ``window_size=(-1, 0)``.
+* Otherwise (CPU, or fp32 on CUDA): causal ``scaled_dot_product_attention`` per segment.
+
+Both give the same numbers as attending to each sequence unpacked (tested).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _varlen_attn_supports_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def packed_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention within each packed segment.
+
+    Args:
+        query: ``[T, heads, dim]``.
+        key: ``[T, groups, dim]`` with ``heads % groups == 0`` (grouped-query attention).
+        value: ``[T, groups, dim]``.
+        cu_seqlens: int32 ``[segments + 1]`` segment boundaries, ``cu_seqlens[-1] == T``.
+        max_seqlen: the longest segment.
+        scale: softmax scale (usually ``dim ** -0.5``).
+
+    Returns:
+        ``[T, heads, dim]``, the attention output for every token.
+    """
+    num_heads, num_groups = query.size(1), key.size(1)
+    dtype = query.dtype
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):
+        # RoPE multiplies by fp32 tables, so q/k arrive in fp32 even under bf16 autocast.
+        dtype = torch.get_autocast_dtype("cuda")
+    if query.is_cuda and dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+
+        cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+        kwargs = {}
+        if num_heads != num_groups:
+            if _varlen_attn_supports_gqa():
+                kwargs["enable_gqa"] = True
+            else:
+                key = key.repeat_interleave(num_heads // num_groups, dim=1)
+                value = value.repeat_interleave(num_heads // num_groups, dim=1)
+        return varlen_attn(
+            query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **kwargs
+        )
+    outputs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        if end == start:
+            continue
+        # [len, h, d] -> [h, len, d] for SDPA
+        q = query[start:end].transpose(0, 1)
+        k = key[start:end].transpose(0, 1)
+        v = value[start:end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_groups)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs, dim=0)
+
+
+class PackedCoreAttention(MegatronModule):
+    """Drop-in replacement for Megatron's ``DotProductAttention`` that accepts THD packed sequences.
+
+    The constructor takes the arguments Megatron's ``SelfAttention`` passes to its
+    ``core_attention`` submodule. Only causal self-attention without dropout, softmax offsets or
+    sliding windows is supported; anything else raises ``ValueError`` at construction.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        del attention_type, cp_comm_type
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"PackedCoreAttention supports context_parallel_size 1 only, got {config.context_parallel_size}"
+            )
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout != 0.0:
+            raise ValueError(f"PackedCoreAttention has no attention dropout; set attention_dropout=0, got {dropout}")
+        if config.window_size is not None or config.softmax_type != "vanilla":
+            raise ValueError("PackedCoreAttention supports plain causal softmax attention only (no window/offset)")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"PackedCoreAttention is causal only, got attn_mask_type={attn_mask_type}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.head_dim = config.kv_channels
+        self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """Attend within each packed segment; returns ``[T, heads * dim]`` (THD) or ``[S, B, heads * dim]``."""
+        del attention_mask, attn_mask_type
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not support attention_bias")
+        if packed_seq_params is None:
+            # SBHD: [S, B, h, d]; treat each batch row as one segment.
+            seq_len, batch = query.shape[:2]
+            out = [
+                packed_causal_attention(
+                    query[:, b],
+                    key[:, b],
+                    value[:, b],
+                    torch.tensor([0, seq_len], dtype=torch.int32),
+                    seq_len,
+                    scale=self.softmax_scale,
+                )
+                for b in range(batch)
+            ]
+            return torch.stack(out, dim=1).reshape(seq_len, batch, -1)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"PackedCoreAttention expects qkv_format 'thd', got {packed_seq_params.qkv_format!r}")
+        out = packed_causal_attention(
+            query,
+            key,
+            value,
+            packed_seq_params.cu_seqlens_q,
+            int(packed_seq_params.max_seqlen_q),
+            scale=self.softmax_scale,
+        )
+        return out.reshape(out.size(0), -1)

@@ -1,0 +1,276 @@
+"""HF <-> Megatron bridge: build a GPTModel for an HF checkpoint, load its weights, export them back.
+
+Layout facts (megatron-core 0.19, local spec):
+
+* ``linear_qkv`` is column-parallel and interleaved per query group: for each KV group ``g`` the
+  rows are ``[q heads of g (heads_per_group * d), k_g (d), v_g (d)]``; TP rank ``r`` holds the
+  groups ``[r * G/tp, (r + 1) * G/tp)``. The QKV bias follows the same layout.
+* ``linear_fc1`` is column-parallel with the gated unit stacked per rank: ``[gate_r; up_r]``.
+* ``linear_proj`` and ``linear_fc2`` are row-parallel (split on the input dim); the embedding and
+  LM head are vocab-parallel (split on dim 0); norms are replicated.
+
+HF safetensors are read with ``safetensors.safe_open`` directly (random access by name, one tensor
+at a time) because QKV and gate/up merging needs several HF tensors per Megatron parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from safetensors import safe_open
+from tidal.actor.attention import PackedCoreAttention
+from tidal.actor.hf_config import HFModelSpec
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+# HF tensors that carry no weights (older checkpoints save RoPE buffers).
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def build_gpt_model(spec: HFModelSpec, config: TransformerConfig) -> GPTModel:
+    """A GPTModel with Megatron's local layer spec and tidal's packed core attention."""
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    layer_spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+    )
+
+
+def enable_layer_recompute(model: GPTModel) -> None:
+    """Recompute every transformer layer during backward instead of keeping its activations.
+
+    Uses ``torch.utils.checkpoint`` (non-reentrant) per layer rather than Megatron's
+    ``recompute_granularity="full"``: Megatron's ``CheckpointFunction`` does not restore the autocast
+    state, so under bf16 autocast its recomputation ran in fp32 (3.5x slower on an H200, and not the
+    forward that produced the loss). The layers have no dropout, so no RNG state needs replaying.
+    """
+    for layer in model.decoder.layers:
+        forward = layer.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+
+
+@dataclass(frozen=True, slots=True)
+class _Mapping:
+    """One Megatron parameter and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str  # "replicated" | "column" | "row" | "qkv" | "glu"
+
+
+def weight_mappings(spec: HFModelSpec) -> list[_Mapping]:
+    """Every Megatron parameter of the model and its HF source tensors, in HF order."""
+    maps = [_Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "column")]
+    for i in range(spec.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        maps.append(_Mapping(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"))
+        maps.append(
+            _Mapping(
+                mg + "self_attention.linear_qkv.weight",
+                tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
+                "qkv",
+            )
+        )
+        if spec.qkv_bias:
+            maps.append(
+                _Mapping(mg + "self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv")
+            )
+        if spec.qk_norm:
+            maps.append(_Mapping(mg + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"))
+            maps.append(_Mapping(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
+        maps.append(_Mapping(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
+        maps.append(_Mapping(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"))
+        maps.append(
+            _Mapping(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "glu")
+        )
+        maps.append(_Mapping(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "row"))
+    maps.append(_Mapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+    if not spec.tie_word_embeddings:
+        maps.append(_Mapping("output_layer.weight", ("lm_head.weight",), "column"))
+    return maps
+
+
+def expected_hf_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
+    """The full (unsharded) shape of every HF tensor the model needs."""
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_out, h),
+            p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h),
+            p + "self_attn.o_proj.weight": (h, q_out),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if spec.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,)}
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        if spec.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def _to_local(m: _Mapping, full: list[torch.Tensor], spec: HFModelSpec, rank: int, size: int) -> torch.Tensor:
+    """Megatron's local shard of one parameter from its full HF tensors."""
+    if m.kind == "replicated":
+        return full[0]
+    if m.kind == "column":
+        return full[0].chunk(size, dim=0)[rank]
+    if m.kind == "row":
+        return full[0].chunk(size, dim=1)[rank]
+    if m.kind == "glu":
+        gate, up = (t.chunk(size, dim=0)[rank] for t in full)
+        return torch.cat([gate, up], dim=0)
+    groups, d = spec.num_key_value_heads, spec.head_dim
+    q, k, v = full
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, d, *rest)  # [G, heads_per_group, d, ...]
+    qkv = torch.cat([q, k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest)], dim=1)
+    return qkv.chunk(size, dim=0)[rank].reshape(-1, *rest)
+
+
+def _to_hf(m: _Mapping, gathered: list[torch.Tensor], spec: HFModelSpec) -> list[torch.Tensor]:
+    """Full HF tensors from the TP shards of one parameter (rank order)."""
+    if m.kind == "replicated":
+        return [gathered[0]]
+    if m.kind == "column":
+        return [torch.cat(gathered, dim=0)]
+    if m.kind == "row":
+        return [torch.cat(gathered, dim=1)]
+    if m.kind == "glu":
+        halves = [t.chunk(2, dim=0) for t in gathered]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    groups, d = spec.num_key_value_heads, spec.head_dim
+    full = torch.cat(gathered, dim=0)
+    rest = full.shape[1:]
+    qkv = full.reshape(groups, -1, d, *rest)
+    q = qkv[:, :-2].reshape(-1, *rest)
+    return [q, qkv[:, -2].reshape(-1, *rest), qkv[:, -1].reshape(-1, *rest)]
+
+
+class HFSafetensorsReader:
+    """Random access by name to the tensors of an HF safetensors checkpoint (one or many shards)."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self._files: dict[str, Path] = {}
+        files = sorted(Path(hf_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in HF checkpoint dir {hf_dir}")
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    self._files[name] = path
+
+    def names(self) -> set[str]:
+        """All tensor names in the checkpoint."""
+        return set(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Load one tensor (on CPU)."""
+        with safe_open(self._files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _check_hf_names(spec: HFModelSpec, available: set[str]) -> None:
+    expected = set(expected_hf_shapes(spec))
+    missing = sorted(expected - available)
+    extra = sorted(
+        n
+        for n in available - expected
+        if not n.endswith(_IGNORED_HF_SUFFIXES) and not (spec.tie_word_embeddings and n == "lm_head.weight")
+    )
+    if missing or extra:
+        raise ValueError(
+            f"HF checkpoint does not match its config ({spec.model_type}, {spec.num_layers} layers): "
+            f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected tensors {extra[:8]}{'...' if len(extra) > 8 else ''}"
+        )
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path) -> None:
+    """Copy an HF checkpoint's weights into this rank's shards of ``model``.
+
+    Raises:
+        ValueError: a tensor is missing, unexpected or has the wrong shape (the message names it).
+    """
+    reader = HFSafetensorsReader(hf_dir)
+    _check_hf_names(spec, reader.names())
+    shapes = expected_hf_shapes(spec)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    params = dict(model.named_parameters())
+    for m in weight_mappings(spec):
+        full = []
+        for name in m.hf:
+            tensor = reader.get(name)
+            if tuple(tensor.shape) != shapes[name]:
+                raise ValueError(
+                    f"HF tensor {name} has shape {tuple(tensor.shape)}, expected {shapes[name]} from config.json"
+                )
+            full.append(tensor)
+        param = params.pop(m.megatron, None)
+        if param is None:
+            raise ValueError(f"Megatron model has no parameter {m.megatron} (for HF {', '.join(m.hf)})")
+        local = _to_local(m, full, spec, rank, size)
+        if local.shape != param.shape:
+            raise ValueError(f"{m.megatron}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
+        param.copy_(local)
+    if params:
+        raise ValueError(f"Megatron parameters with no HF source: {sorted(params)}")
+    logger.info("loaded %d HF tensors from %s (tp rank %d/%d)", len(shapes), hf_dir, rank, size)
+
+
+@torch.no_grad()
+def named_hf_tensors(model: GPTModel, spec: HFModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor on CPU)`` for every HF tensor, gathering TP shards.
+
+    Every TP rank must iterate (the gather is collective); every rank receives the full tensors.
+    """
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    params = dict(model.named_parameters())
+    for m in weight_mappings(spec):
+        local = params[m.megatron].detach()
+        if m.kind == "replicated" or size == 1:
+            gathered = [local]
+        else:
+            gathered = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(gathered, local.contiguous(), group=group)
+        for name, tensor in zip(m.hf, _to_hf(m, gathered, spec), strict=True):
+            yield name, tensor.to("cpu").contiguous()

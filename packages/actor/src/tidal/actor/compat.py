@@ -1,0 +1,117 @@
+"""Compatibility layer that lets megatron-core 0.19 build and train a GPTModel without a GPU.
+
+Every patch tidal applies to third-party code lives in this module, and each one was shown
+necessary by switching it off (see ``tests/test_compat.py``, which fails when an upgrade makes a
+patch wrong or unnecessary):
+
+1. ``flash_mla`` (always, even with CUDA): sglang installs a ``flash_mla`` wheel whose import raises
+   ``OSError`` (not ``ImportError``) when libcuda is absent; Megatron only catches ``ImportError``.
+   Putting ``None`` into ``sys.modules`` turns every ``import flash_mla`` into an ``ImportError``.
+2. RNG tracker on the CPU generator: ``torch.cuda.get_rng_state``/``torch.cuda.manual_seed`` and
+   Megatron's ``_get_cuda_rng_state``/``_set_cuda_rng_state`` read and write the CPU generator.
+   Without the ``manual_seed`` patch every tracker state is identical (CUDA seeding is queued
+   lazily and never runs), so TP init/dropout streams would silently coincide.
+3. ``torch.cuda.current_device`` returns ``"cpu"`` (RotaryEmbedding moves its tensors there).
+4. ``get_default_causal_mask`` builds its mask on ``"cuda"``; it is replaced in both
+   ``megatron.core.transformer.utils`` and ``megatron.core.fusions.fused_softmax`` (imported by name).
+
+Patches 2–4 are applied only when ``torch.cuda.is_available()`` is false.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_applied = False
+# "module.attr" -> the function a patch replaced (tests call these to show the patch is still needed).
+ORIGINALS: dict[str, Callable[..., Any]] = {}
+
+
+def _replace(module: Any, attr: str, new: Callable[..., Any]) -> None:
+    ORIGINALS.setdefault(f"{module.__name__}.{attr}", getattr(module, attr))
+    setattr(module, attr, new)
+
+
+def apply_flash_mla_guard() -> None:
+    """Make ``import flash_mla`` raise ImportError instead of OSError (patch 1; safe everywhere)."""
+    sys.modules.setdefault("flash_mla", None)
+
+
+def _cpu_get_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    del device, graph_safe
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False) -> None:
+    del device, graph_safe
+    torch.set_rng_state(new_state)
+
+
+def _cpu_cuda_get_rng_state(device: object = "cuda") -> torch.Tensor:
+    del device
+    return torch.get_rng_state()
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    _replace(torch.cuda, "get_rng_state", _cpu_cuda_get_rng_state)
+    _replace(torch.cuda, "manual_seed", _cpu_manual_seed)
+    _replace(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _replace(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+
+
+def _patch_current_device() -> None:
+    _replace(torch.cuda, "current_device", _cpu_current_device)
+
+
+def _patch_causal_mask() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    _replace(transformer_utils, "get_default_causal_mask", _cpu_default_causal_mask)
+    _replace(fused_softmax, "get_default_causal_mask", _cpu_default_causal_mask)
+
+
+def apply_cpu_compat() -> bool:
+    """Apply the compatibility patches this process needs; idempotent.
+
+    Call it in every process before megatron-core builds a model. Patch 1 is always applied;
+    patches 2–4 only when no CUDA device is available.
+
+    Returns:
+        True when the CPU patches (2–4) are in effect, False on a CUDA machine.
+    """
+    global _applied
+    apply_flash_mla_guard()
+    if torch.cuda.is_available():
+        return False
+    if not _applied:
+        _patch_rng()
+        _patch_current_device()
+        _patch_causal_mask()
+        _applied = True
+        logger.info("applied megatron-core CPU compatibility patches (rng, current_device, causal mask)")
+    return True

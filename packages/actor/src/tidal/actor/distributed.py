@@ -1,0 +1,130 @@
+"""Process-group set-up and the collective pieces of an optimizer step (DP all-reduce, TP-aware clipping).
+
+One code path on CPU and GPU: torch.distributed (gloo on CPU, NCCL on GPU), Megatron's
+``parallel_state`` for the TP/DP groups, a flat DP all-reduce of gradients and a gradient norm
+that counts TP-duplicated parameters (norms, biases of row-parallel layers) once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from tidal.actor.compat import apply_cpu_compat
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    tensor_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    seed: int = 1234,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the actor's process group and set up Megatron's parallel state and RNG tracker.
+
+    Uses NCCL when CUDA is available (binding this process to ``LOCAL_RANK`` or ``rank % devices``),
+    gloo otherwise; applies the CPU compatibility patches first. Idempotent for the process group
+    (an already initialised default group is reused).
+
+    Raises:
+        ValueError: the world size is not a multiple of TP x CP, or CP > 1 (not implemented yet).
+    """
+    apply_cpu_compat()
+    if context_parallel_size != 1:
+        raise ValueError(f"--context-parallel-size {context_parallel_size} is not supported by tidal.actor yet; use 1")
+    if world_size % (tensor_model_parallel_size * context_parallel_size):
+        raise ValueError(
+            f"world size {world_size} is not a multiple of --tensor-model-parallel-size {tensor_model_parallel_size}"
+            f" x --context-parallel-size {context_parallel_size}"
+        )
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    logger.info(
+        "rank %d/%d joined (%s): tp=%d dp=%d",
+        rank,
+        world_size,
+        backend,
+        tensor_model_parallel_size,
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the default process group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    """Sum gradients over the data-parallel group (one flat buffer per dtype)."""
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_data_parallel_group()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(reduced)
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of the model's gradients across TP ranks; scales them to ``max_norm`` if > 0.
+
+    TP-sharded parameters contribute their local shard on every rank; replicated ones only on
+    TP rank 0, so each weight is counted once. Returns the norm before clipping (``inf``/``nan``
+    when a gradient is not finite; nothing is scaled then).
+    """
+    grads = [p.grad for p in params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    device = params[0].device
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.detach().float().square().sum()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    norm = math.sqrt(sq.item())
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm

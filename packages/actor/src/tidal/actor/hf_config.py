@@ -1,0 +1,169 @@
+"""Read a Hugging Face ``config.json`` and map it to Megatron's ``TransformerConfig``.
+
+Supported architectures: ``qwen2`` (QKV bias), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``) and
+``llama`` (no bias, default RoPE only). Anything else raises ``ValueError`` naming the model type.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFModelSpec:
+    """The architecture facts tidal needs from an HF config (a decoder-only, RoPE, SwiGLU model)."""
+
+    model_type: str
+    """HF ``model_type`` (one of ``SUPPORTED_MODEL_TYPES``)."""
+    vocab_size: int
+    """Rows of the embedding and LM head."""
+    hidden_size: int
+    """Model width."""
+    ffn_hidden_size: int
+    """MLP intermediate size (per gate/up projection)."""
+    num_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (query groups)."""
+    head_dim: int
+    """Channels per head."""
+    rms_norm_eps: float
+    """RMSNorm epsilon."""
+    rope_theta: float
+    """RoPE base."""
+    max_position_embeddings: int
+    """Longest sequence the RoPE table is built for."""
+    tie_word_embeddings: bool
+    """LM head shares the embedding matrix."""
+    qkv_bias: bool
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool
+    """Per-head RMSNorm on queries and keys (Qwen3)."""
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope type {rope_type!r} is not supported by tidal.actor (only default RoPE)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def parse_hf_config(cfg: dict) -> HFModelSpec:
+    """Turn a ``config.json`` dict into an ``HFModelSpec``.
+
+    Raises:
+        ValueError: unsupported ``model_type``, activation, sliding window or RoPE scaling.
+    """
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"HF model_type {model_type!r} is not supported by tidal.actor; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU/silu only)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported by tidal.actor")
+    num_heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
+    if model_type == "llama" and cfg.get("mlp_bias"):
+        raise ValueError("llama with mlp_bias=true is not supported by tidal.actor")
+    return HFModelSpec(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def read_hf_config(hf_dir: str | Path) -> HFModelSpec:
+    """Read ``hf_dir/config.json`` into an ``HFModelSpec``.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` in ``hf_dir``.
+        ValueError: see ``parse_hf_config``.
+    """
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {hf_dir}; point --hf-checkpoint at an HF model dir")
+    return parse_hf_config(json.loads(path.read_text()))
+
+
+def to_transformer_config(
+    spec: HFModelSpec,
+    *,
+    tensor_model_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: bool = False,
+) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` equivalent to the HF model (no fusions, no dropout, no TE).
+
+    Raises:
+        ValueError: heads, groups or vocabulary not divisible by the tensor-parallel size.
+    """
+    tp = tensor_model_parallel_size
+    for name, value in (
+        ("num_attention_heads", spec.num_attention_heads),
+        ("num_key_value_heads", spec.num_key_value_heads),
+        ("vocab_size", spec.vocab_size),
+        ("intermediate_size", spec.ffn_hidden_size),
+    ):
+        if value % tp:
+            raise ValueError(f"HF {name}={value} is not divisible by --tensor-model-parallel-size {tp}")
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=False,
+    )

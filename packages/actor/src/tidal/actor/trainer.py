@@ -1,0 +1,115 @@
+"""One rollout's training on one rank: plan micro-batches, old log-probs, advantages, optimizer steps.
+
+The order matters: every old log-prob of the rollout is computed before its first optimizer step, so the PPO
+ratio of every step compares against the weights that existed when the rollout was scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from tidal.actor.loss import grpo_advantages
+from tidal.batching import BatchingConfig, PackedBatch, pack_micro_batches, plan_from_config, plan_stats
+
+logger = logging.getLogger(__name__)
+
+
+def _plan_steps(batching: BatchingConfig, lengths: list[int], *, dp_size: int):
+    arith = batching.resolve(dp_size=dp_size)
+    if arith.rollout_size != len(lengths):
+        raise ValueError(
+            f"the rollout holds {len(lengths)} samples but --rollout-batch-size x --n-samples-per-prompt is "
+            f"{arith.rollout_size}; every prompt must contribute exactly --n-samples-per-prompt samples"
+        )
+    steps = []
+    for indices in arith.step_slices():
+        plan = plan_from_config(batching, [lengths[i] for i in indices], dp_size=dp_size)
+        steps.append((list(indices), plan))
+    return steps
+
+
+def train_on_rollout(
+    actor,
+    batching: BatchingConfig,
+    *,
+    tokens: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    group_size: int,
+    rollout_log_probs: Sequence[Sequence[float]] | None = None,
+    normalize_std: bool = True,
+    rank: int = 0,
+    dp_size: int = 1,
+) -> dict[str, float]:
+    """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
+
+    Args:
+        actor: this rank's actor.
+        batching: batch arithmetic and micro-batching settings.
+        tokens: prompt + response token ids of every sample (groups of ``group_size`` consecutive samples).
+        loss_masks: 0 on prompt tokens, 1 on response tokens.
+        rewards: scalar reward per sample.
+        group_size: samples per prompt (GRPO group).
+        rollout_log_probs: the engine's per-token log-probs (tidal's convention); only measured against the
+            actor's, as a check that both hold the same weights.
+        normalize_std: divide GRPO advantages by the group's reward std.
+        rank: data-parallel rank of this process.
+        dp_size: data-parallel size.
+
+    Returns:
+        Mean of the steps' train metrics, plus "train/old_logprob_abs_diff" (actor vs engine on loss tokens),
+        batching statistics and timings ("time/log_probs", "time/train").
+    """
+    advantages = grpo_advantages(torch.tensor(rewards, dtype=torch.float32), group_size, normalize_std=normalize_std)
+    steps = _plan_steps(batching, [len(t) for t in tokens], dp_size=dp_size)
+    token_fields = {"advantages": [[float(advantages[i])] * len(t) for i, t in enumerate(tokens)]}
+    if rollout_log_probs is not None:
+        token_fields["rollout_log_probs"] = [list(map(float, lp)) for lp in rollout_log_probs]
+
+    # Pack this rank's micro-batches of every step, then compute every old log-prob before any update.
+    start = time.monotonic()
+    packed: list[list[PackedBatch]] = []
+    for indices, plan in steps:
+        packed.append(
+            pack_micro_batches(
+                plan,
+                rank,
+                [tokens[i] for i in indices],
+                loss_masks=[loss_masks[i] for i in indices],
+                token_fields={k: [v[i] for i in indices] for k, v in token_fields.items()},
+                pad_to_multiple_of=batching.pad_to_multiple_of,
+            )
+        )
+    packed = [[_with_old_log_probs(actor, mb) for mb in step] for step in packed]
+    log_probs_time = time.monotonic() - start
+
+    start = time.monotonic()
+    per_step = [actor.train_step(step) for step in packed]
+    metrics = {key: sum(m[key] for m in per_step) / len(per_step) for key in per_step[0]}
+    metrics["time/log_probs"] = log_probs_time
+    metrics["time/train"] = time.monotonic() - start
+    metrics["train/num_steps"] = float(len(per_step))
+    if rollout_log_probs is not None:
+        metrics["train/old_logprob_abs_diff"] = _mean_abs_diff(packed)
+    metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
+    return metrics
+
+
+def _with_old_log_probs(actor, mb: PackedBatch) -> PackedBatch:
+    fields = dict(mb.token_fields)
+    fields["old_log_probs"] = actor.compute_log_probs(mb)
+    return dataclasses.replace(mb, token_fields=fields)
+
+
+def _mean_abs_diff(packed: list[list[PackedBatch]]) -> float:
+    total, count = 0.0, 0.0
+    for step in packed:
+        for mb in step:
+            diff = (mb.token_fields["old_log_probs"] - mb.token_fields["rollout_log_probs"]).abs() * mb.loss_mask
+            total += float(diff.sum())
+            count += float(mb.loss_mask.sum())
+    return total / max(count, 1.0)

@@ -1,0 +1,124 @@
+import math
+
+import pytest
+import torch
+from tidal.actor import Actor, ActorConfig, grpo_advantages
+from tidal.batching import pack, unpack
+
+SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77]]
+PROMPT_LEN = 2
+
+
+@pytest.fixture(scope="module")
+def actor(dist_env, qwen2_dir):
+    return Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-3, log_probs_chunk_size=5))
+
+
+def rl_batch(actor, seqs, **kw):
+    """A packed RL micro-batch: responses after PROMPT_LEN tokens, old log-probs from the actor itself."""
+    masks = [[0] * PROMPT_LEN + [1] * (len(s) - PROMPT_LEN) for s in seqs]
+    plain = pack(seqs, loss_masks=masks, **kw)
+    old = unpack(actor.compute_log_probs(plain), plain)
+    rewards = torch.tensor([float(i % 2) for i in range(len(seqs))])
+    adv = grpo_advantages(rewards, 2, normalize_std=False) if len(seqs) % 2 == 0 else rewards - rewards.mean()
+    fields = {
+        "old_log_probs": [o.tolist() for o in old],
+        "advantages": [[float(a)] * len(s) for a, s in zip(adv, seqs, strict=True)],
+    }
+    return pack(seqs, loss_masks=masks, token_fields=fields, **kw)
+
+
+def test_log_probs_match_transformers_with_padding(actor, qwen2_dir, hf_reference):
+    batch = pack(SEQS, pad_to_multiple_of=8)
+    assert batch.num_padding_tokens > 0
+    lp = actor.compute_log_probs(batch)
+    assert lp.dtype == torch.float32 and lp.shape == (batch.num_tokens,)
+    _, ref = hf_reference(qwen2_dir, SEQS)
+    for ours, theirs in zip(unpack(lp, batch), ref, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        assert ours[0] == 0.0
+
+
+def test_packed_equals_unpacked(actor):
+    packed = unpack(actor.compute_log_probs(pack(SEQS)), pack(SEQS))
+    for seq, lp in zip(SEQS, packed, strict=True):
+        alone = actor.compute_log_probs(pack([seq]))
+        torch.testing.assert_close(lp, alone, atol=1e-5, rtol=0)
+
+
+def test_named_hf_tensors_shapes(actor, qwen2_dir):
+    from safetensors.torch import load_file
+
+    original = load_file(qwen2_dir / "model.safetensors")
+    exported = dict(actor.named_hf_tensors())
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}
+
+
+def test_sharded_state_dict_covers_model(actor):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    sd = actor.sharded_state_dict()["model"]
+    tensors = [v for v in sd.values() if isinstance(v, ShardedTensor | ShardedTensorFactory)]
+    assert {t.key for t in tensors} >= {"embedding.word_embeddings.weight", "output_layer.weight"}
+    assert sum(t.data.numel() for t in tensors) == sum(p.numel() for p in actor.model.parameters())
+
+
+def test_train_step_changes_weights_and_reports_metrics(dist_env, qwen2_dir):
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, entropy_coef=0.01, clip_grad=1.0))
+    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    batch = rl_batch(actor, [*SEQS, [9, 8, 7, 6, 5]])
+    metrics = actor.train_step([batch])
+    for key in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy"):
+        assert math.isfinite(metrics[key]), key
+    assert metrics["train/grad_norm"] > 0 and metrics["train/lr"] == 1e-2 and metrics["train/skipped"] == 0.0
+    assert metrics["train/num_loss_tokens"] == float(batch.loss_mask.sum())
+    # old == current at the first step: ratio 1, nothing clipped, ppo_kl 0
+    assert metrics["train/pg_clipfrac"] == 0.0 and abs(metrics["train/ppo_kl"]) < 1e-5
+    changed = [n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    # the step moved the policy towards the positive-advantage sequences
+    after = actor.compute_log_probs(batch)
+    old = batch.token_fields["old_log_probs"]
+    gain = ((after - old) * batch.token_fields["advantages"] * batch.loss_mask).sum()
+    assert gain > 0
+
+
+def test_grad_accumulation_equals_one_big_batch(dist_env, qwen2_dir):
+    seqs = [*SEQS, [9, 8, 7, 6, 5]]
+    # adam_eps=1 makes Adam's first update ~ lr * grad (not ~ lr * sign(grad), which flips on rounding noise)
+    cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0)
+    one, two = Actor(cfg), Actor(cfg)
+    two_before = two.model.output_layer.weight.detach().clone()
+    m1 = one.train_step([rl_batch(one, seqs)])
+    m2 = two.train_step([rl_batch(two, seqs[:2]), rl_batch(two, seqs[2:])])
+    assert m1["train/loss"] == pytest.approx(m2["train/loss"], abs=1e-6)
+    assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-4)
+    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, atol=1e-6, rtol=0, msg=name)
+    assert not torch.equal(one.model.output_layer.weight, two_before)
+
+
+def test_recompute_activations_gives_the_same_step(dist_env, qwen2_dir):
+    cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0)
+    plain, recompute = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg, recompute_activations=True))
+    calls = {"plain": 0, "recompute": 0}
+    plain.model.decoder.layers[0].self_attention.register_forward_hook(
+        lambda *_: calls.__setitem__("plain", calls["plain"] + 1)
+    )
+    recompute.model.decoder.layers[0].self_attention.register_forward_hook(
+        lambda *_: calls.__setitem__("recompute", calls["recompute"] + 1)
+    )
+    b1, b2 = rl_batch(plain, SEQS), rl_batch(recompute, SEQS)
+    calls.update(plain=0, recompute=0)
+    m1, m2 = plain.train_step([b1]), recompute.train_step([b2])
+    assert calls == {"plain": 1, "recompute": 2}  # the layer ran again during backward
+    assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-5)
+    for (name, p1), p2 in zip(plain.model.named_parameters(), recompute.model.parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, atol=1e-6, rtol=0, msg=name)
+
+
+def test_config_errors_name_the_flag():
+    with pytest.raises(ValueError, match="--eps-clip"):
+        ActorConfig(hf_checkpoint="x", eps_clip=0.0)
+    with pytest.raises(ValueError, match="--kl-loss-type"):
+        ActorConfig(hf_checkpoint="x", kl_loss_type="kl")

@@ -1,0 +1,84 @@
+"""One test per patch: the function the patch replaced still fails (or misbehaves) here, and the patch works.
+
+When an upgrade fixes the upstream code, the "original fails" half of a test fails and says the patch can go.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from tidal.actor import compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches apply only without CUDA")
+CUDA_ERRORS = (RuntimeError, AssertionError, AttributeError)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patched():
+    assert compat.apply_cpu_compat() is True
+
+
+def test_apply_is_idempotent():
+    before = (torch.cuda.current_device, dict(compat.ORIGINALS))
+    assert compat.apply_cpu_compat() is True
+    assert (torch.cuda.current_device, compat.ORIGINALS) == before
+    assert len(compat.ORIGINALS) == 7
+
+
+def test_patch1_flash_mla_import_raises_oserror_unguarded():
+    # Fresh interpreter, no guard: the installed flash_mla raises OSError, which `except ImportError` misses.
+    code = "try:\n import flash_mla\nexcept ImportError:\n print('IMPORTERROR')\nexcept OSError:\n print('OSERROR')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "OSERROR"
+    assert sys.modules["flash_mla"] is None  # installed by tidal.actor's __init__
+    with pytest.raises(ImportError):
+        import flash_mla  # noqa: F401
+
+
+def test_patch2_rng_state_functions():
+    rng = "megatron.core.tensor_parallel.random"
+    with pytest.raises(CUDA_ERRORS):
+        compat.ORIGINALS[f"{rng}._get_cuda_rng_state"]()
+    with pytest.raises(CUDA_ERRORS):
+        compat.ORIGINALS["torch.cuda.get_rng_state"]()
+    # The original manual_seed is queued lazily and never runs: seeding 1 then 2 leaves the generator alone.
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    compat.ORIGINALS["torch.cuda.manual_seed"](1)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.cuda.manual_seed(1)
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
+def test_patch2_tracker_states_differ_and_fork_restores():
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    tracker = mcore_random.CudaRNGStatesTracker()
+    tracker.add("a", 1)
+    tracker.add("b", 2)
+    states = tracker.get_states()
+    assert not torch.equal(states["a"], states["b"])
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork("a"):
+        in_fork = torch.rand(3)
+    assert torch.equal(torch.rand(3), expected)  # default stream untouched by the fork
+    torch.manual_seed(1)
+    assert torch.equal(in_fork, torch.rand(3))  # the fork drew from the stream seeded with 1
+
+
+def test_patch3_current_device():
+    with pytest.raises(CUDA_ERRORS):
+        compat.ORIGINALS["torch.cuda.current_device"]()
+    assert torch.cuda.current_device() == "cpu"
+
+
+@pytest.mark.parametrize("module", ["megatron.core.transformer.utils", "megatron.core.fusions.fused_softmax"])
+def test_patch4_default_causal_mask(module):
+    with pytest.raises(CUDA_ERRORS):
+        compat.ORIGINALS[f"{module}.get_default_causal_mask"](4)
+    mask = sys.modules[module].get_default_causal_mask(4)
+    assert mask.device.type == "cpu"
+    assert torch.equal(mask, torch.triu(torch.ones(4, 4, dtype=torch.bool), 1))
