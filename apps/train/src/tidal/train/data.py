@@ -1,0 +1,67 @@
+"""Prompt data: JSONL records in a seeded, resumable order (the position is a function of the rollout id)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidal.train.task_data import read_jsonl
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt, tokenized once, with its reference answer."""
+
+    text: str
+    """Prompt text as given to the tokenizer."""
+    ids: tuple[int, ...]
+    """Prompt token ids sent to the engine."""
+    label: Any
+    """Reference answer for the reward."""
+
+
+class PromptDataset:
+    """Prompts in epochs of a seeded permutation; ``batch(k, n)`` is the same for the same ``(k, n)``, always."""
+
+    def __init__(self, path: str | Path, tokenizer, *, input_key: str, label_key: str, seed: int) -> None:
+        """Read ``path`` (JSONL) and tokenize every prompt; a record missing a key is an error naming it."""
+        records = read_jsonl(path)
+        if not records:
+            raise ValueError(f"{path} holds no records; point --prompt-data at a JSONL file with prompts")
+        for line_no, record in enumerate(records, start=1):
+            for flag, key in (("--input-key", input_key), ("--label-key", label_key)):
+                if key not in record:
+                    raise ValueError(
+                        f"{path}: record {line_no} has no key {key!r} (keys: {sorted(record)}); set {flag}"
+                    )
+        self.path = Path(path)
+        self.seed = seed
+        self._orders: dict[int, list[int]] = {}
+        self.prompts = [
+            Prompt(text=r[input_key], ids=tuple(tokenizer.encode(r[input_key])), label=r[label_key]) for r in records
+        ]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = {epoch: order}  # batches walk forward: keep only the current epoch
+        return self._orders[epoch]
+
+    def batch(self, index: int, size: int) -> list[Prompt]:
+        """Prompts ``[index * size, (index + 1) * size)`` of the endless epoch sequence."""
+        start = index * size
+        out = []
+        for position in range(start, start + size):
+            epoch, offset = divmod(position, len(self.prompts))
+            out.append(self.prompts[self._order(epoch)[offset]])
+        return out
+
+    def head(self, size: int) -> list[Prompt]:
+        """The first ``size`` prompts in file order (held-out evaluation uses the same ones every time)."""
+        return self.prompts[:size]

@@ -1,0 +1,175 @@
+"""Build the embedded default model: a character tokenizer and a tiny Qwen2, warm-started with supervised steps.
+
+No model hub is reachable, so ``uv run train`` with no ``--hf-checkpoint`` builds its own model once and caches it.
+The result is an ordinary Hugging Face checkpoint (``config.json``, ``model.safetensors``, tokenizer files,
+``generation_config.json``): the rest of tidal loads it through exactly the path a user's checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import string
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tidal.train.task_data import TRAIN_FILE, read_jsonl, shipped_path
+
+logger = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+UNK = "<unk>"
+BUILDER_VERSION = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmbeddedModelSpec:
+    """Shape and warm-start of the embedded model; its hash names the cache folder."""
+
+    hidden_size: int = 128
+    """Model width."""
+    num_hidden_layers: int = 4
+    """Transformer layers."""
+    num_attention_heads: int = 4
+    """Query heads (head dim = hidden_size / heads)."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA)."""
+    intermediate_size: int = 512
+    """MLP width."""
+    sft_steps: int = 300
+    """Supervised warm-start steps, so that RL starts from a model that is sometimes right."""
+    sft_batch_size: int = 64
+    """Sequences per supervised step."""
+    sft_lr: float = 3e-3
+    """Peak learning rate of the warm start."""
+    seed: int = 1
+    """Seed of initialisation and warm start."""
+
+    def digest(self) -> str:
+        """Stable short hash of the spec and builder version."""
+        blob = json.dumps({"v": BUILDER_VERSION, **asdict(self)}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """``$TIDAL_CACHE`` or ``$XDG_CACHE_HOME/tidal`` or ``~/.cache/tidal``."""
+    if "TIDAL_CACHE" in os.environ:
+        return Path(os.environ["TIDAL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tidal"
+
+
+def build_tokenizer(texts: list[str]):
+    """Train a character-level tokenizer on the task text (digits and operators stay single tokens)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    # Printable ASCII is in the vocabulary too, so any English text (SGLang's warm-up prompt, a user's chat
+    # template) encodes to real tokens; an empty encoding would crash the server's first forward pass.
+    trainer = trainers.WordLevelTrainer(special_tokens=[EOS, UNK])
+    tok.train_from_iterator([*texts, string.printable], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
+
+
+def embedded_model_path(cache_dir: Path | None = None, spec: EmbeddedModelSpec | None = None) -> Path:
+    """Where the embedded model lives (or will, once built): the cache folder named by the spec's hash."""
+    spec = spec or EmbeddedModelSpec()
+    return (cache_dir or default_cache_dir()) / f"embedded-addition-{spec.digest()}"
+
+
+def ensure_embedded_model(cache_dir: Path | None = None, spec: EmbeddedModelSpec | None = None) -> Path:
+    """Return the folder of the embedded model, building it (atomically) if the cache lacks it."""
+    spec = spec or EmbeddedModelSpec()
+    target = embedded_model_path(cache_dir, spec)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building the embedded default model into %s (once; later runs reuse it)", target)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        _build(staging, spec)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first; theirs is as good as ours
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _build(out: Path, spec: EmbeddedModelSpec) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    records = read_jsonl(shipped_path(TRAIN_FILE))
+    tokenizer = build_tokenizer([r["prompt"] + r["label"] for r in records])
+    torch.manual_seed(spec.seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        rope_theta=10000.0,
+    )
+    model = Qwen2ForCausalLM(config)
+    _warm_start(model, tokenizer, records, spec)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id).save_pretrained(out)
+    (out / "tidal_embedded.json").write_text(json.dumps(asdict(spec), indent=2))
+
+
+def _warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -> None:
+    """A few supervised steps on prompt→answer pairs (loss on the answer and EOS only)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.1)
+    prompts = [tokenizer.encode(r["prompt"]) for r in records]
+    answers = [[*tokenizer.encode(r["label"]), tokenizer.eos_token_id] for r in records]
+    model.train()
+    start = last_log = time.monotonic()
+    for step in range(1, spec.sft_steps + 1):
+        idx = torch.randint(len(records), (spec.sft_batch_size,), generator=gen).tolist()
+        width = max(len(prompts[i]) + len(answers[i]) for i in idx)
+        ids = torch.full((len(idx), width), tokenizer.eos_token_id)
+        labels = torch.full((len(idx), width), -100)
+        for row, i in enumerate(idx):
+            seq = prompts[i] + answers[i]
+            ids[row, : len(seq)] = torch.tensor(seq)
+            labels[row, len(prompts[i]) : len(seq)] = torch.tensor(answers[i])
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        now = time.monotonic()
+        if now - last_log > 10 or step == spec.sft_steps:
+            rate = step / (now - start)
+            logger.info(
+                "warm start %d/%d loss %.3f (%.1f steps/s, ETA %.0f s)",
+                step,
+                spec.sft_steps,
+                loss.item(),
+                rate,
+                (spec.sft_steps - step) / rate,
+            )
+            last_log = now
+    model.eval()

@@ -1,0 +1,41 @@
+import math
+
+import pytest
+import torch
+from tidal.actor import Actor, ActorConfig
+from tidal.actor.trainer import train_on_rollout
+from tidal.batching import BatchingConfig, pack
+
+# 2 prompts x 2 samples; the first token of each is the prompt.
+TOKENS = [[5, 17, 99, 3], [5, 17, 42], [120, 0, 33, 33, 8], [120, 0, 4]]
+MASKS = [[0, 0, 1, 1], [0, 0, 1], [0, 0, 1, 1, 1], [0, 0, 1]]
+REWARDS = [1.0, 0.0, 0.0, 1.0]
+
+
+def test_train_on_rollout_runs_every_step_from_the_same_old_log_probs(dist_env, qwen2_dir):
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2))
+    reference = pack(TOKENS, loss_masks=MASKS)
+    engine_lp = [lp.tolist() for lp in torch.split(actor.compute_log_probs(reference), [len(t) for t in TOKENS])]
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout=2)
+    metrics = train_on_rollout(
+        actor, batching, tokens=TOKENS, loss_masks=MASKS, rewards=REWARDS, group_size=2, rollout_log_probs=engine_lp
+    )
+    assert metrics["train/num_steps"] == 2.0
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    # old log-probs came from the actor before any step: identical to the "engine" ones computed the same way
+    assert metrics["train/old_logprob_abs_diff"] < 1e-6
+    # the second step's ratio is against pre-rollout weights, so it is no longer 1 everywhere
+    assert metrics["train/ppo_kl"] != 0.0
+    after = actor.compute_log_probs(reference)
+    gain = sum(
+        (r - 0.5) * float(((a - torch.tensor(lp)) * torch.tensor(m, dtype=torch.float32)).sum())
+        for a, lp, m, r in zip(torch.split(after, [len(t) for t in TOKENS]), engine_lp, MASKS, REWARDS, strict=True)
+    )
+    assert gain > 0  # rewarded responses became likelier relative to the others
+
+
+def test_train_on_rollout_rejects_a_short_rollout(dist_env, qwen2_dir):
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir)))
+    batching = BatchingConfig(rollout_batch_size=4, n_samples_per_prompt=2)
+    with pytest.raises(ValueError, match="--n-samples-per-prompt"):
+        train_on_rollout(actor, batching, tokens=TOKENS, loss_masks=MASKS, rewards=REWARDS, group_size=2)
