@@ -108,3 +108,13 @@ def sglang_server(_sglang_engine: SGLangEngine) -> SGLangEngine:
     if not _sglang_engine.is_running():
         _sglang_engine.start()
     return _sglang_engine
+
+
+@pytest.fixture
+def plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Name of the module of test extension points (tests/tidal_rollout_plugins.py), importable by path."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    yield "tidal_rollout_plugins"
+    sys.modules.pop("tidal_rollout_plugins", None)

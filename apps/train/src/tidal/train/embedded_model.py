@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +41,7 @@ class EmbeddedModelSpec:
     """Key/value heads (GQA)."""
     intermediate_size: int = 512
     """MLP width."""
-    sft_steps: int = 300
+    sft_steps: int = 600
     """Supervised warm-start steps, so that RL starts from a model that is sometimes right."""
     sft_batch_size: int = 64
     """Sequences per supervised step."""

@@ -13,8 +13,19 @@ from tidal.rollout.config import RolloutConfig, sglang_server_args
 from tidal.rollout.errors import RolloutError
 
 if TYPE_CHECKING:
+    from tidal.rollout.custom_generate import GenerateFn, MultiTurn, load_generate_fn
+    from tidal.rollout.debug_data import load_rollout_data, rollout_data_path, save_rollout_data
+    from tidal.rollout.dynamic_sampling import (
+        BUILTIN_GROUP_FILTERS,
+        DynamicSamplingResult,
+        GroupFilter,
+        resolve_group_filter,
+        reward_variance,
+        sample_with_dynamic_filter,
+    )
     from tidal.rollout.engine import CPU_SERVER_ARGS, SGLangEngine
     from tidal.rollout.generation import (
+        check_chat_template,
         check_stop_tokens,
         filter_uniform_groups,
         generate_samples,
@@ -42,6 +53,19 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "GenerateFn": "custom_generate",
+    "MultiTurn": "custom_generate",
+    "load_generate_fn": "custom_generate",
+    "load_rollout_data": "debug_data",
+    "rollout_data_path": "debug_data",
+    "save_rollout_data": "debug_data",
+    "BUILTIN_GROUP_FILTERS": "dynamic_sampling",
+    "DynamicSamplingResult": "dynamic_sampling",
+    "GroupFilter": "dynamic_sampling",
+    "resolve_group_filter": "dynamic_sampling",
+    "reward_variance": "dynamic_sampling",
+    "sample_with_dynamic_filter": "dynamic_sampling",
+    "check_chat_template": "generation",
     "destroy_weights_update_group": "weight_sync",
     "init_weights_update_group": "weight_sync",
     "update_weights_from_distributed": "weight_sync",
@@ -81,13 +105,19 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BUILTIN_GROUP_FILTERS",
     "BUILTIN_REWARDS",
     "CPU_SERVER_ARGS",
+    "DynamicSamplingResult",
+    "GenerateFn",
+    "GroupFilter",
+    "MultiTurn",
     "RewardFn",
     "RolloutConfig",
     "RolloutError",
     "SGLangEngine",
     "Sample",
+    "check_chat_template",
     "check_stop_tokens",
     "destroy_weights_update_group",
     "exact_match",
@@ -96,12 +126,19 @@ __all__ = [
     "generate_samples",
     "init_weights_update_group",
     "last_number",
+    "load_generate_fn",
     "load_reward_fn",
+    "load_rollout_data",
     "math_answer",
     "model_stop_token_ids",
     "numeric_match",
+    "resolve_group_filter",
     "resolve_reward_fn",
+    "reward_variance",
+    "rollout_data_path",
     "rollout_metrics",
+    "sample_with_dynamic_filter",
+    "save_rollout_data",
     "score_samples",
     "sglang_server_args",
     "update_weights_from_distributed",

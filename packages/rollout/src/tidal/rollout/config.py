@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 SGLANG_FLAG_PREFIX = "--sglang-"
+
+# Built-in dynamic-sampling group filters (see tidal.rollout.dynamic_sampling), by name.
+BUILTIN_GROUP_FILTER_NAMES = ("reward_variance",)
 
 
 def sglang_server_args(flags: Sequence[str]) -> tuple[str, ...]:
@@ -45,10 +51,28 @@ class RolloutConfig:
     """Sample from the k most likely tokens; -1 for all."""
     rollout_stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a response besides the model's EOS."""
+    rollout_stop: tuple[str, ...] = ()
+    """Strings that end a response (SGLang ``stop``); the tokens that spelled one stay in the response."""
+    apply_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (checked at start-up by check_chat_template())."""
     rm_type: str = "math"
     """Built-in reward: exact_match, numeric_match or math (ignored when custom_rm_path is set)."""
     custom_rm_path: str | None = None
     """Reward function by import path 'pkg.module:fn' (takes a Sample, returns a float)."""
+    over_sampling_batch_size: int | None = None
+    """Prompts per generation round under dynamic sampling; None: the rollout batch size."""
+    dynamic_sampling_filter_path: str | None = None
+    """Group filter for dynamic sampling (DAPO): a built-in name (reward_variance) or 'pkg.module:fn'; None: off."""
+    dynamic_sampling_max_rounds: int = 16
+    """Most generation rounds one rollout may take to fill its batch under dynamic sampling."""
+    custom_generate_function_path: str | None = None
+    """Per-sample generate function 'pkg.module:fn' (multi-turn, tool use); None: one batched /generate."""
+    generate_max_concurrency: int = 64
+    """Most custom-generate-function calls in flight at once (each may make several requests)."""
+    save_debug_rollout_data: str | None = None
+    """Directory to write each rollout's samples to as it completes (one JSONL file per rollout)."""
+    load_debug_rollout_data: str | None = None
+    """Directory of saved rollouts to replay instead of generating (debug training without any server)."""
     sglang_host: str = "127.0.0.1"
     """Address the SGLang servers listen on."""
     sglang_server_args: tuple[str, ...] = ()
@@ -65,6 +89,13 @@ class RolloutConfig:
             ("rollout-temperature", self.rollout_temperature, self.rollout_temperature >= 0, ">= 0"),
             ("rollout-top-p", self.rollout_top_p, 0 < self.rollout_top_p <= 1, "in (0, 1]"),
             ("rollout-top-k", self.rollout_top_k, self.rollout_top_k == -1 or self.rollout_top_k >= 1, "-1 or >= 1"),
+            (
+                "dynamic-sampling-max-rounds",
+                self.dynamic_sampling_max_rounds,
+                self.dynamic_sampling_max_rounds >= 1,
+                ">= 1",
+            ),
+            ("generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
             ("sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
             ("sglang-request-timeout-s", self.sglang_request_timeout_s, self.sglang_request_timeout_s > 0, "> 0"),
         )
@@ -76,8 +107,32 @@ class RolloutConfig:
                 f"--rm-type must be exact_match, numeric_match or math, got {self.rm_type!r}; "
                 "or give --custom-rm-path pkg.module:fn"
             )
-        if self.custom_rm_path is not None and ":" not in self.custom_rm_path:
-            raise ValueError(f"--custom-rm-path must look like 'pkg.module:fn', got {self.custom_rm_path!r}")
+        for flag, path in (
+            ("custom-rm-path", self.custom_rm_path),
+            ("custom-generate-function-path", self.custom_generate_function_path),
+        ):
+            if path is not None and ":" not in path:
+                raise ValueError(f"--{flag} must look like 'pkg.module:fn', got {path!r}")
+        self._check_sampling_strategy()
+
+    def _check_sampling_strategy(self) -> None:
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
+            raise ValueError(f"--over-sampling-batch-size must be >= 1, got {self.over_sampling_batch_size!r}")
+        spec = self.dynamic_sampling_filter_path
+        if self.over_sampling_batch_size is not None and spec is None:
+            logger.warning("--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path")
+        if spec is not None and ":" not in spec and spec not in BUILTIN_GROUP_FILTER_NAMES:
+            raise ValueError(
+                f"--dynamic-sampling-filter-path must be one of {list(BUILTIN_GROUP_FILTER_NAMES)} or look like "
+                f"'pkg.module:fn', got {spec!r}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.rollout_stop):
+            raise ValueError(f"--rollout-stop strings must be non-empty, got {self.rollout_stop!r}")
+        if self.save_debug_rollout_data is not None and self.load_debug_rollout_data is not None:
+            raise ValueError(
+                "--save-debug-rollout-data and --load-debug-rollout-data are both set; replayed rollouts are "
+                "already on disk: give only --load-debug-rollout-data"
+            )
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang sampling parameters for :meth:`SGLangEngine.generate` (``n`` included)."""
@@ -90,4 +145,6 @@ class RolloutConfig:
         }
         if self.rollout_stop_token_ids:
             params["stop_token_ids"] = list(self.rollout_stop_token_ids)
+        if self.rollout_stop:
+            params["stop"] = list(self.rollout_stop)
         return params

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -9,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tidal.rollout.custom_generate import GenerateFn, run_generate_fn
 from tidal.rollout.engine import SGLangEngine
 from tidal.rollout.types import Sample
 
@@ -53,6 +55,44 @@ def check_stop_tokens(model_path: str | Path, stop_token_ids: Sequence[int] = ()
     return stops
 
 
+def check_chat_template(tokenizer: str | Path | Any) -> str:
+    """Fail before any rollout when ``--apply-chat-template`` cannot work with this tokenizer.
+
+    Args:
+        tokenizer: A transformers tokenizer, or the checkpoint directory to load one from.
+
+    Returns:
+        The rendering of a one-message user conversation with the generation prompt.
+
+    Raises:
+        ValueError: The tokenizer has no chat template, the template fails to render, or its rendering
+            drops the message.
+    """
+    if isinstance(tokenizer, str | Path):
+        from transformers import AutoTokenizer  # deferred: only this check needs it
+
+        source = str(tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    else:
+        source = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+    fix = "pass prompts already formatted (drop --apply-chat-template) or use a checkpoint that ships a chat template"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--apply-chat-template is set but the tokenizer of {source} has no chat template; {fix}")
+    probe = "tidal chat template probe"
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": probe}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # a Jinja error or a template that rejects the conversation
+        raise ValueError(f"--apply-chat-template: the chat template of {source} fails to render: {e!r}; {fix}") from e
+    if not isinstance(rendered, str) or probe not in rendered:
+        raise ValueError(
+            f"--apply-chat-template: the chat template of {source} renders a user message without its text "
+            f"(got {rendered!r}); {fix}"
+        )
+    return rendered
+
+
 def generate_samples(
     engine: SGLangEngine,
     prompts: Sequence[Sequence[int]],
@@ -60,8 +100,13 @@ def generate_samples(
     *,
     labels: Sequence[Any] | None = None,
     decode: Callable[[list[int]], str] | None = None,
+    generate_fn: GenerateFn | None = None,
+    max_concurrency: int = 64,
 ) -> list[Sample]:
     """Generate ``n`` responses per prompt in one batched call and wrap them as unscored Samples.
+
+    With ``generate_fn`` (``--custom-generate-function-path``, e.g. a multi-turn rollout) each sample is
+    made by one call of it instead, ``max_concurrency`` calls at a time.
 
     Args:
         engine: A running engine.
@@ -69,13 +114,25 @@ def generate_samples(
         sampling_params: As for :meth:`SGLangEngine.generate` (``n`` samples per prompt).
         labels: Reference answer per prompt, copied to each of its samples.
         decode: Token ids -> text for ``Sample.response_text`` (e.g. a tokenizer's decode); the ids
-            stay what the engine sampled either way.
+            stay what the engine sampled either way; fills a custom sample's empty ``response_text``.
+        generate_fn: Makes one sample per call (see :class:`tidal.rollout.custom_generate.GenerateFn`).
+        max_concurrency: Most ``generate_fn`` calls in flight at once.
 
     Returns:
         ``len(prompts) * n`` Samples, prompt-major; ``group_index`` is the prompt's index.
     """
     if labels is not None and len(labels) != len(prompts):
         raise ValueError(f"got {len(labels)} labels for {len(prompts)} prompts")
+    if generate_fn is not None:
+        samples = run_generate_fn(
+            generate_fn, engine, prompts, sampling_params, labels=labels, max_concurrency=max_concurrency
+        )
+        if decode is None:
+            return samples
+        return [
+            s if s.response_text else dataclasses.replace(s, response_text=decode(list(s.response_ids)))
+            for s in samples
+        ]
     n = int(sampling_params.get("n", 1))
     outputs = engine.generate(prompts, sampling_params)
     samples = []

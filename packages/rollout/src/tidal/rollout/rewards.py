@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import inspect
 import logging
 import math
@@ -13,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from fractions import Fraction
 from typing import Any, Protocol
 
+from tidal.rollout.import_path import load_callable
 from tidal.rollout.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -137,19 +137,7 @@ def load_reward_fn(path: str) -> RewardFn:
         ValueError: The path is malformed, the module cannot be imported, or the attribute is missing
             or not callable; the message names the path.
     """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--custom-rm-path must look like 'pkg.module:fn', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"--custom-rm-path {path!r}: cannot import module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"--custom-rm-path {path!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ValueError(f"--custom-rm-path {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return load_callable(path, flag="--custom-rm-path")
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:

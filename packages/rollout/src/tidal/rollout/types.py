@@ -36,12 +36,21 @@ class Sample:
     """Decoded response, for rule-based rewards and logs (the ids stay authoritative)."""
     reward_error: str | None = None
     """Why scoring this sample failed (its reward is then 0.0), None when it did not."""
+    response_loss_mask: Sequence[int] | None = None
+    """Per response token 1 (trained on) or 0 (e.g. a tool result a multi-turn rollout inserted, whose
+    log-prob is then 0.0); None: every response token counts."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_log_probs):
             raise ValueError(
                 f"Sample.response_log_probs has {len(self.response_log_probs)} entries for "
                 f"{len(self.response_ids)} response tokens; they must pair one to one"
+            )
+        mask = self.response_loss_mask
+        if mask is not None and (len(mask) != len(self.response_ids) or any(m not in (0, 1) for m in mask)):
+            raise ValueError(
+                f"Sample.response_loss_mask must hold one 0 or 1 per response token ({len(self.response_ids)}), "
+                f"got {len(mask)} entries"
             )
 
     @property
@@ -51,8 +60,9 @@ class Sample:
 
     @property
     def loss_mask(self) -> list[int]:
-        """0 on prompt tokens, 1 on response tokens (aligned with :attr:`tokens`)."""
-        return [0] * len(self.prompt_ids) + [1] * len(self.response_ids)
+        """0 on prompt tokens, then ``response_loss_mask`` (all 1 when None); aligned with :attr:`tokens`."""
+        response = [1] * len(self.response_ids) if self.response_loss_mask is None else list(self.response_loss_mask)
+        return [0] * len(self.prompt_ids) + response
 
     @property
     def truncated(self) -> bool:

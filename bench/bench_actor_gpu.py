@@ -1,0 +1,528 @@
+"""Actor throughput on one GPU: tidal-actor (packed, dynamic batch size) against Hugging Face transformers (issue 11).
+
+Run on the device machine (torch and transformers from its image, megatron-core carried):
+    PYTHONPATH=.carry/site:packages/actor/src:packages/batching/src:packages/ckpt/src \
+        python bench/bench_actor_gpu.py --out $OUT
+Debug on CPU with a tiny model: uv run python bench/bench_actor_gpu.py --tiny --out /tmp/bab
+
+One run measures, on a Qwen2-1.5B-shaped random bf16 model and the RL-shaped length mix of
+bench_batching.py (``lognormal_mix``, fixed seed, same samples for every contender):
+  (a) tidal-actor: ``plan_micro_batches(max_tokens_per_gpu=...)`` + ``pack``; ``train_step`` / ``compute_log_probs``;
+  (b) HF transformers, SDPA, padded micro-batches (arrival order, micro-batch size 2 to train, 8 for log-probs);
+  (c) HF transformers on packed rows (the same plan as (a)) with ``position_ids`` and a varlen attention function.
+Every contender: fp32 weights and AdamW state, bf16 autocast, the same PPO-clip loss over response tokens.
+
+Figures (median over ``--steps`` repeats after one warm-up): real tokens/s of one optimizer step over the whole
+batch, of a log-prob pass over the whole batch, MFU, peak memory, and the time to export every weight as
+HF-named bf16 tensors.
+
+MFU = model FLOPs / time / 989e12 (H200 bf16 dense datasheet peak). Model FLOPs, per sequence of length s:
+    forward  = 2 * N * s + 2 * L * s^2 * d      (N: parameters of every matmul incl. the LM head, embedding
+                                                lookup excluded; L layers; d = heads * head_dim; causal QK^T and
+                                                AV: 2 * (2 * s^2 * d) / 2 per layer)
+    training = 3 * forward                      (recomputation not counted)
+Padding is never counted: every contender is credited only with its real tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench_batching import lognormal_mix  # the RL-shaped length mix of the batching benchmark
+
+torch.set_num_threads(os.cpu_count() or 1)  # bench_batching pins one thread for its own timings
+
+PEAK_FLOPS = 989e12
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+QWEN2_1_5B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if CUDA else float("nan")
+
+
+def timed_median(fn, steps: int) -> tuple[float, list[float]]:
+    """Run ``fn`` once to warm up, then ``steps`` times; the median seconds and all times."""
+    fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+# ----------------------------------------------------------------------------------------------- workload
+
+
+def make_workload(n: int, seed: int, vocab: int, scale: float) -> dict:
+    """Lengths from lognormal_mix, random tokens, prompt/response loss masks, per-sample advantages."""
+    rng = np.random.default_rng(seed)
+    lengths = lognormal_mix(rng, n)
+    if scale != 1.0:
+        lengths = np.maximum((lengths * scale).astype(np.int64), 8)
+    prompts = np.minimum(rng.integers(50, 501, n) if scale == 1.0 else np.full(n, 4), lengths - 1)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab, (int(k),), generator=gen) for k in lengths]
+    masks = [torch.cat([torch.zeros(int(p)), torch.ones(int(k - p))]) for p, k in zip(prompts, lengths, strict=True)]
+    adv = torch.randn(n, generator=gen)
+    return {"lengths": lengths, "tokens": tokens, "loss_masks": masks, "advantages": adv}
+
+
+def model_flops(lengths, n_matmul: int, layers: int, d_attn: int, *, train: bool) -> float:
+    s = np.asarray(lengths, dtype=np.float64)
+    fwd = float((2 * n_matmul * s + 2 * layers * s**2 * d_attn).sum())
+    return 3 * fwd if train else fwd
+
+
+def ppo_loss(lp, old, adv, mask, num_loss_tokens, eps=0.2, eps_high=0.28):
+    """The PPO-clip policy loss (sum over loss tokens / tokens of the step), as tidal's GRPO loss computes it."""
+    ratio = torch.exp(lp - old)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps_high))
+    return (loss * mask).sum() / num_loss_tokens
+
+
+# ----------------------------------------------------------------------------------------------- ceilings
+
+
+def ceilings(report: dict) -> None:
+    if not CUDA:
+        return
+    a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    t, _ = timed_median(lambda: [a @ b for _ in range(10)], 3)
+    report["ceiling_matmul_bf16_tflops"] = 10 * 2 * 8192**3 / t / 1e12
+    x = torch.randn(2**30, device=DEV, dtype=torch.float32)  # 4 GiB
+    y = torch.empty_like(x)
+    t, _ = timed_median(lambda: y.copy_(x), 5)
+    report["ceiling_d2d_copy_tb_s"] = 2 * x.numel() * 4 / t / 1e12
+    del a, b, x, y
+
+
+# ----------------------------------------------------------------------------------------------- tidal actor
+
+
+def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
+    from tidal.actor import Actor, ActorConfig
+    from tidal.actor.bridge import _to_hf, enable_layer_recompute, weight_mappings
+    from tidal.batching import pack_micro_batches, plan_micro_batches, unpack
+
+    lengths, tokens, masks = work["lengths"], work["tokens"], work["loss_masks"]
+    actor = Actor(ActorConfig(hf_checkpoint=str(ckpt), bf16=True, lr=1e-6, log_probs_chunk_size=args.chunk))
+    real = int(lengths.sum())
+
+    # Log-prob pass over the whole batch, micro-batches of --max-tokens-logprob.
+    plan = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=args.max_tokens_logprob, pad_to_multiple_of=128)
+    mbs = pack_micro_batches(plan, 0, tokens, loss_masks=masks, pad_to_multiple_of=128)
+    outs: list = []
+
+    def logprob_pass():
+        outs.clear()
+        outs.extend(actor.compute_log_probs(mb) for mb in mbs)
+
+    reset_peak()
+    t, times = timed_median(logprob_pass, args.steps)
+    report["tidal_logprob"] = {
+        "max_tokens": args.max_tokens_logprob,
+        "micro_batches": len(mbs),
+        "tokens_per_s": real / t,
+        "mfu": flops["fwd"] / t / PEAK_FLOPS,
+        "peak_gib": peak_gib(),
+        "times_s": times,
+    }
+    log(f"tidal log-probs: {report['tidal_logprob']}")
+    old = [None] * len(tokens)
+    for mb, lp in zip(mbs, outs, strict=True):
+        for i, v in zip(mb.sample_indices.tolist(), unpack(lp, mb), strict=True):
+            old[i] = v
+    work["old_log_probs"] = old
+    fields = {"old_log_probs": old, "advantages": [torch.full((len(t),), float(a)) for t, a in zip(tokens, work["advantages"], strict=True)]}
+
+    def train(max_tokens: int, tag: str) -> None:
+        plan = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=max_tokens, pad_to_multiple_of=128)
+        mbs = pack_micro_batches(plan, 0, tokens, loss_masks=masks, token_fields=fields, pad_to_multiple_of=128)
+        reset_peak()
+        try:
+            t, times = timed_median(lambda: actor.train_step(mbs), args.steps)
+        except torch.OutOfMemoryError as e:
+            report[tag] = {"max_tokens": max_tokens, "error": f"OOM: {str(e)[:200]}", "peak_gib": peak_gib()}
+            actor.optimizer.zero_grad(set_to_none=True)
+            log(f"{tag}: OOM")
+            return
+        report[tag] = {
+            "max_tokens": max_tokens,
+            "micro_batches": len(mbs),
+            "padded_tokens": sum(mb.num_tokens for mb in mbs),
+            "tokens_per_s": real / t,
+            "mfu": flops["train"] / t / PEAK_FLOPS,
+            "peak_gib": peak_gib(),
+            "times_s": times,
+        }
+        log(f"{tag}: {report[tag]}")
+
+    for max_tokens in args.max_tokens_train:
+        train(max_tokens, f"tidal_train_{max_tokens}")
+    if args.profile and CUDA:
+        profile(report, args, lambda: actor.train_step(
+            pack_micro_batches(plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=args.max_tokens_train[0], pad_to_multiple_of=128), 0, tokens, loss_masks=masks, token_fields=fields, pad_to_multiple_of=128)
+        ), "train")
+        profile(report, args, logprob_pass, "logprob")
+    enable_layer_recompute(actor.model)
+    for max_tokens in args.max_tokens_recompute:
+        train(max_tokens, f"tidal_train_recompute_{max_tokens}")
+
+    # Weight export: the public API (CPU tensors, fp32 as stored) and HF-named bf16 tensors kept on the GPU.
+    def export_api():
+        n = 0
+        for _, tensor in actor.named_hf_tensors():
+            n += tensor.numel()
+        return n
+
+    def export_gpu():
+        n = 0
+        params = dict(actor.model.named_parameters())
+        with torch.no_grad():
+            for m in weight_mappings(actor.spec):
+                for tensor in _to_hf(m, [params[m.megatron].detach()], actor.spec):
+                    n += tensor.to(torch.bfloat16).numel()
+        return n
+
+    numel = export_gpu()
+    t_api, _ = timed_median(export_api, args.steps)
+    t_gpu, _ = timed_median(export_gpu, args.steps)
+    moved = numel * (4 + 2)  # read fp32, write bf16
+    report["tidal_export"] = {
+        "hf_elements": numel,
+        "named_hf_tensors_cpu_fp32_s": t_api,
+        "gpu_bf16_s": t_gpu,
+        "gpu_bf16_tb_s_read_plus_write": moved / t_gpu / 1e12,
+    }
+    log(f"tidal export: {report['tidal_export']}")
+    del actor
+
+
+def profile(report: dict, args, fn, tag: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    Path(args.out, f"profile_{tag}.txt").write_text(table)
+    print(f"--- profile {tag} (top by CUDA time) ---\n" + "\n".join(table.splitlines()[:22]), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- Hugging Face
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention function for packed rows: ``[1, h, T, d]`` q/k/v, segments from ``cu_seq_lens_q``."""
+    from tidal.actor.attention import packed_causal_attention
+
+    out = packed_causal_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        kwargs["cu_seq_lens_q"],
+        int(kwargs["max_length_q"]),
+        scale=scaling,
+    )
+    return out.unsqueeze(0), None
+
+
+def hf_row_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log p(ids[t+1] | ...) per row position of one row, fp32, one row's logits at a time (TRL's selective way)."""
+    lp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
+    return torch.cat([lp.new_zeros(1), lp])
+
+
+def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
+    from tidal.batching import pack_micro_batches, plan_micro_batches
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register("tidal_varlen", varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("tidal_varlen", lambda *a, **k: None)
+    lengths, tokens, masks = work["lengths"], work["tokens"], work["loss_masks"]
+    old, adv = work["old_log_probs"], work["advantages"]
+    real = int(lengths.sum())
+    num_loss_tokens = float(sum(float(m.sum()) for m in masks))
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa").to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    autocast = torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=CUDA)
+
+    def padded(idx):
+        n = max(int(lengths[i]) for i in idx)
+        ids = torch.zeros(len(idx), n, dtype=torch.long)
+        att = torch.zeros(len(idx), n, dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, : lengths[i]] = tokens[i]
+            att[r, : lengths[i]] = 1
+        return ids.to(DEV), att.to(DEV)
+
+    groups = lambda mbs: [list(range(s, min(s + mbs, len(tokens)))) for s in range(0, len(tokens), mbs)]  # noqa: E731
+
+    def padded_step(mbs):
+        model.train()
+        for idx in groups(mbs):
+            ids, att = padded(idx)
+            with autocast:
+                logits = model(input_ids=ids, attention_mask=att).logits
+            loss = 0.0
+            for r, i in enumerate(idx):
+                k = int(lengths[i])
+                lp = hf_row_log_probs(logits[r, :k], ids[r, :k])
+                loss = loss + ppo_loss(lp, old[i].to(DEV), float(adv[i]), masks[i].to(DEV), num_loss_tokens)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def padded_logprobs(mbs):
+        model.eval()
+        for idx in groups(mbs):
+            ids, att = padded(idx)
+            with autocast:
+                logits = model(input_ids=ids, attention_mask=att).logits
+            for r, i in enumerate(idx):
+                hf_row_log_probs(logits[r, : lengths[i]], ids[r, : lengths[i]]).cpu()
+
+    def packed_rows(max_tokens):
+        fields = {"old_log_probs": old, "advantages": [torch.full((len(t),), float(a)) for t, a in zip(tokens, adv, strict=True)]}
+        plan = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=max_tokens)
+        return pack_micro_batches(plan, 0, tokens, loss_masks=masks, token_fields=fields)
+
+    def packed_forward(mb):
+        cu = mb.cu_seqlens.to(DEV)
+        with autocast:
+            logits = model(
+                input_ids=mb.tokens[None].to(DEV),
+                position_ids=mb.position_ids[None].to(DEV),
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=mb.max_seqlen,
+                max_length_k=mb.max_seqlen,
+            ).logits[0]
+        ids = mb.tokens.to(DEV)
+        lp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None]).squeeze(-1)
+        starts = torch.zeros(len(ids), dtype=torch.bool, device=DEV)
+        starts[cu[:-1].long()] = True
+        return torch.where(starts, 0.0, torch.cat([lp.new_zeros(1), lp]))
+
+    def packed_step(rows):
+        model.train()
+        for mb in rows:
+            lp = packed_forward(mb)
+            f = {k: v.to(DEV) for k, v in mb.token_fields.items()}
+            ppo_loss(lp, f["old_log_probs"], f["advantages"], mb.loss_mask.to(DEV), num_loss_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def packed_logprobs(rows):
+        model.eval()
+        for mb in rows:
+            packed_forward(mb).cpu()
+
+    def measure(tag, fn, flop):
+        reset_peak()
+        try:
+            t, times = timed_median(fn, args.steps)
+        except torch.OutOfMemoryError as e:
+            opt.zero_grad(set_to_none=True)
+            report[tag] = {"error": f"OOM: {str(e)[:200]}", "peak_gib": peak_gib()}
+            log(f"{tag}: OOM")
+            return
+        report[tag] = {"tokens_per_s": real / t, "mfu": flop / t / PEAK_FLOPS, "peak_gib": peak_gib(), "times_s": times}
+        log(f"{tag}: {report[tag]}")
+
+    model.config._attn_implementation = "tidal_varlen"
+    rows_lp = packed_rows(args.max_tokens_logprob)
+    # Before any HF update: the packed HF path must give the actor's log-probs (same weights, bf16). A check.
+    with torch.no_grad():
+        model.eval()
+        mb = rows_lp[0]
+        lp = packed_forward(mb).cpu()
+        ref = torch.cat([old[i] for i in mb.sample_indices.tolist()])
+        report["hf_packed_vs_tidal_logprob_max_abs_diff"] = float((lp[: ref.numel()] - ref).abs().max())
+        log(f"hf packed vs tidal log-probs: {report['hf_packed_vs_tidal_logprob_max_abs_diff']}")
+    model.config._attn_implementation = "sdpa"
+    for mbs in args.hf_train_mbs:
+        measure(f"hf_padded_train_mbs{mbs}", lambda mbs=mbs: padded_step(mbs), flops["train"])
+    measure(f"hf_padded_logprob_mbs{args.hf_logprob_mbs}", lambda: padded_logprobs(args.hf_logprob_mbs), flops["fwd"])
+    model.config._attn_implementation = "tidal_varlen"
+    rows = packed_rows(args.hf_packed_train_tokens)
+    measure(f"hf_packed_train_{args.hf_packed_train_tokens}", lambda: packed_step(rows), flops["train"])
+    measure(f"hf_packed_logprob_{args.max_tokens_logprob}", lambda: packed_logprobs(rows_lp), flops["fwd"])
+    del model, opt
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def save_checkpoint(cfg_kwargs: dict, out: Path) -> tuple[int, int, int]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**cfg_kwargs)
+    with torch.device(DEV):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.02)
+            if "norm" in name:
+                p.add_(1.0)
+    model.save_pretrained(out)
+    n_matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)  # linears + (tied) LM head
+    del model
+    gc.collect()
+    d_attn = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    return n_matmul, cfg.num_hidden_layers, d_attn
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--tiny", action="store_true", help="tiny model and lengths, for debugging on CPU")
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=4096, help="--log-probs-chunk-size of the actor")
+    p.add_argument("--max-tokens-logprob", type=int, default=32768)
+    p.add_argument("--max-tokens-train", type=int, nargs="*", default=[16384, 32768])
+    p.add_argument("--max-tokens-recompute", type=int, nargs="*", default=[32768])
+    p.add_argument("--hf-train-mbs", type=int, nargs="*", default=[2])
+    p.add_argument("--hf-logprob-mbs", type=int, default=8)
+    p.add_argument("--hf-packed-train-tokens", type=int, default=16384)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--skip", nargs="*", default=[], help="sections to skip: ceilings actor hf")
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    report: dict = {"torch": torch.__version__, "argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M")}
+    if CUDA:
+        report["device"] = torch.cuda.get_device_name()
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    dump = lambda: Path(args.out, "actor_bench.json").write_text(json.dumps(report, indent=2))  # noqa: E731
+
+    from tidal.actor import init_distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
+    cfg = TINY if args.tiny else QWEN2_1_5B
+    work = make_workload(args.samples, args.seed, cfg["vocab_size"], 0.05 if args.tiny else 1.0)
+    lengths = work["lengths"]
+    report["workload"] = {
+        "samples": int(lengths.size),
+        "real_tokens": int(lengths.sum()),
+        "longest": int(lengths.max()),
+        "mean": float(lengths.mean()),
+    }
+    log(f"workload {report['workload']}")
+    sections = [("ceilings", lambda: ceilings(report))]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp, "model")
+        n_matmul, layers, d_attn = save_checkpoint(cfg, ckpt)
+        flops = {
+            "fwd": model_flops(lengths, n_matmul, layers, d_attn, train=False),
+            "train": model_flops(lengths, n_matmul, layers, d_attn, train=True),
+        }
+        report["model"] = {"n_matmul_params": n_matmul, "layers": layers, "d_attn": d_attn, **flops}
+        sections += [
+            ("actor", lambda: actor_section(report, args, ckpt, work, flops)),
+            ("hf", lambda: hf_section(report, args, ckpt, work, flops)),
+        ]
+        for name, fn in sections:
+            if name in args.skip:
+                continue
+            try:
+                fn()
+            except Exception as e:  # keep going: the report says what failed
+                import traceback
+
+                traceback.print_exc()
+                report.setdefault("errors", []).append(f"{name}: {e!r}"[:500])
+            reset_peak()
+            dump()
+    summary(report)
+
+
+def summary(report: dict) -> None:
+    rows = []
+    for key, val in report.items():
+        if isinstance(val, dict) and ("tokens_per_s" in val or "error" in val):
+            tps = val.get("tokens_per_s")
+            rows.append(
+                f"| {key} | {tps / 1e3:.1f}k | {val.get('mfu', float('nan')) * 100:.1f}% | {val['peak_gib']:.1f} |"
+                if tps
+                else f"| {key} | {val['error'][:40]} | | {val.get('peak_gib', float('nan')):.1f} |"
+            )
+    print("| what | tokens/s | MFU | peak GiB |\n| --- | --- | --- | --- |\n" + "\n".join(rows))
+    for key in ("tidal_export", "ceiling_matmul_bf16_tflops", "ceiling_d2d_copy_tb_s", "hf_packed_vs_tidal_logprob_max_abs_diff", "errors"):
+        if key in report:
+            print(key, report[key])
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
