@@ -114,6 +114,7 @@ def test_accuracy_is_reported_before_and_after(run):
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
     assert records[-1]["eval/accuracy"] == summary["eval_after"]
     assert "rollout 2/2 | reward" in output
+    assert (Path(summary["curves"])).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_no_child_process_remains(run):

@@ -21,6 +21,7 @@ import ray
 from tidal.train.config import JobConfig
 from tidal.train.data import Prompt, PromptDataset
 from tidal.train.metrics import MetricsLog, rollout_line
+from tidal.train.plots import write_curves
 from tidal.train.workers import ActorWorker, EngineWorker, RolloutData
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ def _train(job, cluster, train_data, eval_data, out: Path) -> RunResult:
     result = RunResult(output_dir=out, checkpoint_dir=ckpt_dir, weights_dir=None, engine_pids=cluster.engine_pids)
     result.eval_before = _evaluate(job, cluster, eval_data, reward_fn)
     logger.info("held-out accuracy before RL: %.3f", result.eval_before)
+    loop_start = time.monotonic()
     for rollout_id in range(job.train.num_rollout):
         times: dict[str, float] = {}
         tick = time.monotonic()
@@ -167,7 +169,10 @@ def _train(job, cluster, train_data, eval_data, out: Path) -> RunResult:
             ray.get([a.save_checkpoint.remote(str(ckpt_dir), rollout_id + 1, state) for a in cluster.actors])
         metrics_log.write(record)
         result.history.append(record)
-        logger.info(rollout_line(record, job.train.num_rollout))
+        write_curves(out / "curves.png", result.history, eval_before=result.eval_before)
+        elapsed = time.monotonic() - loop_start
+        eta = elapsed / (rollout_id + 1) * (job.train.num_rollout - rollout_id - 1)
+        logger.info("%s | ETA %.0f s", rollout_line(record, job.train.num_rollout), eta)
     result.eval_after = result.history[-1].get("eval/accuracy")
     _write_summary(result)
     return result
@@ -180,6 +185,7 @@ def _write_summary(result: RunResult) -> None:
         "eval_after": result.eval_after,
         "num_rollouts": len(result.history),
         "metrics": str(result.output_dir / "metrics.jsonl"),
+        "curves": str(result.output_dir / "curves.png"),
         "checkpoint_dir": str(result.checkpoint_dir),
         "weights_dir": str(result.weights_dir),
         "engine_pids": result.engine_pids,

@@ -1,0 +1,60 @@
+import subprocess
+import sys
+import time
+
+import pytest
+from tidal.train.cli import parse_job
+
+BAD = [
+    (["--lr", "-1"], "--lr"),
+    (["--rollout-batch-size", "0"], "--rollout-batch-size"),
+    (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt"),
+    (["--num-rollout", "0"], "--num-rollout"),
+    (["--rollout-temperature", "-0.5"], "--rollout-temperature"),
+    (["--eps-clip", "0"], "--eps-clip"),
+    (["--kl-loss-type", "k9"], "--kl-loss-type"),
+    (["--rm-type", "vibes"], "--rm-type"),
+    (["--custom-rm-path", "no_colon"], "--custom-rm-path"),
+    (["--ray-env", "NOVALUE"], "--ray-env"),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus"),
+    (["--rollout-num-gpus", "2", "--colocate"], "--colocate"),
+    (["--global-batch-size", "48"], "--global-batch-size"),
+    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu"),
+    (["--hf-checkpoint", "/nonexistent/model", "--prompt-data", __file__], "--hf-checkpoint"),
+    (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data"),
+    (["--not-a-flag", "1"], "--not-a-flag"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag"), BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_configuration_names_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        parse_job(argv)
+
+
+def test_default_job_is_valid_and_consistent():
+    job = parse_job([])
+    assert job.actor.hf_checkpoint.endswith(job.actor.hf_checkpoint.split("/")[-1])
+    assert job.batching.n_samples_per_prompt == job.rollout.n_samples_per_prompt
+    assert job.batching.resolve(dp_size=job.placement.num_actor_gpus).rollout_size == (
+        job.batching.rollout_batch_size * job.rollout.n_samples_per_prompt
+    )
+    # the engines serve in the actor's dtype unless told otherwise
+    assert job.rollout.sglang_server_args[-2:] == ("--dtype", job.actor.params_dtype)
+
+
+def test_sglang_flags_pass_through():
+    job = parse_job(["--sglang-mem-fraction-static", "0.5", "--sglang-dtype", "bfloat16"])
+    assert job.rollout.sglang_server_args == ("--mem-fraction-static", "0.5", "--dtype", "bfloat16")
+
+
+def test_a_config_error_answers_in_seconds_with_one_line():
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.train.cli", "--lr", "-1"], capture_output=True, text=True, timeout=120
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "train: error: --lr must be >= 0, got -1.0"
+    # Parsing must not import the heavy stacks; a generous bound that still catches a megatron import (~10 s+).
+    assert elapsed < 30, elapsed

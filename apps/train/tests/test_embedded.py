@@ -1,0 +1,45 @@
+import json
+
+from tidal.train.data import PromptDataset
+from tidal.train.embedded_model import build_tokenizer
+from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, make_records, read_jsonl, shipped_path
+
+
+def test_shipped_data_is_what_the_generator_makes():
+    train, held_out = make_records()
+    assert read_jsonl(shipped_path(TRAIN_FILE)) == train
+    assert read_jsonl(shipped_path(EVAL_FILE)) == held_out
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    for r in train[:50]:
+        a, b = r["prompt"].rstrip("=").split("+")
+        assert int(a) + int(b) == int(r["label"])
+
+
+def test_tokenizer_round_trips_and_never_encodes_to_nothing():
+    tok = build_tokenizer(["12+34=46"])
+    ids = tok.encode("12+34=46")
+    assert len(ids) == len("12+34=46") and tok.decode(ids) == "12+34=46"
+    assert tok.encode("The capital city of France is")  # SGLang's warm-up prompt
+    assert tok.eos_token_id is not None
+
+
+def test_prompt_batches_are_deterministic_and_wrap_epochs(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) + "\n" for i in range(10)))
+    tok = build_tokenizer(["0123456789+="])
+    one = PromptDataset(path, tok, input_key="q", label_key="a", seed=3)
+    two = PromptDataset(path, tok, input_key="q", label_key="a", seed=3)
+    assert [p.text for p in one.batch(4, 3)] == [p.text for p in two.batch(4, 3)]
+    first_epoch = [p.text for k in range(5) for p in one.batch(k, 2)]
+    assert sorted(first_epoch) == sorted(f"{i}+1=" for i in range(10))
+
+
+def test_missing_key_names_the_flag(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"question": "1+1="}) + "\n")
+    try:
+        PromptDataset(path, build_tokenizer(["1+="]), input_key="prompt", label_key="label", seed=0)
+    except ValueError as e:
+        assert "--input-key" in str(e)
+    else:
+        raise AssertionError("expected a ValueError")
