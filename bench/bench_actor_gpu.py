@@ -1,8 +1,10 @@
 """Actor throughput on one GPU: tidal-actor (packed, dynamic batch size) against Hugging Face transformers (issue 11).
 
-Run on the device machine (torch and transformers from its image, megatron-core carried):
+Run on the device machine (torch and transformers from its image, megatron-core carried): copy the venv's
+``megatron/`` and ``megatron_core-0.19.2.dist-info/`` into ``.carry/site`` (git-excluded), carry ``.carry``, then
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     PYTHONPATH=.carry/site:packages/actor/src:packages/batching/src:packages/ckpt/src \
-        python bench/bench_actor_gpu.py --out $OUT
+        python3 bench/bench_actor_gpu.py --out $OUT --profile --ab-rope
 Debug on CPU with a tiny model: uv run python bench/bench_actor_gpu.py --tiny --out /tmp/bab
 
 One run measures, on a Qwen2-1.5B-shaped random bf16 model and the RL-shaped length mix of
@@ -150,7 +152,6 @@ def ceilings(report: dict) -> None:
     y = torch.empty_like(x)
     t, _ = timed_median(lambda: y.copy_(x), 5)
     report["ceiling_d2d_copy_tb_s"] = 2 * x.numel() * 4 / t / 1e12
-    del a, b, x, y
 
 
 # ----------------------------------------------------------------------------------------------- tidal actor
@@ -190,7 +191,10 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         for i, v in zip(mb.sample_indices.tolist(), unpack(lp, mb), strict=True):
             old[i] = v
     work["old_log_probs"] = old
-    fields = {"old_log_probs": old, "advantages": [torch.full((len(t),), float(a)) for t, a in zip(tokens, work["advantages"], strict=True)]}
+    fields = {
+        "old_log_probs": old,
+        "advantages": [torch.full((len(t),), float(a)) for t, a in zip(tokens, work["advantages"], strict=True)],
+    }
 
     def train(max_tokens: int, tag: str) -> None:
         plan = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=max_tokens, pad_to_multiple_of=128)
@@ -216,10 +220,43 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
 
     for max_tokens in args.max_tokens_train:
         train(max_tokens, f"tidal_train_{max_tokens}")
+    if args.ab_rope:  # the same passes with megatron's own per-sequence THD RoPE (tidal.actor.compat patch 5 off)
+        from megatron.core.models.common.embeddings import rope_utils
+        from tidal.actor import compat
+
+        key = "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd"
+        rope_utils._apply_rotary_pos_emb_thd = compat.ORIGINALS[key]
+        try:
+            reset_peak()
+            t, times = timed_median(logprob_pass, args.steps)
+            report["tidal_logprob_megatron_rope"] = {
+                "tokens_per_s": real / t,
+                "mfu": flops["fwd"] / t / PEAK_FLOPS,
+                "peak_gib": peak_gib(),
+                "times_s": times,
+            }
+            log(f"tidal log-probs, megatron rope: {report['tidal_logprob_megatron_rope']}")
+            train(args.max_tokens_train[0], f"tidal_train_{args.max_tokens_train[0]}_megatron_rope")
+        finally:
+            rope_utils._apply_rotary_pos_emb_thd = compat._packed_rope_thd
     if args.profile and CUDA:
-        profile(report, args, lambda: actor.train_step(
-            pack_micro_batches(plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=args.max_tokens_train[0], pad_to_multiple_of=128), 0, tokens, loss_masks=masks, token_fields=fields, pad_to_multiple_of=128)
-        ), "train")
+        profile(
+            report,
+            args,
+            lambda: actor.train_step(
+                pack_micro_batches(
+                    plan_micro_batches(
+                        lengths, dp_size=1, max_tokens_per_gpu=args.max_tokens_train[0], pad_to_multiple_of=128
+                    ),
+                    0,
+                    tokens,
+                    loss_masks=masks,
+                    token_fields=fields,
+                    pad_to_multiple_of=128,
+                )
+            ),
+            "train",
+        )
         profile(report, args, logprob_pass, "logprob")
     enable_layer_recompute(actor.model)
     for max_tokens in args.max_tokens_recompute:
@@ -252,7 +289,6 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         "gpu_bf16_tb_s_read_plus_write": moved / t_gpu / 1e12,
     }
     log(f"tidal export: {report['tidal_export']}")
-    del actor
 
 
 def profile(report: dict, args, fn, tag: str) -> None:
@@ -291,7 +327,7 @@ def hf_row_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([lp.new_zeros(1), lp])
 
 
-def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
+def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:  # noqa: C901
     from tidal.batching import pack_micro_batches, plan_micro_batches
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -344,7 +380,10 @@ def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
                 hf_row_log_probs(logits[r, : lengths[i]], ids[r, : lengths[i]]).cpu()
 
     def packed_rows(max_tokens):
-        fields = {"old_log_probs": old, "advantages": [torch.full((len(t),), float(a)) for t, a in zip(tokens, adv, strict=True)]}
+        fields = {
+            "old_log_probs": old,
+            "advantages": [torch.full((len(t),), float(a)) for t, a in zip(tokens, adv, strict=True)],
+        }
         plan = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=max_tokens)
         return pack_micro_batches(plan, 0, tokens, loss_masks=masks, token_fields=fields)
 
@@ -402,6 +441,7 @@ def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
         lp = packed_forward(mb).cpu()
         ref = torch.cat([old[i] for i in mb.sample_indices.tolist()])
         report["hf_packed_vs_tidal_logprob_max_abs_diff"] = float((lp[: ref.numel()] - ref).abs().max())
+        report["hf_packed_vs_tidal_logprob_mean_abs_diff"] = float((lp[: ref.numel()] - ref).abs().mean())
         log(f"hf packed vs tidal log-probs: {report['hf_packed_vs_tidal_logprob_max_abs_diff']}")
     model.config._attn_implementation = "sdpa"
     for mbs in args.hf_train_mbs:
@@ -411,7 +451,6 @@ def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
     rows = packed_rows(args.hf_packed_train_tokens)
     measure(f"hf_packed_train_{args.hf_packed_train_tokens}", lambda: packed_step(rows), flops["train"])
     measure(f"hf_packed_logprob_{args.max_tokens_logprob}", lambda: packed_logprobs(rows_lp), flops["fwd"])
-    del model, opt
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -452,6 +491,7 @@ def main() -> None:
     p.add_argument("--hf-logprob-mbs", type=int, default=8)
     p.add_argument("--hf-packed-train-tokens", type=int, default=16384)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--ab-rope", action="store_true", help="also time the actor with megatron's per-sequence RoPE")
     p.add_argument("--skip", nargs="*", default=[], help="sections to skip: ceilings actor hf")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -518,7 +558,14 @@ def summary(report: dict) -> None:
                 else f"| {key} | {val['error'][:40]} | | {val.get('peak_gib', float('nan')):.1f} |"
             )
     print("| what | tokens/s | MFU | peak GiB |\n| --- | --- | --- | --- |\n" + "\n".join(rows))
-    for key in ("tidal_export", "ceiling_matmul_bf16_tflops", "ceiling_d2d_copy_tb_s", "hf_packed_vs_tidal_logprob_max_abs_diff", "errors"):
+    for key in (
+        "tidal_export",
+        "ceiling_matmul_bf16_tflops",
+        "ceiling_d2d_copy_tb_s",
+        "hf_packed_vs_tidal_logprob_max_abs_diff",
+        "hf_packed_vs_tidal_logprob_mean_abs_diff",
+        "errors",
+    ):
         if key in report:
             print(key, report[key])
 

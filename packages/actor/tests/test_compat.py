@@ -23,7 +23,7 @@ def test_apply_is_idempotent():
     before = (torch.cuda.current_device, dict(compat.ORIGINALS))
     assert compat.apply_cpu_compat() is True
     assert (torch.cuda.current_device, compat.ORIGINALS) == before
-    assert len(compat.ORIGINALS) == 7
+    assert len(compat.ORIGINALS) == 8
 
 
 def test_patch1_flash_mla_import_raises_oserror_unguarded():
@@ -82,3 +82,18 @@ def test_patch4_default_causal_mask(module):
     mask = sys.modules[module].get_default_causal_mask(4)
     assert mask.device.type == "cpu"
     assert torch.equal(mask, torch.triu(torch.ones(4, 4, dtype=torch.bool), 1))
+
+
+def test_patch5_packed_rope_matches_the_per_sequence_loop(dist_env):
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = compat.ORIGINALS["megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd"]
+    assert rope_utils._apply_rotary_pos_emb_thd is compat._packed_rope_thd
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 5, 17, 18, 40], dtype=torch.int32)  # an empty and a one-token sequence
+    t = torch.randn(40, 3, 8)
+    freqs = torch.randn(23, 1, 1, 8)  # max_seqlen 22 < 23 rows
+    cp = parallel_state.get_context_parallel_group()
+    kwargs = {"rotary_interleaved": False, "mla_rotary_interleaved": False, "mscale": 1.0, "cp_group": cp}
+    torch.testing.assert_close(compat._packed_rope_thd(t, cu, freqs, **kwargs), original(t, cu, freqs, **kwargs))

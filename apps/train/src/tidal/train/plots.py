@@ -24,7 +24,7 @@ def write_curves(path: Path, history: list[dict[str, Any]], *, eval_before: floa
     ax.set_xlabel("rollout")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp)

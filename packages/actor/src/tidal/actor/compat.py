@@ -15,6 +15,13 @@ patch wrong or unnecessary):
 4. ``get_default_causal_mask`` builds its mask on ``"cuda"``; it is replaced in both
    ``megatron.core.transformer.utils`` and ``megatron.core.fusions.fused_softmax`` (imported by name).
 
+5. THD RoPE in one pass (always, even with CUDA): megatron's unfused ``_apply_rotary_pos_emb_thd``
+   loops over the packed sequences in Python (``.tolist()`` host sync, ~10 small kernels per
+   sequence, per layer, for q and k). The replacement gathers each token's frequencies by its
+   position inside its sequence (computed on the device from ``cu_seqlens``) and rotates all tokens
+   at once: the same arithmetic, one pass, no host sync. Context parallelism (cp > 1) keeps the
+   original.
+
 Patches 2–4 are applied only when ``torch.cuda.is_available()`` is false.
 """
 
@@ -95,17 +102,45 @@ def _patch_causal_mask() -> None:
     _replace(fused_softmax, "get_default_causal_mask", _cpu_default_causal_mask)
 
 
+def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, *args: Any, **kwargs: Any):
+    """Patch 5: ``_apply_rotary_pos_emb_thd`` for cp = 1 in one pass (positions restart per sequence)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = ORIGINALS["megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd"]
+    cp_group = kwargs.get("cp_group")
+    if cp_group is None or cp_group.size() != 1 or args or kwargs.get("multi_latent_attention") is not None:
+        return original(t, cu_seqlens, freqs, *args, **kwargs)
+    idx = torch.arange(t.size(0), device=t.device)
+    cu = cu_seqlens.to(device=t.device, dtype=torch.long)
+    position = idx - cu[torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)]
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        freqs[position],
+        rotary_interleaved=kwargs.get("rotary_interleaved", False),
+        mla_rotary_interleaved=kwargs.get("mla_rotary_interleaved", False),
+        mscale=kwargs.get("mscale", 1.0),
+    ).squeeze(1)
+
+
+def _patch_packed_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd" not in ORIGINALS:
+        _replace(rope_utils, "_apply_rotary_pos_emb_thd", _packed_rope_thd)
+
+
 def apply_cpu_compat() -> bool:
     """Apply the compatibility patches this process needs; idempotent.
 
-    Call it in every process before megatron-core builds a model. Patch 1 is always applied;
-    patches 2–4 only when no CUDA device is available.
+    Call it in every process before megatron-core builds a model. Patches 1 and 5 are always
+    applied; patches 2–4 only when no CUDA device is available.
 
     Returns:
         True when the CPU patches (2–4) are in effect, False on a CUDA machine.
     """
     global _applied
     apply_flash_mla_guard()
+    _patch_packed_rope()
     if torch.cuda.is_available():
         return False
     if not _applied:
