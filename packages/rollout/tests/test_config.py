@@ -19,6 +19,8 @@ def test_sampling_params_carry_the_rollout_flags() -> None:
         "stop_token_ids": [5],
     }
     assert "stop_token_ids" not in RolloutConfig().sampling_params()
+    assert RolloutConfig(rollout_stop=("</answer>", "\n\n")).sampling_params()["stop"] == ["</answer>", "\n\n"]
+    assert "stop" not in RolloutConfig().sampling_params()
 
 
 @pytest.mark.parametrize(
@@ -32,6 +34,19 @@ def test_sampling_params_carry_the_rollout_flags() -> None:
         ({"sglang_startup_timeout_s": 0.0}, "--sglang-startup-timeout-s must be > 0, got 0.0"),
         ({"rm_type": "f1"}, "--rm-type must be exact_match, numeric_match or math, got 'f1'"),
         ({"custom_rm_path": "pkg.mod.fn"}, "--custom-rm-path must look like 'pkg.module:fn', got 'pkg.mod.fn'"),
+        ({"rollout_stop": ("</a>", "")}, r"--rollout-stop strings must be non-empty, got \('</a>', ''\)"),
+        ({"over_sampling_batch_size": 0}, "--over-sampling-batch-size must be >= 1, got 0"),
+        (
+            {"dynamic_sampling_filter_path": "std"},
+            r"--dynamic-sampling-filter-path must be one of \['reward_variance'\]",
+        ),
+        ({"dynamic_sampling_max_rounds": 0}, "--dynamic-sampling-max-rounds must be >= 1, got 0"),
+        ({"custom_generate_function_path": "f"}, "--custom-generate-function-path must look like 'pkg.module:fn'"),
+        ({"generate_max_concurrency": 0}, "--generate-max-concurrency must be >= 1, got 0"),
+        (
+            {"save_debug_rollout_data": "/a", "load_debug_rollout_data": "/b"},
+            "give only --load-debug-rollout-data",
+        ),
     ],
 )
 def test_bad_values_name_the_flag(kwargs: dict, message: str) -> None:
@@ -44,3 +59,11 @@ def test_sglang_flags_map_to_server_args() -> None:
     assert sglang_server_args(flags) == ("--mem-fraction-static", "0.7", "--enable-metrics", "--context-length=512")
     with pytest.raises(ValueError, match="'--mem-fraction-static' is not an SGLang pass-through flag"):
         sglang_server_args(["--mem-fraction-static", "0.7"])
+
+
+def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) -> None:
+    RolloutConfig(over_sampling_batch_size=8)
+    assert "--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path" in caplog.text
+    caplog.clear()
+    RolloutConfig(over_sampling_batch_size=8, dynamic_sampling_filter_path="pkg.mod:keep")
+    assert not caplog.text

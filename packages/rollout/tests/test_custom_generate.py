@@ -60,7 +60,7 @@ def test_generate_function_failures_name_the_flag_and_prompt(sglang_server: SGLa
     with pytest.raises(RolloutError, match=r"--custom-generate-function-path: .* failed on prompt 1: ConnectionError"):
         generate_samples(sglang_server, [[3, 4], [5, 6]], PARAMS, labels=["ok", "boom"], generate_fn=fails)
     returns_text = load_generate_fn(f"{plugins}:returns_text")
-    with pytest.raises(RolloutError, match="returned a str, not a tidal.rollout.Sample"):
+    with pytest.raises(RolloutError, match=r"returned a str, not a tidal\.rollout\.Sample"):
         generate_samples(sglang_server, [[3, 4]], PARAMS, generate_fn=returns_text)
     with pytest.raises(ValueError, match="--custom-generate-function-path 'no_such_mod_xyz:f': cannot import"):
         load_generate_fn("no_such_mod_xyz:f")

@@ -19,8 +19,12 @@ from tidal.rollout import (
 
 def test_saved_rollouts_replay_exactly(sglang_server: SGLangEngine, tmp_path: Path) -> None:
     params = {"n": 3, "max_new_tokens": 5, "temperature": 1.0}
-    samples = score_samples(generate_samples(sglang_server, [[3, 4], [5, 6, 7]], params, labels=["4", 7]), numeric_match)
-    samples[1] = dataclasses.replace(samples[1], response_loss_mask=[0] * len(samples[1].response_ids), reward_error="x")
+    samples = score_samples(
+        generate_samples(sglang_server, [[3, 4], [5, 6, 7]], params, labels=["4", 7]), numeric_match
+    )
+    samples[1] = dataclasses.replace(
+        samples[1], response_loss_mask=[0] * len(samples[1].response_ids), reward_error="x"
+    )
     out = tmp_path / "debug"
     assert save_rollout_data(out, 0, samples) == rollout_data_path(out, 0)
     save_rollout_data(out, 1, samples[:2])

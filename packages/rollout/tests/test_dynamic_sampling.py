@@ -27,7 +27,9 @@ def _generator(engine: SGLangEngine, cfg: RolloutConfig, reward: str) -> Callabl
     reward_fn = resolve_reward_fn(reward)
 
     def generate_groups(batch: list) -> list[Sample]:
-        samples = generate_samples(engine, [ids for ids, _ in batch], cfg.sampling_params(), labels=[l for _, l in batch])
+        samples = generate_samples(
+            engine, [ids for ids, _ in batch], cfg.sampling_params(), labels=[label for _, label in batch]
+        )
         return score_samples(samples, reward_fn)
 
     return generate_groups
@@ -68,6 +70,17 @@ def test_batch_fills_with_groups_that_have_reward_variance(sglang_server: SGLang
     kept = m["rollout/dynamic_sampling/groups_generated"] - m["rollout/dynamic_sampling/groups_dropped"]
     assert kept - m["rollout/dynamic_sampling/groups_surplus"] == 3
     assert m["rollout/dynamic_sampling/kept_frac"] == kept / m["rollout/dynamic_sampling/groups_generated"]
+
+
+def test_every_prompt_is_used_once_in_order(sglang_server: SGLangEngine, cfg: RolloutConfig) -> None:
+    prompts = iter([([3, 4], 0), ([5, 6], 1), ([7, 8], 2), ([9, 10], 3), ([11, 12], 4)])
+    result = sample_with_dynamic_filter(
+        _generator(sglang_server, cfg, cfg.custom_rm_path), prompts, rollout_batch_size=4,
+        over_sampling_batch_size=2, group_filter=lambda group: True, max_rounds=2,
+    )  # fmt: skip
+    assert [s.label for s in result.samples] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert next(prompts) == ([11, 12], 4)  # no prompt consumed beyond the two rounds
+    assert result.metrics["rollout/dynamic_sampling/groups_dropped"] == 0.0
 
 
 def test_rounds_are_bounded_and_prompts_can_run_out(

@@ -83,3 +83,42 @@ def test_filter_uniform_groups_drops_groups_without_signal() -> None:
     assert kept == samples[2:4]
     with pytest.raises(ValueError, match="needs scored samples"):
         filter_uniform_groups([sample(0, None)])
+
+
+def test_rollout_stop_strings_end_responses_and_keep_the_tokens(
+    sglang_server: SGLangEngine, tiny_model_dir: Path
+) -> None:
+    from tidal.rollout import RolloutConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (one,) = tokenizer.convert_tokens_to_ids(["1"])  # the only token whose text contains "1"
+    cfg = RolloutConfig(n_samples_per_prompt=4, rollout_max_response_len=8, rollout_stop=("1",))
+    params = {**cfg.sampling_params(), "ignore_eos": True}
+    assert params["stop"] == ["1"]
+    # The model follows "the answer is" with "1" most of the time (p ~ 0.9).
+    samples = generate_samples(sglang_server, [tokenizer.encode("the answer is")], params, decode=tokenizer.decode)
+    assert any(s.finish_reason == "stop" for s in samples)
+    for s in samples:
+        if s.finish_reason == "stop":  # ended by the stop string, whose token stays in the response
+            assert s.response_ids[-1] == one and one not in s.response_ids[:-1]
+            assert s.response_text.endswith("1")
+        else:
+            assert s.finish_reason == "length" and len(s.response_ids) == 8 and one not in s.response_ids
+
+
+def test_check_chat_template(tiny_model_dir: Path) -> None:
+    from tidal.rollout import check_chat_template
+
+    with pytest.raises(ValueError, match=r"--apply-chat-template is set but the tokenizer of .* has no chat template"):
+        check_chat_template(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
+    )
+    assert check_chat_template(tokenizer) == "<user>tidal chat template probe<bot>"
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{% endfor %}"
+    with pytest.raises(ValueError, match="renders a user message without its text"):
+        check_chat_template(tokenizer)
+    tokenizer.chat_template = "{{ raise_exception('system message required') }}"
+    with pytest.raises(ValueError, match=r"fails to render: .*system message required"):
+        check_chat_template(tokenizer)

@@ -21,7 +21,9 @@ def _tool_reply_ids(model_path: str) -> tuple[int, ...]:
     return tuple(AutoTokenizer.from_pretrained(model_path).encode(TOOL_REPLY))
 
 
-def two_turn_tool_task(engine: SGLangEngine, prompt_ids: list[int], sampling_params: dict[str, Any], *, label) -> Sample:
+def two_turn_tool_task(
+    engine: SGLangEngine, prompt_ids: list[int], sampling_params: dict[str, Any], *, label
+) -> Sample:
     tool = _tool_reply_ids(engine.model_path)
     # A response budget one token short of two full turns: the second turn is cut to fit it.
     turn = MultiTurn(prompt_ids, max_response_len=2 * sampling_params["max_new_tokens"] + len(tool) - 1)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         model_stop_token_ids,
         rollout_metrics,
     )
+    from tidal.rollout.partial_rollout import resume_samples
     from tidal.rollout.rewards import (
         BUILTIN_REWARDS,
         RewardFn,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "resume_samples": "partial_rollout",
     "GenerateFn": "custom_generate",
     "MultiTurn": "custom_generate",
     "load_generate_fn": "custom_generate",
@@ -134,6 +136,7 @@ __all__ = [
     "numeric_match",
     "resolve_group_filter",
     "resolve_reward_fn",
+    "resume_samples",
     "reward_variance",
     "rollout_data_path",
     "rollout_metrics",

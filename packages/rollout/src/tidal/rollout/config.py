@@ -77,7 +77,7 @@ class RolloutConfig:
     """Address the SGLang servers listen on."""
     sglang_server_args: tuple[str, ...] = ()
     """Extra sglang.launch_server arguments, already mapped from --sglang-* (see sglang_server_args())."""
-    sglang_startup_timeout_s: float = 300.0
+    sglang_startup_timeout_s: float = 600.0
     """Longest wait for an SGLang server to become healthy."""
     sglang_request_timeout_s: float = 600.0
     """Timeout of one HTTP request to an SGLang server (a whole batched generation)."""

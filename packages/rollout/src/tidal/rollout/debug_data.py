@@ -20,7 +20,13 @@ from tidal.rollout.types import Sample
 logger = logging.getLogger(__name__)
 
 FORMAT = "tidal-rollout-samples/1"
-_SEQUENCE_FIELDS = ("prompt_ids", "response_ids", "response_log_probs", "response_loss_mask")
+_SEQUENCE_FIELDS = (
+    "prompt_ids",
+    "response_ids",
+    "response_log_probs",
+    "response_loss_mask",
+    "response_weight_versions",
+)
 
 
 def rollout_data_path(path: str | os.PathLike[str], rollout_id: int) -> Path:

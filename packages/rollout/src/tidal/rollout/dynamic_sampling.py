@@ -8,6 +8,7 @@ rounds continue until ``rollout_batch_size`` groups are kept, or fail after ``ma
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ def sample_with_dynamic_filter(
                 "hard for the policy: raise --dynamic-sampling-max-rounds or --over-sampling-batch-size, or change "
                 "--dynamic-sampling-filter-path"
             )
-        batch = [prompt for prompt, _ in zip(source, range(over_sampling_batch_size), strict=False)]
+        batch = list(itertools.islice(source, over_sampling_batch_size))  # takes no prompt beyond
         if not batch:
             raise RolloutError(
                 f"dynamic sampling ran out of prompts with {len(kept)} of {rollout_batch_size} groups kept "

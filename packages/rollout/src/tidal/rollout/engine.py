@@ -344,6 +344,20 @@ class SGLangEngine:
             payload["weight_version"] = weight_version
         self.call("/update_weights_from_disk", payload, what=f"update_weights_from_disk({path})")
 
+    def abort(self, rid: str | None = None) -> None:
+        """Abort in-flight requests (all of them, or the one with ``rid``) via ``/abort_request``.
+
+        An aborted request's ``/generate`` call still answers, with the tokens sampled so far and
+        ``finish_reason`` "abort" (a partial rollout resumes them with :func:`resume_samples`).
+
+        Raises:
+            RolloutError: The server refused.
+        """
+        payload: dict[str, Any] = {"abort_all": True} if rid is None else {"rid": rid}
+        response = self._post("/abort_request", payload)
+        if response.status_code != 200:
+            raise RolloutError(f"/abort_request at {self.url} answered {response.status_code}: {response.text[:500]}")
+
     def flush_cache(self) -> None:
         """Empty the server's radix (prefix) cache.
 

@@ -39,6 +39,9 @@ class Sample:
     response_loss_mask: Sequence[int] | None = None
     """Per response token 1 (trained on) or 0 (e.g. a tool result a multi-turn rollout inserted, whose
     log-prob is then 0.0); None: every response token counts."""
+    response_weight_versions: Sequence[str | None] | None = None
+    """Weight version that sampled each response token (a partial rollout resumed after a weight update
+    mixes versions); None: all came from ``weight_version``."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_log_probs):
@@ -52,6 +55,19 @@ class Sample:
                 f"Sample.response_loss_mask must hold one 0 or 1 per response token ({len(self.response_ids)}), "
                 f"got {len(mask)} entries"
             )
+        versions = self.response_weight_versions
+        if versions is not None and len(versions) != len(self.response_ids):
+            raise ValueError(
+                f"Sample.response_weight_versions has {len(versions)} entries for {len(self.response_ids)} "
+                "response tokens; they must pair one to one"
+            )
+
+    @property
+    def token_weight_versions(self) -> list[str | None]:
+        """The weight version of each response token (``weight_version`` repeated when not tracked per token)."""
+        if self.response_weight_versions is not None:
+            return list(self.response_weight_versions)
+        return [self.weight_version] * len(self.response_ids)
 
     @property
     def tokens(self) -> list[int]:
