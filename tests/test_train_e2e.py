@@ -51,6 +51,7 @@ def run(tmp_path_factory):
         "--num-eval-prompts", "8",
         "--lr", "1e-4",
         "--entropy-coef", "1e-3",  # a gradient even if every group's rewards tie
+        "--save-debug-rollout-data", str(out / "debug"),
         "--output-dir", str(out),
     ]  # fmt: skip
     before = _children(os.getpid())
@@ -79,6 +80,18 @@ def test_one_record_per_rollout_with_finite_loss(run):
         assert math.isfinite(r["train/grad_norm"]) and r["train/grad_norm"] > 0
         assert 0.0 <= r["rollout/reward/mean"] <= 1.0
         assert r["rollout/response_len/mean"] > 0
+
+
+def test_samples_carry_the_engine_log_probs(run):
+    from tidal.rollout import load_rollout_data
+
+    _, summary, _, _, _ = run
+    samples = load_rollout_data(Path(summary["metrics"]).parent / "debug", 1)
+    assert len(samples) == 4 * 4
+    for s in samples:
+        assert len(s.response_log_probs) == len(s.response_ids) > 0
+        assert all(lp <= 0.0 for lp in s.response_log_probs)
+        assert s.reward in (0.0, 1.0)
 
 
 def test_actor_and_engine_agree_on_log_probs(run):

@@ -62,6 +62,8 @@ _SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--rollout-top-p", {"type": float, "help": "nucleus sampling mass"}),
         ("--rollout-top-k", {"type": int, "help": "top-k sampling (-1: all)"}),
         ("--rollout-stop-token-ids", {"type": int, "nargs": "+", "help": "extra token ids that end a response"}),
+        ("--rollout-stop", {"nargs": "+", "help": "strings that end a response"}),
+        ("--save-debug-rollout-data", {"help": "folder to write every rollout's samples to (one JSONL per rollout)"}),
         ("--rm-type", {"help": "built-in reward: exact_match, numeric_match or math"}),
         ("--custom-rm-path", {"help": "reward function by import path, pkg.module:fn"}),
         ("--sglang-host", {"help": "address the SGLang servers listen on (default 127.0.0.1)"}),
@@ -143,8 +145,9 @@ def parse_job(argv: list[str]):
         # from the same precision, so the engines run in the actor's dtype unless --sglang-dtype says otherwise.
         dtype = sections["actor"].get("params_dtype", "float32")
         rollout["sglang_server_args"] = (*rollout["sglang_server_args"], "--dtype", dtype)
-    if "rollout_stop_token_ids" in rollout:
-        rollout["rollout_stop_token_ids"] = tuple(rollout["rollout_stop_token_ids"])
+    for key in ("rollout_stop_token_ids", "rollout_stop"):
+        if key in rollout:
+            rollout[key] = tuple(rollout[key])
     train = sections["train"]
     if embedded:
         train.setdefault("prompt_data", str(shipped_path(TRAIN_FILE)))

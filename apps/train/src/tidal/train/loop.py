@@ -137,7 +137,7 @@ def _stop(cluster: _Cluster) -> None:
 
 
 def _train(job, cluster, train_data, eval_data, out: Path) -> RunResult:
-    from tidal.rollout import resolve_reward_fn
+    from tidal.rollout import resolve_reward_fn, save_rollout_data
 
     reward_fn = resolve_reward_fn(job.rollout.custom_rm_path or job.rollout.rm_type)
     metrics_log = MetricsLog(out / "metrics.jsonl")
@@ -152,6 +152,8 @@ def _train(job, cluster, train_data, eval_data, out: Path) -> RunResult:
         prompts = train_data.batch(rollout_id, job.batching.rollout_batch_size)
         samples = _generate(cluster, prompts, job.rollout.sampling_params(), reward_fn)
         times["time/generate"] = time.monotonic() - tick
+        if job.rollout.save_debug_rollout_data:
+            save_rollout_data(job.rollout.save_debug_rollout_data, rollout_id, samples)
 
         rollout = _rollout_data(samples, job.rollout.n_samples_per_prompt)
         train_metrics = ray.get([a.train.remote(rollout) for a in cluster.actors])[0]
