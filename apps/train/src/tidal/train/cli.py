@@ -101,7 +101,11 @@ _TITLES = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``train`` argument parser, grouped by the package that owns each flag; every default is None."""
-    parser = argparse.ArgumentParser(prog="train", description="RL post-training: Megatron actor, SGLang rollouts.")
+    parser = argparse.ArgumentParser(
+        prog="train",
+        description="RL post-training: Megatron actor, SGLang rollouts. "
+        "`train convert --help`: HF <-> Megatron checkpoint conversion.",
+    )
     for section, flags in _SECTIONS.items():
         group = parser.add_argument_group(_TITLES[section])
         for flag, kwargs in flags:
@@ -179,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging("train")
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["convert"]:
+        from tidal.train.convert import convert_main
+
+        return convert_main(argv[1:])
     try:
         job = parse_job(argv)
     except ValueError as e:

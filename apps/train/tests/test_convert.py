@@ -1,0 +1,119 @@
+"""``train convert``: HF -> Megatron torch_dist -> HF is bit-exact at TP 1 and across TP sizes; bad flags fail.
+
+The conversions run in worker processes started by ``convert_main``; this process never initialises
+torch.distributed.
+"""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tidal.train.convert import convert_main
+
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 (untied, q/k/v biases), weights ~N(0, 0.1) and distinct norms so any mix-up shows."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1).add_(1.0 if "norm" in name else 0.0)
+    out = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(out)
+    return out
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors |= load_file(file)
+    return tensors
+
+
+def assert_bit_exact(original: Path, converted: Path) -> None:
+    a, b = hf_tensors(original), hf_tensors(converted)
+    assert sorted(a) == sorted(b)
+    for name, tensor in a.items():
+        assert b[name].dtype == tensor.dtype, name
+        assert torch.equal(b[name], tensor), name
+    assert json.loads((converted / "config.json").read_text()) == json.loads((original / "config.json").read_text())
+    assert (converted / "generation_config.json").is_file()
+
+
+def convert_all(argvs: list[list[str]]) -> list[int]:
+    """Run conversions side by side (each starts its own worker processes): worker start-up is most of the time."""
+    with ThreadPoolExecutor(len(argvs)) as pool:
+        return list(pool.map(lambda argv: convert_main(argv, timeout_s=TIMEOUT_S), argvs))
+
+
+def test_round_trip_is_bit_exact_at_tp1_and_from_tp2_to_tp1(hf_dir, tmp_path):
+    tps = (1, 2)
+    hf = str(hf_dir)
+    to_megatron = [
+        ["--hf-checkpoint", hf, "--save", str(tmp_path / f"tp{tp}"), "--tensor-model-parallel-size", str(tp)]
+        for tp in tps
+    ]
+    assert convert_all(to_megatron) == [0, 0]
+    for tp in tps:
+        assert (tmp_path / f"tp{tp}" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+        assert (tmp_path / f"tp{tp}" / "iter_0000000" / "metadata.json").is_file()
+    # back at TP 1: for the TP 2 checkpoint a resharded load of what two ranks saved
+    to_hf = [
+        ["--load", str(tmp_path / f"tp{tp}"), "--hf-checkpoint", hf, "--save-hf", str(tmp_path / f"hf{tp}")]
+        for tp in tps
+    ]
+    assert convert_all(to_hf) == [0, 0]
+    for tp in tps:
+        assert_bit_exact(hf_dir, tmp_path / f"hf{tp}")
+    assert not torch.distributed.is_initialized()
+
+
+def bad_flags(hf_dir: Path, tmp: Path) -> list[tuple[list[str], str]]:
+    empty, stale = tmp / "empty", tmp / "stale"
+    empty.mkdir()
+    (stale / "iter_0000050").mkdir(parents=True)  # an interrupted save: no metadata.json, no tracker
+    hf, a, b = str(hf_dir), str(tmp / "a"), str(tmp / "b")
+    return [
+        (["--hf-checkpoint", hf], "give --save OUT"),
+        (["--save", a], "--hf-checkpoint is required"),
+        (["--load", a, "--hf-checkpoint", hf], "--save-hf OUT is required with --load"),
+        (["--hf-checkpoint", hf, "--save", a, "--save-hf", b], "--save (HF"),
+        (["--hf-checkpoint", str(empty), "--save", a], f"--hf-checkpoint {empty} has no config.json"),
+        (["--hf-checkpoint", hf, "--save", a, "--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3"),
+        (["--hf-checkpoint", hf, "--save", a, "--tensor-model-parallel-size", "x"], "invalid int"),
+        (["--hf-checkpoint", hf, "--save", a, "--ckpt-step", "3"], "--ckpt-step only applies"),
+        (["--hf-checkpoint", hf, "--save", a, "--bogus"], "unknown argument --bogus"),
+        (["--load", str(tmp / "nope"), "--hf-checkpoint", hf, "--save-hf", b], "--load"),
+        # a bad --load names what it found and the flag to use instead (tidal.ckpt's messages)
+        (["--load", hf, "--hf-checkpoint", hf, "--save-hf", b], "Pass it as --hf-checkpoint"),
+        (["--load", str(empty), "--hf-checkpoint", hf, "--save-hf", b], f"--load {empty} holds no checkpoint"),
+        (["--load", str(stale), "--hf-checkpoint", hf, "--save-hf", b], f"--load {stale} holds no checkpoint"),
+        (["--load", str(stale), "--ckpt-step", "50", "--hf-checkpoint", hf, "--save-hf", b], "incomplete"),
+    ]
+
+
+def test_bad_flags_fail_with_one_line_naming_the_flag(hf_dir, tmp_path, capsys):
+    for argv, message in bad_flags(hf_dir, tmp_path):
+        assert convert_main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("train convert: error: "), err
+        assert message in err, (argv, err)
+        assert "\n" not in err, err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
