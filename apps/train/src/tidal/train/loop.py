@@ -56,20 +56,9 @@ def run(job: JobConfig) -> RunResult:
     out = Path(job.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(job.actor.hf_checkpoint)
-    train_data = PromptDataset(
-        job.train.prompt_data,
-        tokenizer,
-        input_key=job.train.input_key,
-        label_key=job.train.label_key,
-        seed=job.train.seed,
-    )
-    eval_data = PromptDataset(
-        job.train.eval_prompt_data,
-        tokenizer,
-        input_key=job.train.input_key,
-        label_key=job.train.label_key,
-        seed=job.train.seed,
-    )
+    keys = {"input_key": job.train.input_key, "label_key": job.train.label_key, "seed": job.train.seed}
+    train_data = PromptDataset(job.train.prompt_data, tokenizer, **keys)
+    eval_data = PromptDataset(job.train.eval_prompt_data, tokenizer, **keys)
     with ray_session(job.placement):
         cluster = _start(job, out)
         try:
