@@ -40,13 +40,18 @@ def save_tiny_model(out_dir: Path, *, model_type: str = "qwen2", tie: bool = Fal
     return out_dir
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dist_env():
-    """World size 1 over gloo with Megatron's parallel state (TP=1), shared by the single-process tests."""
-    from tidal.actor import init_distributed
+    """World size 1 over gloo with Megatron's parallel state (TP=1), for one test module's single-process tests.
+
+    Module-scoped and torn down afterwards: a default process group left in the pytest process would be inherited
+    by every process that later tests fork (tidal-ckpt's multi-rank tests), which then cannot create their own.
+    """
+    from tidal.actor import destroy_distributed, init_distributed
 
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(), seed=1234)
     yield
+    destroy_distributed()
 
 
 @pytest.fixture(scope="session")
