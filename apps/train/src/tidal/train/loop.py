@@ -215,15 +215,10 @@ def _rollout_data(samples: list, group_size: int) -> RolloutData:
 
 
 def _rollout_metrics(samples: list) -> dict[str, float]:
-    rewards = [float(s.reward) for s in samples]
-    lengths = [len(s.response_ids) for s in samples]
-    return {
-        "rollout/reward/mean": sum(rewards) / len(rewards),
-        "rollout/response_len/mean": sum(lengths) / len(lengths),
-        "rollout/truncated_frac": sum(s.truncated for s in samples) / len(samples),
-        "rollout/reward_errors": float(sum(s.reward_error is not None for s in samples)),
-        "rollout/weight_version": min(_version(s.weight_version) for s in samples),
-    }
+    """tidal.rollout's per-rollout metrics plus the oldest engine weight version among the samples."""
+    from tidal.rollout import rollout_metrics
+
+    return rollout_metrics(samples) | {"rollout/weight_version": min(_version(s.weight_version) for s in samples)}
 
 
 def _version(value: str | None) -> float:
