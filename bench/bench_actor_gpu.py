@@ -4,7 +4,7 @@ Run on the device machine (torch and transformers from its image, megatron-core 
 ``megatron/`` and ``megatron_core-0.19.2.dist-info/`` into ``.carry/site`` (git-excluded), carry ``.carry``, then
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     PYTHONPATH=.carry/site:packages/actor/src:packages/batching/src:packages/ckpt/src \
-        python3 bench/bench_actor_gpu.py --out $OUT --profile --ab-rope
+        python3 bench/bench_actor_gpu.py --out $OUT --profile --ab-fused --skip hf
 Debug on CPU with a tiny model: uv run python bench/bench_actor_gpu.py --tiny --out /tmp/bab
 
 One run measures, on a Qwen2-1.5B-shaped random bf16 model and the RL-shaped length mix of
@@ -12,7 +12,10 @@ bench_batching.py (``lognormal_mix``, fixed seed, same samples for every contend
   (a) tidal-actor: ``plan_micro_batches(max_tokens_per_gpu=...)`` + ``pack``; ``train_step`` / ``compute_log_probs``;
   (b) HF transformers, SDPA, padded micro-batches (arrival order, micro-batch size 2 to train, 8 for log-probs);
   (c) HF transformers on packed rows (the same plan as (a)) with ``position_ids`` and a varlen attention function.
-Every contender: fp32 weights and AdamW state, bf16 autocast, the same PPO-clip loss over response tokens.
+tidal-actor (default ``--precision bf16-main``): bf16 parameters with fp32 main copies and fp32 AdamW state, no
+autocast, fused SwiGLU and log-softmax (``torch.compile``); ``--precision autocast`` is the earlier setting (fp32
+weights under bf16 autocast). HF contenders: fp32 weights and AdamW state, bf16 autocast. All: the same PPO-clip loss
+over response tokens.
 
 Figures (median over ``--steps`` repeats after one warm-up): real tokens/s of one optimizer step over the whole
 batch, of a log-prob pass over the whole batch, MFU, peak memory, and the time to export every weight as
@@ -32,6 +35,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import socket
 import statistics
@@ -157,14 +161,61 @@ def ceilings(report: dict) -> None:
 # ----------------------------------------------------------------------------------------------- tidal actor
 
 
+def actor_config(args, ckpt: Path):
+    from tidal.actor import ActorConfig
+
+    if args.precision == "bf16-main":  # bf16 parameters, fp32 main copies in the optimizer (no autocast)
+        precision = dict(params_dtype="bfloat16", fp32_main_params=True)
+    else:  # the shipped default before issue 11's second pass: fp32 weights under bf16 autocast
+        precision = dict(bf16=True)
+    return ActorConfig(
+        hf_checkpoint=str(ckpt),
+        lr=1e-6,
+        log_probs_chunk_size=args.chunk,
+        fused_kernels=not args.no_fused,
+        recompute_lm_head=not args.keep_lm_head,
+        **precision,
+    )
+
+
+def logprob_transient_estimate(cfg: dict, tokens: int, chunk: int, fused: bool) -> float:
+    """Bytes a no-grad forward of ``tokens`` tokens needs beyond what is resident: the larger of one layer's MLP
+    (fc1 output [T, 2F], SwiGLU output [T, F], three [T, h] tensors: residual, norm output, fc2 output) and one
+    LM-head chunk (bf16 logits [c, V], plus an fp32 log-softmax [c, V] unless fused), plus the final hidden
+    states [T, h] kept while the head runs; all bf16 (2 bytes)."""
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    layer = tokens * (3 * f + 3 * h) * 2
+    head = chunk * v * 2 + (0 if fused else chunk * v * 4)
+    return max(layer, head) + tokens * h * 2
+
+
+def allocated_gib() -> float:
+    return torch.cuda.memory_allocated() / 2**30 if CUDA else float("nan")
+
+
 def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
-    from tidal.actor import Actor, ActorConfig
-    from tidal.actor.bridge import _to_hf, enable_layer_recompute, weight_mappings
+    from tidal.actor import Actor
+    from tidal.actor.bridge import enable_layer_recompute
     from tidal.batching import pack_micro_batches, plan_micro_batches, unpack
 
     lengths, tokens, masks = work["lengths"], work["tokens"], work["loss_masks"]
-    actor = Actor(ActorConfig(hf_checkpoint=str(ckpt), bf16=True, lr=1e-6, log_probs_chunk_size=args.chunk))
+    if CUDA and not args.no_fused:  # a torch.compile failure must not cost the run: fall back to eager
+        try:
+            from tidal.actor.logprobs import _compiled_local_log_probs
+
+            x = torch.randn(64, 1000, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            lp, ent = _compiled_local_log_probs()(x, torch.randint(0, 1000, (64,), device=DEV), with_entropy=True)
+            (lp.sum() + ent.sum()).backward()
+        except Exception as e:
+            report.setdefault("errors", []).append(f"torch.compile smoke test failed, running unfused: {e!r}"[:500])
+            args.no_fused = True
+    cfg = actor_config(args, ckpt)
+    actor = Actor(cfg)
+    keys = ("params_dtype", "fp32_main_params", "bf16", "fused_kernels", "recompute_lm_head", "log_probs_chunk_size")
+    report["actor_config"] = {k: getattr(cfg, k) for k in keys}
     real = int(lengths.sum())
+    resident = allocated_gib()
+    report["actor_resident_gib_after_build"] = resident
 
     # Log-prob pass over the whole batch, micro-batches of --max-tokens-logprob.
     plan = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=args.max_tokens_logprob, pad_to_multiple_of=128)
@@ -175,17 +226,25 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         outs.clear()
         outs.extend(actor.compute_log_probs(mb) for mb in mbs)
 
-    reset_peak()
-    t, times = timed_median(logprob_pass, args.steps)
-    report["tidal_logprob"] = {
-        "max_tokens": args.max_tokens_logprob,
-        "micro_batches": len(mbs),
-        "tokens_per_s": real / t,
-        "mfu": flops["fwd"] / t / PEAK_FLOPS,
-        "peak_gib": peak_gib(),
-        "times_s": times,
-    }
-    log(f"tidal log-probs: {report['tidal_logprob']}")
+    def measure_logprob(tag: str) -> None:
+        reset_peak()
+        before = allocated_gib()
+        t, times = timed_median(logprob_pass, args.steps)
+        est = logprob_transient_estimate(args.model_cfg, max(mb.num_tokens for mb in mbs), args.chunk, actor._fused)
+        report[tag] = {
+            "max_tokens": args.max_tokens_logprob,
+            "micro_batches": len(mbs),
+            "tokens_per_s": real / t,
+            "mfu": flops["fwd"] / t / PEAK_FLOPS,
+            "peak_gib": peak_gib(),
+            "resident_gib": before,
+            "transient_gib": peak_gib() - before,
+            "transient_estimate_gib": est / 2**30,
+            "times_s": times,
+        }
+        log(f"{tag}: {report[tag]}")
+
+    measure_logprob("tidal_logprob")
     old = [None] * len(tokens)
     for mb, lp in zip(mbs, outs, strict=True):
         for i, v in zip(mb.sample_indices.tolist(), unpack(lp, mb), strict=True):
@@ -196,17 +255,20 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         "advantages": [torch.full((len(t),), float(a)) for t, a in zip(tokens, work["advantages"], strict=True)],
     }
 
-    def train(max_tokens: int, tag: str) -> None:
+    def train_mbs(max_tokens: int):
         plan = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=max_tokens, pad_to_multiple_of=128)
-        mbs = pack_micro_batches(plan, 0, tokens, loss_masks=masks, token_fields=fields, pad_to_multiple_of=128)
+        return pack_micro_batches(plan, 0, tokens, loss_masks=masks, token_fields=fields, pad_to_multiple_of=128)
+
+    def train(max_tokens: int, tag: str) -> bool:
+        mbs = train_mbs(max_tokens)
         reset_peak()
         try:
             t, times = timed_median(lambda: actor.train_step(mbs), args.steps)
         except torch.OutOfMemoryError as e:
             report[tag] = {"max_tokens": max_tokens, "error": f"OOM: {str(e)[:200]}", "peak_gib": peak_gib()}
-            actor.optimizer.zero_grad(set_to_none=True)
+            actor._zero_grad()
             log(f"{tag}: OOM")
-            return
+            return False
         report[tag] = {
             "max_tokens": max_tokens,
             "micro_batches": len(mbs),
@@ -217,77 +279,71 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
             "times_s": times,
         }
         log(f"{tag}: {report[tag]}")
+        return True
 
-    for max_tokens in args.max_tokens_train:
-        train(max_tokens, f"tidal_train_{max_tokens}")
-    if args.ab_rope:  # the same passes with megatron's own per-sequence THD RoPE (tidal.actor.compat patch 5 off)
-        from megatron.core.models.common.embeddings import rope_utils
+    fits = [m for m in args.max_tokens_train if train(m, f"tidal_train_{m}")]
+    if args.ab_lm_head and fits:  # the largest fitting size again with the other LM-head setting
+        actor._recompute_lm_head = not actor._recompute_lm_head
+        try:
+            train(max(fits), f"tidal_train_{max(fits)}_recompute_lm_head_{actor._recompute_lm_head}")
+        finally:
+            actor._recompute_lm_head = not actor._recompute_lm_head
+    if args.ab_fused and actor._fused:  # the same passes with SwiGLU, RoPE and the log-softmax unfused (eager)
         from tidal.actor import compat
 
-        key = "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd"
-        rope_utils._apply_rotary_pos_emb_thd = compat.ORIGINALS[key]
+        first = [lp.clone() for lp in outs]
+        actor._fused = False
+        actor.model.config.bias_activation_fusion = False
+        compat.set_fused_rope(False)
         try:
-            reset_peak()
-            t, times = timed_median(logprob_pass, args.steps)
-            report["tidal_logprob_megatron_rope"] = {
-                "tokens_per_s": real / t,
-                "mfu": flops["fwd"] / t / PEAK_FLOPS,
-                "peak_gib": peak_gib(),
-                "times_s": times,
-            }
-            log(f"tidal log-probs, megatron rope: {report['tidal_logprob_megatron_rope']}")
-            train(args.max_tokens_train[0], f"tidal_train_{args.max_tokens_train[0]}_megatron_rope")
+            measure_logprob("tidal_logprob_unfused")
+            report["fused_vs_unfused_logprob_max_abs_diff"] = max(
+                float((a - b).abs().max()) for a, b in zip(first, outs, strict=True)
+            )
+            train(args.max_tokens_train[0], f"tidal_train_{args.max_tokens_train[0]}_unfused")
         finally:
-            rope_utils._apply_rotary_pos_emb_thd = compat._packed_rope_thd
+            actor._fused = True
+            actor.model.config.bias_activation_fusion = True
+            compat.set_fused_rope(True)
     if args.profile and CUDA:
-        profile(
-            report,
-            args,
-            lambda: actor.train_step(
-                pack_micro_batches(
-                    plan_micro_batches(
-                        lengths, dp_size=1, max_tokens_per_gpu=args.max_tokens_train[0], pad_to_multiple_of=128
-                    ),
-                    0,
-                    tokens,
-                    loss_masks=masks,
-                    token_fields=fields,
-                    pad_to_multiple_of=128,
-                )
-            ),
-            "train",
-        )
+        biggest = train_mbs(max(fits or args.max_tokens_train[:1]))
+        profile(report, args, lambda: actor.train_step(biggest), "train")
         profile(report, args, logprob_pass, "logprob")
-    enable_layer_recompute(actor.model)
-    for max_tokens in args.max_tokens_recompute:
-        train(max_tokens, f"tidal_train_recompute_{max_tokens}")
+    if args.max_tokens_recompute:
+        enable_layer_recompute(actor.model)
+        for max_tokens in args.max_tokens_recompute:
+            train(max_tokens, f"tidal_train_recompute_{max_tokens}")
+    export_section(report, args, actor)
 
-    # Weight export: the public API (CPU tensors, fp32 as stored) and HF-named bf16 tensors kept on the GPU.
+
+def export_section(report: dict, args, actor) -> None:
+    """Weight export: the checkpoint API (CPU, fp32) and the weight-sync buckets (bf16, on the device)."""
+
     def export_api():
-        n = 0
-        for _, tensor in actor.named_hf_tensors():
-            n += tensor.numel()
-        return n
+        return sum(tensor.numel() for _, tensor in actor.named_hf_tensors())
 
-    def export_gpu():
-        n = 0
-        params = dict(actor.model.named_parameters())
-        with torch.no_grad():
-            for m in weight_mappings(actor.spec):
-                for tensor in _to_hf(m, [params[m.megatron].detach()], actor.spec):
-                    n += tensor.to(torch.bfloat16).numel()
-        return n
+    def export_buckets(reuse: bool):
+        buckets = actor.hf_tensor_buckets(bucket_bytes=args.bucket_mb * 2**20, reuse_buffers=reuse)
+        return sum(b.flat.numel() for b in buckets)
 
-    numel = export_gpu()
+    numel = export_buckets(False)
     t_api, _ = timed_median(export_api, args.steps)
-    t_gpu, _ = timed_median(export_gpu, args.steps)
-    moved = numel * (4 + 2)  # read fp32, write bf16
+    src_bytes = next(actor.model.parameters()).element_size()
+    moved = numel * (src_bytes + 2)  # read the parameter, write bf16
     report["tidal_export"] = {
         "hf_elements": numel,
+        "bucket_mb": args.bucket_mb,
         "named_hf_tensors_cpu_fp32_s": t_api,
-        "gpu_bf16_s": t_gpu,
-        "gpu_bf16_tb_s_read_plus_write": moved / t_gpu / 1e12,
     }
+    for reuse in (False, True):
+        t, times = timed_median(lambda reuse=reuse: export_buckets(reuse), max(args.steps, 10))
+        tag = "reused" if reuse else "fresh"
+        report["tidal_export"] |= {
+            f"buckets_{tag}_s": t,
+            f"buckets_{tag}_times_s": times,
+            f"buckets_{tag}_tb_s_read_plus_write": moved / t / 1e12,
+            f"buckets_{tag}_fraction_of_copy_ceiling": moved / t / 1e12 / report.get("ceiling_d2d_copy_tb_s", math.nan),
+        }
     log(f"tidal export: {report['tidal_export']}")
 
 
@@ -296,9 +352,15 @@ def profile(report: dict, args, fn, tag: str) -> None:
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         sync()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        wall = time.perf_counter() - t0
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda) / 1e6
+    report[f"profile_{tag}"] = {"wall_s": wall, "kernel_s": kernels}
+    log(f"profile {tag}: {kernels:.3f} s of kernels in {wall:.3f} s (under the profiler)")
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60)
     Path(args.out, f"profile_{tag}.txt").write_text(table)
     print(f"--- profile {tag} (top by CUDA time) ---\n" + "\n".join(table.splitlines()[:22]), flush=True)
 
@@ -486,12 +548,17 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=4096, help="--log-probs-chunk-size of the actor")
     p.add_argument("--max-tokens-logprob", type=int, default=32768)
     p.add_argument("--max-tokens-train", type=int, nargs="*", default=[16384, 32768])
-    p.add_argument("--max-tokens-recompute", type=int, nargs="*", default=[32768])
+    p.add_argument("--max-tokens-recompute", type=int, nargs="*", default=[])
+    p.add_argument("--precision", choices=["bf16-main", "autocast"], default="bf16-main")
+    p.add_argument("--no-fused", action="store_true", help="fused_kernels=False (no torch.compile)")
+    p.add_argument("--ab-fused", action="store_true", help="also time the actor with fused kernels off")
+    p.add_argument("--keep-lm-head", action="store_true", help="recompute_lm_head=False (keep the chunks' logits)")
+    p.add_argument("--ab-lm-head", action="store_true", help="also time training with the other LM-head setting")
+    p.add_argument("--bucket-mb", type=int, default=512, help="weight-export bucket size")
     p.add_argument("--hf-train-mbs", type=int, nargs="*", default=[2])
     p.add_argument("--hf-logprob-mbs", type=int, default=8)
     p.add_argument("--hf-packed-train-tokens", type=int, default=16384)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--ab-rope", action="store_true", help="also time the actor with megatron's per-sequence RoPE")
     p.add_argument("--skip", nargs="*", default=[], help="sections to skip: ceilings actor hf")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -510,6 +577,7 @@ def main() -> None:
         port = s.getsockname()[1]
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
     cfg = TINY if args.tiny else QWEN2_1_5B
+    args.model_cfg = cfg
     work = make_workload(args.samples, args.seed, cfg["vocab_size"], 0.05 if args.tiny else 1.0)
     lengths = work["lengths"]
     report["workload"] = {

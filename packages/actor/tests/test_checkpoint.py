@@ -47,3 +47,21 @@ def test_model_only_load(dist_env, qwen2_dir, tmp_path):
     b.load_state_dict(state)
     assert b.num_steps == 0
     torch.testing.assert_close(a.compute_log_probs(pack(SEQS)), b.compute_log_probs(pack(SEQS)), atol=0, rtol=0)
+
+
+def test_fp32_main_params_resume_identically(dist_env, qwen2_dir, tmp_path):
+    cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-5, params_dtype="bfloat16", fp32_main_params=True)
+    a = Actor(cfg)
+    a.train_step([batch_for(a)])
+    save_checkpoint(tmp_path / "ckpt", 1, a.sharded_state_dict())
+    b = Actor(cfg)
+    state, _ = load_checkpoint(tmp_path / "ckpt", b.sharded_state_dict())
+    b.load_state_dict(state)
+    # the fp32 main weights (not just their bf16 rounding) come back
+    for ma, mb in zip(a.main_params.main, b.main_params.main, strict=True):
+        assert torch.equal(ma, mb)
+    a.train_step([batch_for(a)]), b.train_step([batch_for(b)])
+    for ma, mb in zip(a.main_params.main, b.main_params.main, strict=True):
+        assert torch.equal(ma, mb)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert pa.dtype == torch.bfloat16 and torch.equal(pa, pb)

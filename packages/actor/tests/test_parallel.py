@@ -71,7 +71,7 @@ def test_multi_process_matches_single(tmp_path, request, hf_reference, single, w
     seqs = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77], [9, 8, 7, 6, 5]]
     _, ref = hf_reference(hf_dir, seqs)
     for r in results:
-        assert r["export_equal"]
+        assert r["export_equal"] and r["buckets_equal"]
         torch.testing.assert_close(r["log_probs"], torch.cat(ref), atol=1e-4, rtol=0)
         torch.testing.assert_close(r["log_probs"], single["log_probs"], atol=1e-5, rtol=0)
         for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/num_loss_tokens"):

@@ -39,6 +39,10 @@ def run(rank: int, world: int, port: int, tp: int, hf_dir: str) -> dict:
     result["export_equal"] = set(exported) == set(original) and all(
         torch.equal(t, original[n]) for n, t in exported.items()
     )
+    buckets = [(n, t) for b in actor.hf_tensor_buckets(bucket_bytes=64 * 2**10) for n, t in b]
+    result["buckets_equal"] = [n for n, _ in buckets] == list(exported) and all(
+        torch.equal(t, exported[n].to(torch.bfloat16)) for n, t in buckets
+    )
     advantages = [1.0, -1.0, 0.5, -0.5]
     dp, dp_rank = world // tp, rank // tp
     mbs = [rl_batch(actor, [s], [a]) for s, a in zip(SEQS, advantages, strict=True)]

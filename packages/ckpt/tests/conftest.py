@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +20,16 @@ import pytest
 RANK_TIMEOUT_S = 120
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store: str, queue: Any, args: tuple) -> None:
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, store: str, queue: Any, args: tuple, backend: str
+) -> None:
+    import torch
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -45,13 +51,16 @@ class RankError(Exception):
         self.rank, self.type_name, self.message = rank, type_name, message
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, tmp_path: Path) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank or raise."""
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, tmp_path: Path, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank or raise.
+
+    ``backend="nccl"`` needs GPUs, and a parent process that has not initialized CUDA (it forks).
+    """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     store = tmp_path / f"store-{os.urandom(4).hex()}"
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, rank, world_size, str(store), queue, args))
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, str(store), queue, args, backend))
         for rank in range(world_size)
     ]
     for p in procs:
@@ -78,9 +87,42 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, tmp_path: Pat
 
 @pytest.fixture
 def ranks(tmp_path: Path) -> Callable[..., list[Any]]:
-    """``ranks(world_size, fn, *args)`` runs fn on that many gloo ranks (see run_ranks)."""
+    """``ranks(world_size, fn, *args, backend="gloo")`` runs fn on that many ranks (see run_ranks)."""
 
-    def run(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return run_ranks(world_size, fn, *args, tmp_path=tmp_path)
+    def run(world_size: int, fn: Callable[..., Any], *args: Any, backend: str = "gloo") -> list[Any]:
+        return run_ranks(world_size, fn, *args, tmp_path=tmp_path, backend=backend)
 
     return run
+
+
+GATE_TIMEOUT_S = 60.0
+
+
+def install_writer_gate(gate: Path, started: Path) -> None:
+    """In this rank process: megatron's checkpoint writer records its pid in ``started``, then waits for ``gate``.
+
+    The writer runs in the process megatron forks for an async save, so this is a slow disk on demand: the test
+    decides when (or whether) the data gets written.
+    """
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.write_preloaded_data_multithread
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        partial = started.with_name(f".{started.name}.tmp")
+        partial.write_text(str(os.getpid()))
+        os.replace(partial, started)  # a reader never sees an empty file
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not gate.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{gate} did not appear within {GATE_TIMEOUT_S} s")
+            time.sleep(0.01)
+        return original(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(gated)
+
+
+@pytest.fixture
+def gate_writer() -> Callable[[Path, Path], None]:
+    """``gate_writer(gate, started)``, to call inside a rank process (see install_writer_gate)."""
+    return install_writer_gate

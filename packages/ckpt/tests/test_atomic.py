@@ -1,4 +1,8 @@
-"""A save SIGKILLed at any step leaves the previous checkpoint loadable; the next save cleans up after it."""
+"""A save SIGKILLed at any step leaves the previous checkpoint loadable; the next save cleans up after it.
+
+Sync saves are killed at five points; async saves while the forked writer is writing (the writer dies with the
+trainer) and while the trainer publishes in ``wait()``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -51,12 +56,44 @@ def _install(point: str) -> None:
         _kill_when(shutil, "rmtree", lambda path, *a: str(path).endswith(".deleting"))
 
 
-def _child(save_dir: Path, point: str, store: Path) -> None:
+def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def _child(save_dir: Path, point: str, store: Path, gate_writer) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     save_checkpoint(save_dir, 1, _state(1.0))
-    _install(point)
-    save_checkpoint(save_dir, 2, _state(2.0), keep_last=1)
+    if point == "async_writing":  # the trainer dies while its writer process is busy writing
+        writer_pid = save_dir.parent / "writer.pid"
+        gate_writer(save_dir.parent / "never", writer_pid)
+        save_checkpoint(save_dir, 2, _state(2.0), keep_last=1, async_save=True)
+        _wait_for(writer_pid)
+        _die()
+    elif point == "async_publishing":  # the data is durable; the trainer dies in wait() before the rename
+        handle = save_checkpoint(save_dir, 2, _state(2.0), keep_last=1, async_save=True)
+        _install("before_rename")
+        handle.wait()
+    else:
+        _install(point)
+        save_checkpoint(save_dir, 2, _state(2.0), keep_last=1)
     os._exit(3)  # not reached: the hook kills the process
+
+
+def _gone(pid: int, timeout_s: float = 30.0) -> bool:
+    """Whether ``pid`` exits (or is a zombie awaiting its reaper) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
+        if "\nState:\tZ" in status:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _load_w(save_dir: Path, store: Path, queue) -> None:
@@ -77,6 +114,8 @@ LEFTOVERS = {
     "before_rename": {".iter_0000002.tmp": sorted([*_WRITTEN, "metadata.json"])},
     "before_tracker": {".latest_checkpointed_iteration.txt.tmp": "2\n"},
     "mid_prune": {".iter_0000001.deleting": sorted([*_WRITTEN, "metadata.json"])},
+    "async_writing": {".iter_0000002.tmp": []},
+    "async_publishing": {".iter_0000002.tmp": sorted([*_WRITTEN, "metadata.json"])},
 }
 
 
@@ -88,15 +127,19 @@ LEFTOVERS = {
         ("before_rename", 1, {1}),
         ("before_tracker", 1, {1, 2}),  # iter 2 was published before the kill: complete, not yet the latest
         ("mid_prune", 2, {2}),
+        ("async_writing", 1, {1}),
+        ("async_publishing", 1, {1}),
     ],
 )
-def test_save_killed_part_way_leaves_a_loadable_checkpoint(tmp_path, point, survivor, kept):
+def test_save_killed_part_way_leaves_a_loadable_checkpoint(tmp_path, point, survivor, kept, gate_writer):
     ctx = mp.get_context("fork")
     save_dir = tmp_path / "ckpt"
-    child = ctx.Process(target=_child, args=(save_dir, point, tmp_path / "store1"))
+    child = ctx.Process(target=_child, args=(save_dir, point, tmp_path / "store1", gate_writer))
     child.start()
     child.join(timeout=120)
     assert child.exitcode == -signal.SIGKILL, f"the save was not killed at {point} (exit code {child.exitcode})"
+    if point == "async_writing":  # the writer must not outlive the trainer and write into a later save's dir
+        assert _gone(int((tmp_path / "writer.pid").read_text())), "the async writer outlived the killed trainer"
 
     leftovers = {
         p.name: sorted(q.name for q in p.iterdir()) if p.is_dir() else p.read_text()

@@ -24,6 +24,7 @@ from tidal.ckpt import (
 )
 from tidal.ckpt.shims import in_process_results_queue, sync_save_shims
 
+README = Path(__file__).parents[1] / "README.md"
 FULL_W = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)  # split on axis 0 (like a column-parallel weight)
 FULL_V = torch.arange(4 * 10, dtype=torch.bfloat16).reshape(4, 10)  # split on axis 1 (like a row-parallel weight)
 FULL_B = torch.linspace(-1, 1, 5)  # replicated
@@ -147,6 +148,7 @@ def test_rng_at_another_world_size_says_no_load_rng_and_model_only_load_works(ra
     (error,) = ranks(1, _load_expecting_error, tmp_path / "ckpt", _request_with_rng)
     assert error is not None and error[0] == "CheckpointMismatchError"
     assert "--no-load-rng" in error[1] and "'rng_state' was saved for 2 rank(s)" in error[1]
+    assert error[1].replace(str(tmp_path / "ckpt"), "DIR") in README.read_text(), "README lists a stale message"
 
     def model_only(rank, world, load_dir):  # what --no-load-optim --no-load-rng asks for
         loaded, _ = load_checkpoint(load_dir, {"model": _state(rank, world, zeros=True)["model"]})
@@ -204,6 +206,8 @@ def test_mismatch_is_a_clear_error_and_loads_nothing(ranks, saved_ckpt, request_
     assert name == "CheckpointMismatchError" and expected in message, message
     assert "Nothing was loaded." in message
     assert ("--num-layers" in message) == ("--no-load-optim" not in message)  # model hint only for model problems
+    if request_fn is _no_saved_optimizer:
+        assert message.replace(str(saved_ckpt), "DIR") in README.read_text(), "README lists a stale message"
 
 
 def test_keep_last_prunes_oldest_and_keeps_the_new_one(ranks, tmp_path):

@@ -24,3 +24,13 @@ def test_defaults_are_valid_and_frozen():
     cfg = CkptConfig(load="ckpt", ckpt_step=3)
     with pytest.raises(AttributeError):
         cfg.load = "other"  # type: ignore[misc]
+
+
+def test_async_save_without_save_dir_warns(caplog):
+    with caplog.at_level("WARNING", logger="tidal.ckpt.config"):
+        CkptConfig(async_save=True)
+    assert "--async-save has no effect without --save" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tidal.ckpt.config"):
+        assert CkptConfig(save="d", async_save=True, keep_last=2).async_save
+    assert not caplog.text

@@ -125,3 +125,72 @@ def test_hidden_leftovers_of_a_crashed_save_are_not_iterations(tmp_path):
     _iteration(tmp_path, 100)
     with pytest.raises(TrackerFileMissingError, match="holds iter_0000100 but"):
         resolve_checkpoint(tmp_path)
+
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _missing(root: Path) -> Path:
+    return root / "run1"
+
+
+def _no_tracker(root: Path) -> Path:
+    _iteration(root, 50)
+    _iteration(root, 100)
+    return root
+
+
+def _tracker_names_missing(root: Path) -> Path:
+    _iteration(root, 50)
+    (root / TRACKER_FILENAME).write_text("100\n")
+    return root
+
+
+def _hf_checkpoint(root: Path) -> Path:
+    (root / "config.json").write_text("{}")
+    (root / "model.safetensors").write_bytes(b"")
+    return root
+
+
+def _ckpt_step_missing(root: Path) -> Path:
+    _iteration(root, 50)
+    _iteration(root, 100)
+    (root / TRACKER_FILENAME).write_text("100\n")
+    return root
+
+
+def _empty(root: Path) -> Path:
+    (root / "notes.txt").write_text("")
+    return root
+
+
+def _incomplete(root: Path) -> Path:
+    _iteration(root, 50)
+    _iteration(root, 100, complete=False)
+    (root / TRACKER_FILENAME).write_text("100\n")
+    return root
+
+
+def _single_iteration(root: Path) -> Path:
+    return _iteration(root, 100)
+
+
+@pytest.mark.parametrize(
+    ("make", "ckpt_step", "error"),
+    [
+        (_missing, None, CheckpointNotFoundError),
+        (_no_tracker, None, TrackerFileMissingError),
+        (_tracker_names_missing, None, IterationNotFoundError),
+        (_hf_checkpoint, None, NotAMegatronCheckpointError),
+        (_ckpt_step_missing, 70, IterationNotFoundError),
+        (_empty, None, CheckpointNotFoundError),
+        (_incomplete, None, IterationNotFoundError),
+        (_single_iteration, None, NotAMegatronCheckpointError),
+    ],
+)
+def test_readme_lists_each_bad_directory_message_verbatim(tmp_path, make, ckpt_step, error):
+    load_dir = make(tmp_path)
+    with pytest.raises(error) as e:
+        resolve_checkpoint(load_dir, ckpt_step=ckpt_step)
+    message = str(e.value).replace(str(tmp_path), "DIR")
+    assert message in README.read_text(), f"README lacks (or has a stale copy of):\n{message}"

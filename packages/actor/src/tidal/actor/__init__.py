@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from tidal.actor.compat import apply_cpu_compat
     from tidal.actor.distributed import destroy_distributed, init_distributed
     from tidal.actor.hf_config import HFModelSpec, read_hf_config
+    from tidal.actor.hf_export import HFTensorBucket
     from tidal.actor.loss import grpo_advantages, kl_penalty, ppo_clip_loss
+    from tidal.actor.reference import ReferenceModel
 
 _LAZY = {
     "Actor": "actor",
@@ -31,10 +33,12 @@ _LAZY = {
     "destroy_distributed": "distributed",
     "init_distributed": "distributed",
     "HFModelSpec": "hf_config",
+    "HFTensorBucket": "hf_export",
     "read_hf_config": "hf_config",
     "grpo_advantages": "loss",
     "kl_penalty": "loss",
     "ppo_clip_loss": "loss",
+    "ReferenceModel": "reference",
 }
 
 
@@ -56,6 +60,8 @@ __all__ = [
     "ActorConfig",
     "ActorError",
     "HFModelSpec",
+    "HFTensorBucket",
+    "ReferenceModel",
     "apply_cpu_compat",
     "destroy_distributed",
     "grpo_advantages",

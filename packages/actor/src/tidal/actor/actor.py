@@ -13,13 +13,16 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
-from tidal.actor.compat import apply_cpu_compat
+from tidal.actor.compat import apply_cpu_compat, set_fused_rope
 from tidal.actor.config import ActorConfig
+from tidal.actor.context_parallel import context_parallel_size, gather_rows, shard_inputs
 from tidal.actor.distributed import all_reduce_gradients, clip_gradients
 from tidal.actor.errors import ActorError
 from tidal.actor.hf_config import read_hf_config, to_transformer_config
+from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss
+from tidal.actor.main_params import MainParams
 from tidal.batching import PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -44,20 +47,30 @@ class Actor:
         self.cfg = cfg
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
+        self._fused = cfg.fused_kernels and self.device.type == "cuda"
+        set_fused_rope(self._fused)
+        self._recompute_lm_head = cfg.recompute_lm_head
+        self._exporters: dict[tuple, HFExporter] = {}
         self.spec = read_hf_config(cfg.hf_checkpoint)
         config = to_transformer_config(
             self.spec,
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
             params_dtype=_DTYPES[cfg.params_dtype],
             use_cpu_initialization=self.device.type == "cpu",
+            fused_swiglu=self._fused,
+            context_parallel_size=context_parallel_size(),
         )
-        self.model = build_gpt_model(self.spec, config).to(self.device)
+        # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
+        self.model = build_gpt_model(self.spec, config).to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint)
         if cfg.recompute_activations:
             enable_layer_recompute(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # With --fp32-main-params the optimizer owns fp32 copies of the (bf16) model parameters.
+        self.main_params = MainParams(self.params) if cfg.fp32_main_params else None
         self.optimizer = torch.optim.AdamW(
-            self.params,
+            self.main_params.main if self.main_params else self.params,
+            fused=self.device.type == "cuda",
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
@@ -69,6 +82,9 @@ class Actor:
             kl_loss_coef=cfg.kl_loss_coef,
             kl_loss_type=cfg.kl_loss_type,
             entropy_coef=cfg.entropy_coef,
+            eps_clip_c=cfg.eps_clip_c,
+            use_tis=cfg.use_tis,
+            tis_clip=cfg.tis_clip,
         )
         self.num_steps = 0
         self._autocast = cfg.bf16 and self.device.type == "cuda"
@@ -94,6 +110,11 @@ class Actor:
             max_seqlen_kv=int(batch.max_seqlen),
         )
         targets = torch.roll(tokens, -1)
+        position_ids = batch.position_ids.to(self.device)
+        # context parallelism: this rank's zigzag shard of every sequence; rows are gathered back below
+        cp = shard_inputs(batch, self.device) if self.model.config.context_parallel_size > 1 else None
+        if cp is not None:
+            tokens, position_ids, params, targets = cp.tokens, cp.position_ids, cp.packed_seq_params, cp.targets
 
         def head(*, hidden_states, output_layer, output_weight, **_):
             return chunked_log_probs(
@@ -104,16 +125,22 @@ class Actor:
                 chunk_size=self.cfg.log_probs_chunk_size,
                 temperature=self.cfg.temperature,
                 with_entropy=with_entropy,
+                entropy_grad=self.cfg.entropy_coef != 0.0,
+                fused=self._fused,
+                recompute=self._recompute_lm_head,
             )
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
             lp, ent = self.model(
                 tokens.unsqueeze(0),
-                batch.position_ids.to(self.device).unsqueeze(0),
+                position_ids.unsqueeze(0),
                 None,
                 packed_seq_params=params,
                 output_processor=head,
             )
+        if cp is not None:
+            lp = gather_rows(lp, batch, cp.shard)
+            ent = gather_rows(ent, batch, cp.shard) if ent is not None else None
         lp = to_token_convention(lp, cu)
         return lp, (to_token_convention(ent, cu) if ent is not None else None)
 
@@ -136,7 +163,7 @@ class Actor:
         return self.cfg.lr
 
     def _num_loss_tokens(self, micro_batches: Sequence[PackedBatch]) -> float:
-        total = torch.tensor(sum(float(mb.loss_mask.sum()) for mb in micro_batches), device=self.device)
+        total = torch.tensor(sum(_loss_weight(mb) for mb in micro_batches), device=self.device)
         if parallel_state.get_data_parallel_world_size() > 1:
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         return float(total)
@@ -157,7 +184,7 @@ class Actor:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
         num_loss_tokens = self._num_loss_tokens(micro_batches)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         totals: dict[str, torch.Tensor] = {}
         for mb in micro_batches:
             lp, ent = self._forward(mb, with_entropy=True)
@@ -168,19 +195,38 @@ class Actor:
             loss.backward()
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value.float()
-        all_reduce_gradients(self.params)
-        grad_norm = clip_gradients(self.params, self.cfg.clip_grad)
+        params = self._optimizer_params()
+        all_reduce_gradients(params)
+        grad_norm = clip_gradients(params, self.cfg.clip_grad)
         lr = self._lr()
         skipped = not math.isfinite(grad_norm)
+        if skipped and self.cfg.check_for_nan_in_loss_and_grad:
+            raise ActorError(
+                f"optimizer step {self.num_steps}: the gradient norm is {grad_norm} (loss "
+                f"{float(totals.get('loss', float('nan'))):.4g}); lower --lr, check the rewards, or pass "
+                "--no-check-for-nan-in-loss-and-grad to skip such steps instead"
+            )
         if skipped:
             logger.warning("skipping optimizer step %d: gradient norm is %s", self.num_steps, grad_norm)
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if self.main_params:
+                self.main_params.copy_to_model()
             self.num_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.main_params:  # main gradients stay allocated (zeroed at the next step)
+            self.optimizer.zero_grad(set_to_none=True)
         return self._metrics(totals, grad_norm=grad_norm, lr=lr, num_loss_tokens=num_loss_tokens, skipped=skipped)
+
+    def _optimizer_params(self) -> list[torch.nn.Parameter]:
+        return self.main_params.main if self.main_params else self.params
+
+    def _zero_grad(self) -> None:
+        if self.main_params:
+            self.main_params.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _metrics(
         self, totals: dict[str, torch.Tensor], *, grad_norm: float, lr: float, num_loss_tokens: float, skipped: bool
@@ -199,14 +245,38 @@ class Actor:
         return metrics
 
     def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF names and tensors on CPU (TP shards gathered; every TP rank must iterate)."""
+        """Full HF names and tensors on CPU (TP shards gathered; every TP rank must iterate).
+
+        The checkpoint path: tensors as the optimizer holds them (with ``fp32_main_params``, the fp32 main copies).
+        """
+        if self.main_params:
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            return named_hf_tensors(self.model, self.spec, params=dict(zip(names, self.main_params.main, strict=True)))
         return named_hf_tensors(self.model, self.spec)
+
+    def hf_tensor_buckets(
+        self, *, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 512 * 2**20, reuse_buffers: bool = False
+    ) -> Iterator[HFTensorBucket]:
+        """The weight-sync path: HF tensors cast to ``dtype`` on this rank's device, packed into flat buckets.
+
+        Each ``HFTensorBucket`` holds at most ``bucket_bytes`` (a larger single tensor gets its own); iterating
+        one yields ``(hf_name, tensor)`` views into its ``flat`` buffer. TP shards are gathered (every TP rank
+        must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype``. With ``reuse_buffers`` the buffers are
+        kept and refilled by the next call (consume a bucket before asking for the next export).
+        """
+        key = (dtype, bucket_bytes, reuse_buffers)
+        if key not in self._exporters:
+            params = dict(self.model.named_parameters())
+            self._exporters[key] = HFExporter(
+                params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers
+            )
+        return self._exporters[key].buckets()
 
     def _ensure_optimizer_state(self) -> None:
         """Give AdamW its zero state before the first step (same update as lazy init) so it can be checkpointed."""
         if self.optimizer.state:
             return
-        for p in self.params:
+        for p in self._optimizer_params():
             self.optimizer.state[p] = {
                 "step": torch.tensor(0.0),
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
@@ -225,6 +295,9 @@ class Actor:
         if with_optimizer:
             self._ensure_optimizer_state()
             optim = self.optimizer.state_dict()
+            if self.main_params:  # fp32 main weights travel with the optimizer state, sharded like the model's
+                for i, main in enumerate(self.main_params.main):  # a new dict: state_dict() shares the live ones
+                    optim["state"][i] = {**optim["state"][i], "main_param": main.detach()}
             id_map = get_param_id_to_sharded_param_map(model_sd, iter(self.params))
             optim_state_to_sharding_state(optim, id_map, exclude_keys=("step",))
             optim["num_steps"] = ShardedObject(
@@ -235,11 +308,31 @@ class Actor:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what ``tidal.ckpt.load_checkpoint`` returned for ``sharded_state_dict()`` (either section optional)."""
-        if "model" in state_dict:
-            self.model.load_state_dict(state_dict["model"], strict=True)
+        optim, mains = None, {}
         if "optimizer" in state_dict:
             optim = dict(state_dict["optimizer"])
+            # copies: the loaded main weights may share storage with this actor's (dist_checkpointing loads in place)
+            optim["state"] = {i: dict(param_state) for i, param_state in optim["state"].items()}
+            mains = {i: st.pop("main_param").clone() for i, st in optim["state"].items() if "main_param" in st}
+        if "model" in state_dict:
+            self.model.load_state_dict(state_dict["model"], strict=True)
+            if self.main_params:
+                self.main_params.copy_from_model()
+        if optim is not None:
             self.num_steps = int(optim.pop("num_steps"))
             for param_state in optim["state"].values():
                 param_state["step"] = torch.tensor(float(self.num_steps))
             self.optimizer.load_state_dict(optim)
+            if self.main_params and mains:
+                with torch.no_grad():
+                    for i, main in mains.items():
+                        self.main_params.main[i].copy_(main)
+                self.main_params.copy_to_model()
+
+
+def _loss_weight(mb: PackedBatch) -> float:
+    """Sum of a micro-batch's loss-token weights: its loss tokens, or with "loss_weights" their weighted sum."""
+    mask = mb.loss_mask.float()
+    if "loss_weights" in mb.token_fields:
+        mask = mask * mb.token_fields["loss_weights"]
+    return float(mask.sum())

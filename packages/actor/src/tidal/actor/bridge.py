@@ -28,7 +28,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
+from tidal.actor.cp_attention import ContextParallelCoreAttention
 from tidal.actor.hf_config import HFModelSpec
+from tidal.actor.rope_scaling import apply_rope_scaling
+from tidal.actor.vocab_padding import install_padded_logits_mask, pad_vocab_rows, padded_vocab_size
 from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -40,11 +43,12 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 def build_gpt_model(spec: HFModelSpec, config: TransformerConfig) -> GPTModel:
     """A GPTModel with Megatron's local layer spec and tidal's packed core attention."""
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
-    layer_spec.submodules.self_attention.submodules.core_attention = PackedCoreAttention
-    return GPTModel(
+    core_attention = PackedCoreAttention if config.context_parallel_size == 1 else ContextParallelCoreAttention
+    layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=spec.vocab_size,
+        vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,
         post_process=True,
@@ -54,6 +58,15 @@ def build_gpt_model(spec: HFModelSpec, config: TransformerConfig) -> GPTModel:
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
     )
+    apply_rope_scaling(
+        model,
+        head_dim=spec.head_dim,
+        theta=spec.rope_theta,
+        scaling=spec.rope_scaling,
+        max_position_embeddings=spec.max_position_embeddings,
+    )
+    install_padded_logits_mask(model, spec.vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    return model
 
 
 def enable_layer_recompute(model: GPTModel) -> None:
@@ -149,8 +162,8 @@ def _to_local(m: _Mapping, full: list[torch.Tensor], spec: HFModelSpec, rank: in
     """Megatron's local shard of one parameter from its full HF tensors."""
     if m.kind == "replicated":
         return full[0]
-    if m.kind == "column":
-        return full[0].chunk(size, dim=0)[rank]
+    if m.kind == "column":  # vocab-parallel: embedding / LM head, padded when the vocabulary does not split
+        return pad_vocab_rows(full[0], padded_vocab_size(spec.vocab_size, size)).chunk(size, dim=0)[rank]
     if m.kind == "row":
         return full[0].chunk(size, dim=1)[rank]
     if m.kind == "glu":
@@ -169,7 +182,7 @@ def _to_hf(m: _Mapping, gathered: list[torch.Tensor], spec: HFModelSpec) -> list
     if m.kind == "replicated":
         return [gathered[0]]
     if m.kind == "column":
-        return [torch.cat(gathered, dim=0)]
+        return [torch.cat(gathered, dim=0)[: spec.vocab_size]]  # drop vocabulary padding
     if m.kind == "row":
         return [torch.cat(gathered, dim=1)]
     if m.kind == "glu":
@@ -257,14 +270,17 @@ def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path) -> N
 
 
 @torch.no_grad()
-def named_hf_tensors(model: GPTModel, spec: HFModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def named_hf_tensors(
+    model: GPTModel, spec: HFModelSpec, *, params: dict[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor on CPU)`` for every HF tensor, gathering TP shards.
 
     Every TP rank must iterate (the gather is collective); every rank receives the full tensors.
+    ``params`` (Megatron name -> tensor) replaces the model's parameters, e.g. the fp32 main copies.
     """
     size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) if params is None else params
     for m in weight_mappings(spec):
         local = params[m.megatron].detach()
         if m.kind == "replicated" or size == 1:

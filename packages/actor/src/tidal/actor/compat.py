@@ -20,7 +20,8 @@ patch wrong or unnecessary):
    sequence, per layer, for q and k). The replacement gathers each token's frequencies by its
    position inside its sequence (computed on the device from ``cu_seqlens``) and rotates all tokens
    at once: the same arithmetic, one pass, no host sync. Context parallelism (cp > 1) keeps the
-   original.
+   original. With ``set_fused_rope(True)`` (the Actor's ``fused_kernels`` on CUDA) the rotation is
+   ``rope_at_positions`` through ``torch.compile``: one kernel instead of ~8.
 
 Patches 2–4 are applied only when ``torch.cuda.is_available()`` is false.
 """
@@ -110,16 +111,49 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
     cp_group = kwargs.get("cp_group")
     if cp_group is None or cp_group.size() != 1 or args or kwargs.get("multi_latent_attention") is not None:
         return original(t, cu_seqlens, freqs, *args, **kwargs)
-    idx = torch.arange(t.size(0), device=t.device)
-    cu = cu_seqlens.to(device=t.device, dtype=torch.long)
-    position = idx - cu[torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)]
+    plain = not kwargs.get("rotary_interleaved") and not kwargs.get("mla_rotary_interleaved")
+    if _FUSED_ROPE[0] and t.is_cuda and plain and kwargs.get("mscale", 1.0) == 1.0 and freqs.size(-1) == t.size(-1):
+        return _compiled_rope()(t, freqs, _positions(cu_seqlens, t.size(0), t.device))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
-        freqs[position],
+        freqs[_positions(cu_seqlens, t.size(0), t.device)],
         rotary_interleaved=kwargs.get("rotary_interleaved", False),
         mla_rotary_interleaved=kwargs.get("mla_rotary_interleaved", False),
         mscale=kwargs.get("mscale", 1.0),
     ).squeeze(1)
+
+
+# set_fused_rope(True) (the Actor, with fused_kernels on CUDA) runs patch 5's rotation through torch.compile.
+_FUSED_ROPE = [False]
+
+
+def set_fused_rope(enabled: bool) -> None:
+    """Rotate q/k with one ``torch.compile``d kernel (CUDA tensors only) instead of ~8 eager ones."""
+    _FUSED_ROPE[0] = enabled
+
+
+def _positions(cu_seqlens: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """Each of ``n`` packed tokens' position inside its own sequence, computed on the device."""
+    idx = torch.arange(n, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    return idx - cu[torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)]
+
+
+def rope_at_positions(t: torch.Tensor, freqs: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t [T, heads, dim]`` at ``position [T]`` from megatron's ``freqs [max_len, 1, 1, dim]`` table.
+
+    The same arithmetic as megatron's ``_apply_rotary_pos_emb_bshd`` (non-interleaved, ``mscale`` 1, full rotary
+    dim): ``t * cos + rotate_half(t) * sin`` with cos/sin cast to ``t``'s dtype.
+    """
+    f = freqs[position].reshape(t.size(0), 1, t.size(-1))
+    cos, sin = f.cos().to(t.dtype), f.sin().to(t.dtype)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@functools.cache
+def _compiled_rope():
+    return torch.compile(rope_at_positions, dynamic=True)
 
 
 def _patch_packed_rope() -> None:

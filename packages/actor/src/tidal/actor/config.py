@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("float32", "bfloat16")
 _KL_TYPES = ("k1", "k2", "k3")
+_ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -18,6 +19,15 @@ class ActorConfig:
     """Parameter dtype: "float32" or "bfloat16" (``--params-dtype``)."""
     bf16: bool = False
     """On CUDA, run forward/backward under bf16 autocast with fp32 weights and Adam state (``--bf16``)."""
+    fp32_main_params: bool = False
+    """With a bf16/fp16 ``params_dtype``: keep fp32 main copies of the parameters for the optimizer (AdamW state,
+    update and gradient accumulation in fp32; Megatron-style mixed precision) (``--fp32-main-params``)."""
+    fused_kernels: bool = True
+    """On CUDA, fuse SwiGLU and the LM head's log-softmax/entropy with ``torch.compile`` (``--fused-kernels``)."""
+    recompute_lm_head: bool = True
+    """Recompute each LM-head chunk's logits in backward (memory: one chunk) instead of keeping them (faster;
+    memory ~2 bytes x tokens x vocab / tp per micro-batch: 10 GB at 32k tokens, 152k vocab)
+    (``--recompute-lm-head``)."""
     recompute_activations: bool = False
     """Recompute each transformer layer in backward instead of storing its activations (``--recompute-activations``)."""
     lr: float = 1e-6
@@ -44,16 +54,44 @@ class ActorConfig:
     """KL estimator: "k1", "k2" or "k3" (``--kl-loss-type``)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (``--entropy-coef``)."""
+    advantage_estimator: str = "grpo"
+    """How rewards become advantages: grpo, rloo or reinforce_plus_plus_baseline (``--advantage-estimator``)."""
+    disable_grpo_std_normalization: bool = False
+    """GRPO without dividing by the group's reward std (``--disable-grpo-std-normalization``)."""
+    eps_clip_c: float | None = None
+    """Dual-clip PPO bound for negative advantages, > 1; None: off (``--eps-clip-c``)."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef`` x KL(pi || pi_ref) to the loss (``--use-kl-loss``)."""
+    kl_coef: float = 0.0
+    """KL-to-reference penalty subtracted from each token's advantage (reward shaping) (``--kl-coef``)."""
+    calculate_per_token_loss: bool = False
+    """Mean the loss over every response token of the step; default: mean per sample, then over samples
+    (``--calculate-per-token-loss``)."""
+    use_tis: bool = False
+    """Truncated importance sampling between the engine's and the actor's old log-probs (``--use-tis``)."""
+    tis_clip: float = 2.0
+    """Upper bound of the TIS weight (``--tis-clip``)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop with an error on a NaN/inf loss or gradient; False skips such steps with a warning
+    (``--no-check-for-nan-in-loss-and-grad``)."""
     log_probs_chunk_size: int = 1024
     """Tokens per LM-head chunk when computing log-probs (bounds logits memory) (``--log-probs-chunk-size``)."""
     temperature: float = 1.0
     """Rollout sampling temperature; logits are divided by it before log-softmax (``--rollout-temperature``)."""
 
-    def __post_init__(self) -> None:
+    def _check_model(self) -> None:
         if not self.hf_checkpoint:
             raise ValueError("--hf-checkpoint is required: point it at an HF model dir with config.json")
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"--params-dtype must be one of {_DTYPES}, got {self.params_dtype!r}")
+        if self.fp32_main_params and self.params_dtype == "float32":
+            raise ValueError(
+                "--fp32-main-params needs a half-precision --params-dtype (bfloat16), got --params-dtype float32; "
+                "fp32 parameters are their own main copy: drop --fp32-main-params"
+            )
+
+    def __post_init__(self) -> None:
+        self._check_model()
         for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay), ("--clip-grad", self.clip_grad)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
@@ -66,6 +104,18 @@ class ActorConfig:
             raise ValueError(f"--eps-clip/--eps-clip-high must be > 0, got {self.eps_clip}/{self.eps_clip_high}")
         if self.kl_loss_type not in _KL_TYPES:
             raise ValueError(f"--kl-loss-type must be one of {_KL_TYPES}, got {self.kl_loss_type!r}")
+        if self.advantage_estimator not in _ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"--advantage-estimator must be one of {_ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}"
+            )
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
+            raise ValueError(f"--eps-clip-c must be > 1 (dual-clip bound), got {self.eps_clip_c}")
+        if self.tis_clip <= 0:
+            raise ValueError(f"--tis-clip must be > 0, got {self.tis_clip}")
+        if self.kl_coef < 0 or self.kl_loss_coef < 0:
+            raise ValueError(f"--kl-coef/--kl-loss-coef must be >= 0, got {self.kl_coef}/{self.kl_loss_coef}")
+        if self.use_kl_loss and self.kl_loss_coef == 0.0:
+            raise ValueError("--use-kl-loss needs a positive --kl-loss-coef (e.g. --kl-loss-coef 0.01)")
         if self.log_probs_chunk_size < 1:
             raise ValueError(f"--log-probs-chunk-size must be >= 1, got {self.log_probs_chunk_size}")
         if self.temperature <= 0:

@@ -42,11 +42,11 @@ def init_distributed(
     (an already initialised default group is reused).
 
     Raises:
-        ValueError: the world size is not a multiple of TP x CP, or CP > 1 (not implemented yet).
+        ValueError: the world size is not a multiple of TP x CP, or CP < 1.
     """
     apply_cpu_compat()
-    if context_parallel_size != 1:
-        raise ValueError(f"--context-parallel-size {context_parallel_size} is not supported by tidal.actor yet; use 1")
+    if context_parallel_size < 1:
+        raise ValueError(f"--context-parallel-size must be >= 1, got {context_parallel_size}")
     if world_size % (tensor_model_parallel_size * context_parallel_size):
         raise ValueError(
             f"world size {world_size} is not a multiple of --tensor-model-parallel-size {tensor_model_parallel_size}"
@@ -74,11 +74,12 @@ def init_distributed(
     )
     model_parallel_cuda_manual_seed(seed)
     logger.info(
-        "rank %d/%d joined (%s): tp=%d dp=%d",
+        "rank %d/%d joined (%s): tp=%d cp=%d dp=%d",
         rank,
         world_size,
         backend,
         tensor_model_parallel_size,
+        context_parallel_size,
         parallel_state.get_data_parallel_world_size(),
     )
 
@@ -92,10 +93,14 @@ def destroy_distributed() -> None:
 
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
-    """Sum gradients over the data-parallel group (one flat buffer per dtype)."""
-    if parallel_state.get_data_parallel_world_size() == 1:
+    """Sum gradients over the data-parallel x context-parallel group (one flat buffer per dtype).
+
+    Context-parallel ranks hold partial gradients of the same micro-batches (their own tokens'), so
+    they are summed together with the data-parallel replicas.
+    """
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1:
         return
-    group = parallel_state.get_data_parallel_group()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:

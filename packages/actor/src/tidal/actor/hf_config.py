@@ -1,7 +1,8 @@
 """Read a Hugging Face ``config.json`` and map it to Megatron's ``TransformerConfig``.
 
 Supported architectures: ``qwen2`` (QKV bias), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``) and
-``llama`` (no bias, default RoPE only). Anything else raises ``ValueError`` naming the model type.
+``llama`` (no bias). RoPE: default, and the "linear", "dynamic" and "llama3" scalings (``rope_scaling``).
+Anything else raises ``ValueError`` naming the model type (or the rope type).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tidal.actor.rope_scaling import RopeScaling, parse_rope_scaling
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +54,12 @@ class HFModelSpec:
     """q/k/v projections carry a bias (Qwen2)."""
     qk_norm: bool
     """Per-head RMSNorm on queries and keys (Qwen3)."""
+    rope_scaling: RopeScaling | None = None
+    """Non-default RoPE scaling (``rope_scaling``/``rope_parameters`` of the config), None for default RoPE."""
 
 
 def _rope_theta(cfg: dict) -> float:
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in ("default", None):
-        raise ValueError(f"rope type {rope_type!r} is not supported by tidal.actor (only default RoPE)")
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
@@ -94,6 +94,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
+        rope_scaling=parse_rope_scaling(cfg),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
@@ -120,17 +121,22 @@ def to_transformer_config(
     tensor_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool = False,
+    fused_swiglu: bool = False,
+    context_parallel_size: int = 1,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` equivalent to the HF model (no fusions, no dropout, no TE).
+    """Megatron ``TransformerConfig`` equivalent to the HF model (no dropout, no TE).
+
+    ``fused_swiglu`` turns on megatron's SwiGLU fusion (``torch.compile``d; saves only the MLP's fc1 output for
+    backward instead of three tensors); every other fusion stays off.
 
     Raises:
-        ValueError: heads, groups or vocabulary not divisible by the tensor-parallel size.
+        ValueError: heads or groups not divisible by the tensor-parallel size (the vocabulary is padded instead,
+            see ``vocab_padding``).
     """
     tp = tensor_model_parallel_size
     for name, value in (
         ("num_attention_heads", spec.num_attention_heads),
         ("num_key_value_heads", spec.num_key_value_heads),
-        ("vocab_size", spec.vocab_size),
         ("intermediate_size", spec.ffn_hidden_size),
     ):
         if value % tp:
@@ -151,7 +157,7 @@ def to_transformer_config(
         qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused_swiglu,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -159,7 +165,7 @@ def to_transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
-        context_parallel_size=1,
+        context_parallel_size=context_parallel_size,
         sequence_parallel=False,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -13,10 +13,16 @@ and each chunk's logits are rebuilt during backward. Peak extra memory, in bytes
     backward: ~ 4 * chunk_size * (V / tp) * 4      (recomputed chunk plus its gradient)
 
 independent of the number of tokens (versus ``T * V / tp * 4`` for full logits).
+
+With TP = 1 the log-softmax needs no cross-rank reductions: ``local_log_probs`` reads the (bf16) logits once into
+an fp32 log-softmax (one kernel) instead of materialising fp32 logits, shifted logits and their exponentials
+(~6 full passes over ``[chunk, V]``); with ``fused=True`` (CUDA) it is ``torch.compile``d, which fuses log-softmax,
+gather and entropy into reductions over the logits.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -77,6 +83,41 @@ def vocab_parallel_log_probs(
     return log_probs, entropy
 
 
+def local_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` (and entropy) under ``softmax(logits / temperature)`` for a full vocabulary (TP = 1).
+
+    Args:
+        logits: ``[N, V]`` in any float dtype; the softmax is computed in float32.
+        targets: int64 ``[N]``.
+        temperature: divide the logits by it first.
+        with_entropy: also compute the entropy (else the second output is zeros).
+        entropy_grad: let gradients flow through the entropy (False: it is a metric only).
+
+    Returns:
+        ``(log_probs [N], entropy [N])`` float32.
+    """
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return lp, torch.zeros_like(lp)
+    src = logp if entropy_grad else logp.detach()
+    return lp, -(src.exp() * src).sum(dim=-1)
+
+
+@functools.cache
+def _compiled_local_log_probs():
+    return torch.compile(local_log_probs)
+
+
 def chunked_log_probs(
     hidden: torch.Tensor,
     output_layer: torch.nn.Module,
@@ -86,6 +127,9 @@ def chunked_log_probs(
     chunk_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
+    fused: bool = False,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply the (column-parallel) LM head chunk by chunk and return log-probs of ``targets``.
 
@@ -97,13 +141,23 @@ def chunked_log_probs(
         chunk_size: rows per chunk.
         temperature: logits are divided by it first (the sampling temperature of the rollout).
         with_entropy: also return the per-row entropy.
+        entropy_grad: let gradients flow through the entropy (False when it is only a metric).
+        fused: with TP = 1, run the log-softmax through ``torch.compile`` (CUDA).
+        recompute: with autograd on, rebuild each chunk's logits in backward (else keep them: faster, but
+            ~2 bytes x rows x V / tp more memory).
 
     Returns:
         ``(log_probs [N], entropy [N] or None)``, float32.
     """
+    tp1 = parallel_state.get_tensor_model_parallel_world_size() == 1
+    local = _compiled_local_log_probs() if fused else local_log_probs
 
     def one_chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, _ = output_layer(h, weight=output_weight)
+        if tp1:
+            return local(
+                logits.squeeze(1), t, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+            )
         logits = logits.squeeze(1).float()
         if temperature != 1.0:
             logits = logits / temperature
@@ -113,7 +167,7 @@ def chunked_log_probs(
     lps, ents = [], []
     for start in range(0, hidden.size(0), chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
+        if recompute and torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(one_chunk, h, t, use_reentrant=False)
         else:
             lp, ent = one_chunk(h, t)

@@ -10,6 +10,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True) -> torch.Tensor:
@@ -42,6 +43,30 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bo
     return centered.reshape(-1)
 
 
+def compute_advantages(
+    rewards: torch.Tensor, group_size: int, *, estimator: str = "grpo", normalize_std: bool = True
+) -> torch.Tensor:
+    """Per-sample advantages of one rollout by ``--advantage-estimator``.
+
+    - ``grpo``: reward minus the group mean, over the group std unless ``normalize_std`` is False.
+    - ``rloo``: reward minus the mean of the *other* samples of its group (leave-one-out baseline).
+    - ``reinforce_plus_plus_baseline``: reward minus the group mean, then whitened over the whole rollout.
+
+    Raises:
+        ValueError: an unknown estimator (naming the flag), or rewards that do not form whole groups.
+    """
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group_size, normalize_std=normalize_std)
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"--advantage-estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    centered = grpo_advantages(rewards, group_size, normalize_std=False)
+    if estimator == "rloo":
+        return centered * (group_size / (group_size - 1)) if group_size > 1 else centered
+    if centered.numel() < 2:
+        return centered
+    return (centered - centered.mean()) / (centered.std() + 1e-6)
+
+
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate from sampled-token log-probs (Schulman's k1/k2/k3).
 
@@ -65,10 +90,12 @@ def ppo_clip_loss(
     *,
     eps_clip: float,
     eps_clip_high: float,
+    eps_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss with separate low/high clip ranges (DAPO's clip-higher).
+    """Per-token PPO-clip loss with separate low/high clip ranges (DAPO's clip-higher) and optional dual clip.
 
-    ``loss = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_high))`` with ``r = exp(lp - old_lp)``.
+    ``loss = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_high))`` with ``r = exp(lp - old_lp)``; with
+    ``eps_clip_c`` (dual-clip PPO), tokens with ``A < 0`` are further bounded by ``-A * eps_clip_c``.
 
     Returns:
         ``(loss [T], clipped [T])`` where ``clipped`` is 1.0 where the clipped branch was taken.
@@ -76,7 +103,10 @@ def ppo_clip_loss(
     ratio = torch.exp(log_probs - old_log_probs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    loss = torch.maximum(unclipped, clipped)
+    if eps_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * eps_clip_c), loss)
+    return loss, (clipped > unclipped).float()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,6 +123,12 @@ class LossSettings:
     """KL estimator (``--kl-loss-type``)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (``--entropy-coef``)."""
+    eps_clip_c: float | None = None
+    """Dual-clip bound for negative advantages (``--eps-clip-c``); None: off."""
+    use_tis: bool = False
+    """Truncated importance sampling: weight each token by min(pi_old / pi_rollout, tis_clip) (``--use-tis``)."""
+    tis_clip: float = 2.0
+    """Upper bound of the TIS weight (``--tis-clip``)."""
 
 
 def actor_loss(
@@ -112,7 +148,9 @@ def actor_loss(
     Args:
         log_probs: ``[T]`` current policy log-probs (with grad).
         entropy: ``[T]`` entropy (needed when ``settings.entropy_coef`` is non-zero).
-        fields: token fields; ``"old_log_probs"``, ``"advantages"`` and, with KL, ``"ref_log_probs"``.
+        fields: token fields; ``"old_log_probs"``, ``"advantages"``, with KL ``"ref_log_probs"``, with TIS
+            ``"rollout_log_probs"``, and optionally ``"loss_weights"`` (per-token weights: ``1/len`` of each
+            sample gives the per-sample mean; ``num_loss_tokens`` is then the sum of the weights).
         loss_mask: ``[T]`` float 0/1.
         settings: loss coefficients.
         num_loss_tokens: loss tokens in the whole optimizer step (all micro-batches, all DP ranks).
@@ -127,6 +165,8 @@ def actor_loss(
             raise ValueError(f"train_step needs token field {name!r}; got {sorted(fields)}")
     denom = max(float(num_loss_tokens), 1.0)
     mask = loss_mask.float()
+    if "loss_weights" in fields:
+        mask = mask * fields["loss_weights"]
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / denom
@@ -137,9 +177,17 @@ def actor_loss(
         fields["advantages"],
         eps_clip=settings.eps_clip,
         eps_clip_high=settings.eps_clip_high,
+        eps_clip_c=settings.eps_clip_c,
     )
+    sums: dict[str, torch.Tensor] = {}
+    if settings.use_tis:
+        if "rollout_log_probs" not in fields:
+            raise ValueError("--use-tis needs the engine's log-probs: token field 'rollout_log_probs' is missing")
+        tis = torch.exp(fields["old_log_probs"] - fields["rollout_log_probs"]).clamp(max=settings.tis_clip)
+        pg = pg * tis
+        sums["tis"] = reduce(tis)
     loss = reduce(pg)
-    sums = {
+    sums |= {
         "pg_loss": loss.detach(),
         "pg_clipfrac": reduce(clipped),
         "ppo_kl": reduce((fields["old_log_probs"] - log_probs).detach()),

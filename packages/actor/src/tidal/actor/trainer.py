@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from tidal.actor.loss import grpo_advantages
+from tidal.actor.loss import compute_advantages
 from tidal.batching import BatchingConfig, PackedBatch, pack_micro_batches, plan_from_config, plan_stats
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,10 @@ def train_on_rollout(
     rewards: Sequence[float],
     group_size: int,
     rollout_log_probs: Sequence[Sequence[float]] | None = None,
-    normalize_std: bool = True,
+    normalize_std: bool | None = None,
     rank: int = 0,
     dp_size: int = 1,
+    reference=None,
 ) -> dict[str, float]:
     """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
 
@@ -56,17 +57,32 @@ def train_on_rollout(
         group_size: samples per prompt (GRPO group).
         rollout_log_probs: the engine's per-token log-probs (tidal's convention); only measured against the
             actor's, as a check that both hold the same weights.
-        normalize_std: divide GRPO advantages by the group's reward std.
+        normalize_std: divide GRPO advantages by the group's reward std; None: the actor's config decides
+            (``--disable-grpo-std-normalization``). The estimator and loss aggregation also come from it.
         rank: data-parallel rank of this process.
         dp_size: data-parallel size.
+        reference: a :class:`tidal.actor.ReferenceModel`; when given, every micro-batch gets its
+            "ref_log_probs" (for ``--kl-loss-coef``), computed before any step with the reference on the device once.
 
     Returns:
         Mean of the steps' train metrics, plus "train/old_logprob_abs_diff" (actor vs engine on loss tokens),
         batching statistics and timings ("time/log_probs", "time/train").
     """
-    advantages = grpo_advantages(torch.tensor(rewards, dtype=torch.float32), group_size, normalize_std=normalize_std)
+    cfg = actor.cfg
+    if normalize_std is None:
+        normalize_std = not cfg.disable_grpo_std_normalization
+    advantages = compute_advantages(
+        torch.tensor(rewards, dtype=torch.float32),
+        group_size,
+        estimator=cfg.advantage_estimator,
+        normalize_std=normalize_std,
+    )
     steps = _plan_steps(batching, [len(t) for t in tokens], dp_size=dp_size)
     token_fields = {"advantages": [[float(advantages[i])] * len(t) for i, t in enumerate(tokens)]}
+    if not cfg.calculate_per_token_loss:  # slime's default: mean over each sample's tokens, then over samples
+        token_fields["loss_weights"] = [[1.0 / max(sum(m), 1)] * len(m) for m in loss_masks]
+    if cfg.kl_coef > 0 and reference is None:
+        raise ValueError("--kl-coef needs a reference model: pass reference=ReferenceModel(...)")
     if rollout_log_probs is not None:
         token_fields["rollout_log_probs"] = [list(map(float, lp)) for lp in rollout_log_probs]
 
@@ -85,6 +101,13 @@ def train_on_rollout(
             )
         )
     packed = [[_with_old_log_probs(actor, mb) for mb in step] for step in packed]
+    if reference is not None:
+        with reference.loaded():
+            packed = [
+                [_with_field(mb, "ref_log_probs", reference.compute_log_probs(mb)) for mb in step] for step in packed
+            ]
+        if cfg.kl_coef > 0:  # --kl-coef: KL to the reference as a per-token penalty on the advantage
+            packed = [[_kl_shaped(mb, cfg.kl_coef) for mb in step] for step in packed]
     log_probs_time = time.monotonic() - start
 
     start = time.monotonic()
@@ -100,9 +123,17 @@ def train_on_rollout(
 
 
 def _with_old_log_probs(actor, mb: PackedBatch) -> PackedBatch:
-    fields = dict(mb.token_fields)
-    fields["old_log_probs"] = actor.compute_log_probs(mb)
-    return dataclasses.replace(mb, token_fields=fields)
+    return _with_field(mb, "old_log_probs", actor.compute_log_probs(mb))
+
+
+def _kl_shaped(mb: PackedBatch, kl_coef: float) -> PackedBatch:
+    fields = mb.token_fields
+    kl = (fields["old_log_probs"] - fields["ref_log_probs"]) * mb.loss_mask
+    return _with_field(mb, "advantages", fields["advantages"] - kl_coef * kl)
+
+
+def _with_field(mb: PackedBatch, name: str, values: torch.Tensor) -> PackedBatch:
+    return dataclasses.replace(mb, token_fields={**mb.token_fields, name: values})
 
 
 def _mean_abs_diff(packed: list[list[PackedBatch]]) -> float:

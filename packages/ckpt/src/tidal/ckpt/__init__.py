@@ -21,6 +21,7 @@ from tidal.ckpt.errors import (
 )
 
 if TYPE_CHECKING:
+    from tidal.ckpt.async_save import AsyncSave, finalize_async_saves
     from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
     from tidal.ckpt.hf import iter_hf_tensors, save_hf_checkpoint
     from tidal.ckpt.layout import TRACKER_FILENAME, iteration_dir_name, list_iterations, resolve_checkpoint
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "AsyncSave": "async_save",
+    "finalize_async_saves": "async_save",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
     "iter_hf_tensors": "hf",
@@ -65,6 +68,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "RNG_STATE_KEY",
     "TRACKER_FILENAME",
+    "AsyncSave",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
@@ -75,6 +79,7 @@ __all__ = [
     "TrackerFileMissingError",
     "TrainerState",
     "capture_rng_state",
+    "finalize_async_saves",
     "iter_hf_tensors",
     "iteration_dir_name",
     "list_iterations",

@@ -16,8 +16,9 @@ import logging
 import pickle
 import shutil
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from tidal.ckpt import atomic
+from tidal.ckpt.async_save import AsyncSave, finalize_async_saves, start_async_save
 from tidal.ckpt.errors import CheckpointError
 from tidal.ckpt.layout import TRACKER_FILENAME, iteration_dir_name, list_iterations, resolve_checkpoint
 from tidal.ckpt.matching import check_request, requested_keys
@@ -60,6 +62,7 @@ def _check_weights_only(common_state: dict[str, Any]) -> None:
         ) from e
 
 
+@overload
 def save_checkpoint(
     save_dir: str | Path,
     iteration: int,
@@ -67,8 +70,34 @@ def save_checkpoint(
     *,
     common_state: dict[str, Any] | None = None,
     keep_last: int | None = None,
-) -> Path:
+    async_save: Literal[False] = False,
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    save_dir: str | Path,
+    iteration: int,
+    sharded_state_dict: dict[str, Any],
+    *,
+    common_state: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    async_save: Literal[True],
+) -> AsyncSave: ...
+
+
+def save_checkpoint(
+    save_dir: str | Path,
+    iteration: int,
+    sharded_state_dict: dict[str, Any],
+    *,
+    common_state: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    async_save: bool = False,
+) -> Path | AsyncSave:
     """Save ``DIR/iter_XXXXXXX/`` and point ``DIR/latest_checkpointed_iteration.txt`` at it; collective, atomic.
+
+    Any async save still pending in this process is finalized first (so saves publish in order).
 
     Args:
         save_dir: the ``--save`` directory (created if missing).
@@ -77,10 +106,13 @@ def save_checkpoint(
             megatron ``ShardedTensor`` / ``ShardedObject`` values; a load may omit whole sections
             (``--no-load-optim``) but must match the sections it asks for exactly.
         common_state: plain values shared by all ranks (e.g. ``TrainerState.to_dict()``), written once.
-        keep_last: after saving, delete all but the newest ``keep_last`` iterations (the new one always stays).
+        keep_last: after publishing, delete all but the newest ``keep_last`` iterations (never the new one).
+        async_save: return as soon as megatron's writer process is started (``--async-save``); the data is a
+            snapshot taken now, and the checkpoint is published by the returned handle's ``wait()`` (or
+            ``finalize_async_saves()``), which every rank must call.
 
     Returns:
-        The published iteration directory.
+        The published iteration directory, or with ``async_save`` an ``AsyncSave`` handle.
     """
     _require_distributed()
     if iteration < 0:
@@ -92,12 +124,12 @@ def save_checkpoint(
         raise ValueError(f"sharded_state_dict uses reserved top-level key(s) {clash}; rename them")
     common_state = dict(common_state or {})
     _check_weights_only(common_state)
+    finalize_async_saves()  # its temp dir must not be swept, and the tracker must move in order
 
     save_dir = Path(save_dir)
     target = save_dir / iteration_dir_name(iteration)
     tmp = target.with_name(f".{target.name}.tmp")
-    rank = dist.get_rank()
-    if rank == 0:
+    if dist.get_rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         atomic.sweep_interrupted(save_dir)
         atomic.fresh_tmp_dir(target)
@@ -106,17 +138,37 @@ def save_checkpoint(
     sections = _gather_sections(sharded_state_dict)
     meta = {"format": _FORMAT_VERSION, "iteration": iteration, "sections": sections, "common_state": common_state}
     to_save = {**sharded_state_dict, META_KEY: meta}
+    publish = partial(_publish, tmp, target, keep_last=keep_last)
+    if async_save:
+        save = partial(dist_checkpointing.save, to_save, str(tmp), async_sharded_save=True, async_strategy="mcore")
+        return start_async_save(save, iteration=iteration, path=target, publish=publish)
     with sync_save_shims():
         dist_checkpointing.save(to_save, str(tmp))
-    dist.barrier()
-    if rank == 0:
-        atomic.publish_dir(tmp, target)
-        atomic.replace_text(save_dir / TRACKER_FILENAME, f"{iteration}\n")
-        if keep_last is not None:
-            _prune(save_dir, keep=keep_last, current=iteration)
-    dist.barrier()
-    logger.info("saved checkpoint %s", target)
+    publish()
     return target
+
+
+def _publish(tmp: Path, target: Path, *, keep_last: int | None) -> None:
+    """Collective: rank 0 renames ``tmp`` to ``target``, moves the tracker, prunes; every rank sees its outcome."""
+    dist.barrier()
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            atomic.publish_dir(tmp, target)
+            atomic.replace_text(target.parent / TRACKER_FILENAME, f"{_iteration_of(target)}\n")
+            if keep_last is not None:
+                _prune(target.parent, keep=keep_last, current=_iteration_of(target))
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)  # a rank-0 failure must not leave the others waiting
+    if outcome[0] is not None:
+        raise CheckpointError(f"publishing {target} failed on rank 0: {outcome[0]}")
+    logger.info("saved checkpoint %s", target)
+
+
+def _iteration_of(iter_dir: Path) -> int:
+    return int(iter_dir.name.removeprefix("iter_"))
 
 
 def _gather_sections(sharded_state_dict: dict[str, Any]) -> dict[str, list[str]]:
@@ -132,6 +184,9 @@ def _gather_sections(sharded_state_dict: dict[str, Any]) -> dict[str, list[str]]
 
 
 def _prune(save_dir: Path, *, keep: int, current: int) -> None:
+    """Delete the oldest iterations beyond ``keep``; called only once ``current`` and the tracker are durable."""
+    tracked = (save_dir / TRACKER_FILENAME).read_text(encoding="utf-8").strip()
+    assert tracked == str(current), f"the tracker names {tracked}, not the just-saved {current}"
     others = [i for i in list_iterations(save_dir) if i != current]
     doomed = others[: max(0, len(others) - (keep - 1))]
     for iteration in doomed:

@@ -33,6 +33,8 @@ class CkptConfig:
     """Save every this many rollouts (--save-interval); None saves only at the end."""
     keep_last: int | None = None
     """Keep only the newest K iterations in --save (--keep-last); None keeps all."""
+    async_save: bool = False
+    """Write checkpoints in a background process; published at the next save or at exit (--async-save)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Largest safetensors shard written for an HF checkpoint (--max-shard-bytes)."""
 
@@ -49,5 +51,7 @@ class CkptConfig:
             raise ValueError(f"--ckpt-step {self.ckpt_step} has no effect without --load; set --load DIR or drop it")
         if self.save_interval is not None and self.save is None:
             raise ValueError(f"--save-interval {self.save_interval} needs --save DIR to write checkpoints into")
+        if self.async_save and self.save is None:
+            logger.warning("--async-save has no effect without --save")
         if self.load is None and (self.no_load_optim or self.no_load_rng):
             logger.warning("--no-load-optim/--no-load-rng have no effect without --load")

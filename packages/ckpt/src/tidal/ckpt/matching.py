@@ -2,8 +2,9 @@
 
 A silent partial load is the failure this package exists to prevent, so the comparison is exhaustive:
 model keys absent from the checkpoint, checkpoint keys of a requested section that no rank asks for, and global
-shape differences. Findings are all-gathered so every rank raises the same ``CheckpointMismatchError`` (a rank
-that raised alone would leave the others hanging in the load's collectives).
+shape differences. A different transformer layer count is named first, and the per-key differences it explains
+are left out (see ``architecture``). Findings are all-gathered so every rank raises the same
+``CheckpointMismatchError`` (a rank that raised alone would leave the others hanging in the load's collectives).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from tidal.ckpt.architecture import describe_layers, differing_stacks, explained_by_layers, layer_counts
 from tidal.ckpt.errors import CheckpointMismatchError
 
 logger = logging.getLogger(__name__)
@@ -46,15 +48,17 @@ def _local_findings(sharded_state_dict: dict[str, Any], ckpt_metadata: dict[str,
     object_keys = {v.key for v in ckpt_metadata.values() if isinstance(v, ShardedObject)}
     absent: dict[str, set[str]] = {}
     shapes: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
-    rng_world: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
+    objects: set[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = set()
+    items = []
     for section, value in sharded_state_dict.items():
         for item in _sharded_items(value):
+            items.append(item)
             if isinstance(item, ShardedObject):
                 if item.unique_key in ckpt_metadata:
                     continue
                 if item.key in object_keys:
                     saved = next(v.global_shape for v in ckpt_metadata.values() if v.key == item.key)
-                    rng_world.add((item.key, tuple(saved), tuple(item.global_shape)))
+                    objects.add((section, item.key, tuple(saved), tuple(item.global_shape)))
                 else:
                     absent.setdefault(section, set()).add(item.key)
             elif item.key not in ckpt_metadata:
@@ -62,17 +66,20 @@ def _local_findings(sharded_state_dict: dict[str, Any], ckpt_metadata: dict[str,
             elif tuple(ckpt_metadata[item.key].global_shape) != tuple(item.global_shape):
                 shapes.add((item.key, tuple(ckpt_metadata[item.key].global_shape), tuple(item.global_shape)))
     requested = {section: requested_keys(value) for section, value in sharded_state_dict.items()}
-    return {"absent": absent, "shapes": shapes, "objects": rng_world, "requested": requested}
+    layers = layer_counts(items)
+    return {"absent": absent, "shapes": shapes, "objects": objects, "requested": requested, "layers": layers}
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    merged: dict[str, Any] = {"absent": {}, "shapes": set(), "objects": set(), "requested": {}}
+    merged: dict[str, Any] = {"absent": {}, "shapes": set(), "objects": set(), "requested": {}, "layers": {}}
     for part in parts:
         for bucket in ("absent", "requested"):
             for section, keys in part[bucket].items():
                 merged[bucket].setdefault(section, set()).update(keys)
         merged["shapes"] |= part["shapes"]
         merged["objects"] |= part["objects"]
+        for stack, count in part["layers"].items():
+            merged["layers"][stack] = max(merged["layers"].get(stack, 0), count)
     return merged
 
 
@@ -82,8 +89,29 @@ def _few(keys: set[str] | list[str]) -> str:
     return ", ".join(ordered[:_SHOWN]) + more
 
 
-def _problems(found: dict[str, Any], meta: dict[str, Any] | None) -> list[str]:
+def _without_layer_differences(found: dict[str, Any], stacks: dict, unused: dict[str, set[str]]) -> int:
+    """Drop findings that only restate a layer-count difference (named once, first); return how many."""
+    before = sum(map(len, found["absent"].values())) + sum(map(len, unused.values()))
+    before += len(found["shapes"]) + len(found["objects"])
+    for bucket in (found["absent"], unused):
+        for section in list(bucket):
+            bucket[section] = {k for k in bucket[section] if not explained_by_layers(k, None, None, stacks)}
+            if not bucket[section]:
+                del bucket[section]
+    found["shapes"] = {f for f in found["shapes"] if not explained_by_layers(f[0], f[1], f[2], stacks)}
+    found["objects"] = {f for f in found["objects"] if not explained_by_layers(f[1], f[2], f[3], stacks)}
+    after = sum(map(len, found["absent"].values())) + sum(map(len, unused.values()))
+    return before - after - len(found["shapes"]) - len(found["objects"])
+
+
+def _problems(found: dict[str, Any], meta: dict[str, Any] | None, *, flag: str, load_dir: str | Path) -> list[str]:
     problems = []
+    sections = meta["sections"] if meta else {}
+    unused = {section: set(sections.get(section, ())) - requested for section, requested in found["requested"].items()}
+    stacks = differing_stacks(found["ckpt_layers"], found["layers"])
+    if stacks:  # the architecture first: it explains most of what follows
+        explained = _without_layer_differences(found, stacks, unused)
+        problems.append(describe_layers(stacks, flag=flag, load_dir=load_dir, num_explained=explained))
     for section, keys in sorted(found["absent"].items()):
         if section == "optimizer":
             problems.append(
@@ -94,18 +122,19 @@ def _problems(found: dict[str, Any], meta: dict[str, Any] | None) -> list[str]:
             problems.append("it has no RNG states; pass --no-load-rng to start with fresh RNG states")
         else:
             problems.append(f"section '{section}': {len(keys)} key(s) missing from the checkpoint: {_few(keys)}")
-    for key, saved, wanted in sorted(found["objects"]):
-        problems.append(
-            f"'{key}' was saved for {saved[0]} rank(s) (shape {saved}) but this run has shape {wanted}; "
-            f"per-rank RNG states cannot be resharded, pass --no-load-rng"
-        )
     for key, saved, wanted in sorted(found["shapes"]):
         problems.append(f"'{key}' has shape {saved} in the checkpoint but {wanted} in the model")
-    sections = meta["sections"] if meta else {}
-    for section, requested in sorted(found["requested"].items()):
-        unused = set(sections.get(section, ())) - requested
-        if unused:
-            problems.append(f"section '{section}': {len(unused)} checkpoint key(s) unused by the model: {_few(unused)}")
+    for section, keys in sorted(unused.items()):
+        if keys:
+            problems.append(f"section '{section}': {len(keys)} checkpoint key(s) unused by the model: {_few(keys)}")
+    for section, key, saved, wanted in sorted(found["objects"]):
+        if section == "rng_state":
+            problems.append(
+                f"'{key}' was saved for {saved[0]} rank(s) (shape {saved}) but this run has shape {wanted}; "
+                f"per-rank RNG states cannot be resharded, pass --no-load-rng"
+            )
+        else:
+            problems.append(f"object '{key}' has shape {saved} in the checkpoint but {wanted} in the model")
     return problems
 
 
@@ -126,10 +155,11 @@ def check_request(
     gathered: list[dict[str, Any] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     found = _merge([part for part in gathered if part is not None])
+    found["ckpt_layers"] = layer_counts(ckpt_metadata.values())
     skipped = sorted(set(meta["sections"] if meta else ()) - set(found["requested"]))
     if skipped:
         logger.info("not loading section(s) %s of %s", skipped, iter_dir)
-    problems = _problems(found, meta)
+    problems = _problems(found, meta, flag=flag, load_dir=load_dir)
     if problems:
         listing = "\n  - ".join(problems)
         hint = ""

@@ -8,7 +8,9 @@ Each is active only inside a ``with`` block and undone on exit (no import-time p
    machine; replaced only when CUDA is unavailable. (b) Its first save starts a ``multiprocessing`` Manager
    with the *spawn* method (filesystem_async.get_write_results_queue) only to pass write results between
    threads of this one process; the spawned child re-imports the main module (20-50 s with megatron on a busy
-   box). A synchronous save needs no process: it gets a plain ``queue.Queue``.
+   box). A synchronous save needs no process: it gets a plain ``queue.Queue``; an async save gets the queue of
+   a *forked* Manager (``async_save.start_results_manager``), which starts in ~50 ms. (a) also covers the async
+   path: megatron's ``TemporalAsyncCaller`` and ``AsyncCallsQueue`` call the same two CUDA functions.
 2. ``weights_only_unpickling``: torch DCP's ``DefaultLoadPlanner.load_bytes`` unpickles every non-tensor item
    (megatron's common state, ShardedObjects such as RNG states) with ``torch.load(weights_only=False)``, which
    runs arbitrary code from a crafted checkpoint. Inside the block that call gets ``weights_only=True``.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,14 +30,19 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async as _mco
 
 
 @contextlib.contextmanager
-def in_process_results_queue() -> Iterator[None]:
-    """Hand megatron's synchronous save a ``queue.Queue`` instead of a spawned Manager's queue."""
+def results_queue_from(make_queue: Callable[[], Any]) -> Iterator[None]:
+    """Hand megatron's save writer ``make_queue()`` instead of a spawned Manager's queue."""
     saved = _mcore_filesystem_async.get_write_results_queue
-    _mcore_filesystem_async.get_write_results_queue = lambda mp_mode="spawn": queue.Queue()
+    _mcore_filesystem_async.get_write_results_queue = lambda mp_mode="spawn": make_queue()
     try:
         yield
     finally:
         _mcore_filesystem_async.get_write_results_queue = saved
+
+
+def in_process_results_queue() -> contextlib.AbstractContextManager[None]:
+    """Hand megatron's synchronous save a ``queue.Queue`` (results pass between threads of this process)."""
+    return results_queue_from(queue.Queue)
 
 
 @contextlib.contextmanager

@@ -39,10 +39,35 @@ class TrainerState:
     """Prompts consumed in the current epoch."""
     data_seed: int = 0
     """Seed of the dataset shuffle."""
+    rng_state: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """Python, numpy and torch CPU RNG states of the process that owns this state (the driver), or None."""
 
-    def to_dict(self) -> dict[str, int]:
-        """Plain dict for ``save_checkpoint(common_state=...)``."""
-        return dataclasses.asdict(self)
+    @classmethod
+    def capture(
+        cls, *, rollout_id: int, weight_version: int, data_epoch: int = 0, data_offset: int = 0, data_seed: int = 0
+    ) -> TrainerState:
+        """The given counters plus this process's python/numpy/torch RNG states, taken now."""
+        return cls(
+            rollout_id=rollout_id,
+            weight_version=weight_version,
+            data_epoch=data_epoch,
+            data_offset=data_offset,
+            data_seed=data_seed,
+            rng_state=_host_rng_state(),
+        )
+
+    def restore_rng(self) -> None:
+        """Set this process's python/numpy/torch RNG streams to those captured by ``capture``."""
+        if self.rng_state is None:
+            raise CheckpointError(
+                "this trainer state holds no RNG states (it was built without TrainerState.capture); the resumed "
+                "run cannot draw the same samples as an uninterrupted one"
+            )
+        restore_rng_state(self.rng_state)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for ``save_checkpoint(common_state=...)`` (loadable with ``weights_only=True``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> TrainerState:
@@ -55,13 +80,13 @@ class TrainerState:
                 f"checkpoint common state lacks trainer field(s) {missing} (it has {sorted(state)}); it was not "
                 f"written by tidal's trainer. Load it with --hf-checkpoint or a fresh --save directory instead."
             )
-        return cls(**{name: int(state[name]) for name in names if name in state})
+        values: dict[str, Any] = {name: int(state[name]) for name in names if name in state and name != "rng_state"}
+        return cls(**values, rng_state=state.get("rng_state"))
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """This process's python, numpy, torch CPU, CUDA (when present) and Megatron tracker RNG states."""
+def _host_rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
-    state: dict[str, Any] = {
+    return {
         "random": random.getstate(),
         "numpy": (
             str(np_state[0]),
@@ -71,24 +96,33 @@ def capture_rng_state() -> dict[str, Any]:
             float(np_state[4]),
         ),
         "torch": torch.get_rng_state(),
+    }
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's python, numpy, torch CPU, CUDA (when present) and Megatron tracker RNG states."""
+    return {
+        **_host_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": _tracker_states(),
     }
-    return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set every RNG stream from ``capture_rng_state()``'s output (as loaded from a checkpoint)."""
+    """Set every RNG stream from ``capture_rng_state()``'s output (as loaded from a checkpoint).
+
+    CUDA and tracker states are optional (``TrainerState.rng_state`` holds only python/numpy/torch).
+    """
     random.setstate(_as_tuples(state["random"]))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None:
+    if state.get("cuda") is not None:
         if not torch.cuda.is_available():
             logger.warning("checkpoint holds CUDA RNG states but CUDA is unavailable; they are not restored")
         else:
             torch.cuda.set_rng_state_all(state["cuda"])
-    if state["tracker"]:
+    if state.get("tracker"):
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,85 @@
+"""The fast paths of issue 11 against the code they replace: TP=1 log-softmax, fused RoPE arithmetic, LM-head kept."""
+
+import pytest
+import torch
+from tidal.actor import Actor, ActorConfig
+from tidal.actor.logprobs import local_log_probs, vocab_parallel_log_probs
+from tidal.batching import pack, unpack
+
+SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3, 4], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_local_log_probs_equal_vocab_parallel(dist_env, temperature):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 300, generator=gen, dtype=torch.float64).float() * 3
+    targets = torch.randint(0, 300, (37,), generator=gen)
+    lp, ent = local_log_probs(logits, targets, temperature=temperature, with_entropy=True)
+    ref_lp, ref_ent = vocab_parallel_log_probs(logits / temperature, targets, with_entropy=True)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    # bf16 logits: the softmax runs in fp32 on the bf16 values, as the fp32 path does on their upcast
+    lp16, _ = local_log_probs(logits.bfloat16(), targets)
+    ref16, _ = vocab_parallel_log_probs(logits.bfloat16().float(), targets)
+    assert lp16.dtype == torch.float32
+    torch.testing.assert_close(lp16, ref16, atol=1e-5, rtol=0)
+
+
+def test_entropy_without_grad_is_a_metric_only(dist_env):
+    logits = torch.randn(5, 40, requires_grad=True)
+    _, ent = local_log_probs(logits, torch.zeros(5, dtype=torch.long), with_entropy=True, entropy_grad=False)
+    assert not ent.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_arithmetic_equals_megatron(dtype):
+    from megatron.core.models.common.embeddings import rope_utils
+    from tidal.actor import compat
+
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(23, 3, 16, generator=gen).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    angles = torch.outer(torch.arange(64).float(), inv)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # megatron's [max_len, 1, 1, dim] table
+    position = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, *range(15)])
+    ref = rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[position]).squeeze(1)
+    out = compat.rope_at_positions(t, freqs, position)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    # the positions the patch computes from cu_seqlens: each restarts at its sequence's start
+    torch.testing.assert_close(
+        compat._positions(torch.tensor([0, 5, 8, 23], dtype=torch.int32), 23, t.device), position
+    )
+
+
+def test_keeping_lm_head_logits_gives_the_same_step(dist_env, qwen2_dir):
+    cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0, log_probs_chunk_size=5)
+    a, b = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg, recompute_lm_head=False))
+    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
+    plain = pack(SEQS, loss_masks=masks)
+    old = [o.tolist() for o in unpack(a.compute_log_probs(plain), plain)]
+    adv = [[x] * len(s) for x, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
+    batch = pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})
+    ma, mb = a.train_step([batch]), b.train_step([batch])
+    assert ma["train/grad_norm"] == pytest.approx(mb["train/grad_norm"], rel=1e-6)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
+
+
+def test_reused_export_buffers_are_refilled(dist_env, qwen2_dir):
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, params_dtype="bfloat16", fp32_main_params=True))
+    first = [
+        (b.flat.data_ptr(), b.flat.clone()) for b in actor.hf_tensor_buckets(bucket_bytes=2**16, reuse_buffers=True)
+    ]
+    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
+    plain = pack(SEQS, loss_masks=masks)
+    old = [o.tolist() for o in unpack(actor.compute_log_probs(plain), plain)]
+    adv = [[x] * len(s) for x, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
+    actor.train_step([pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})])
+    second = list(actor.hf_tensor_buckets(bucket_bytes=2**16, reuse_buffers=True))
+    assert [b.flat.data_ptr() for b in second] == [p for p, _ in first]  # the same buffers, refilled
+    assert any(not torch.equal(b.flat, old_flat) for b, (_, old_flat) in zip(second, first, strict=True))
+    exported = dict(actor.named_hf_tensors())
+    for bucket in second:
+        for name, tensor in bucket:
+            assert torch.equal(tensor, exported[name].to(torch.bfloat16)), name
