@@ -42,10 +42,17 @@ def build(spec, fmt, device):
     tok = em.build_tokenizer([r["prompt"] + r["label"] for r in train])
     torch.manual_seed(spec.seed)
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=256, tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
     )
     model = Qwen2ForCausalLM(cfg)
     t0 = time.time()
@@ -86,12 +93,18 @@ def generate(model, tok, recs, n, temp, device, maxlen=8):
     ids = torch.full((len(prompts), width), eos)
     att = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        att[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        att[i, width - len(p) :] = 1
     kw = {"do_sample": True, "temperature": temp, "top_k": 0, "top_p": 1.0} if temp > 0 else {"do_sample": False}
     with torch.no_grad():
-        out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=maxlen,
-                             pad_token_id=eos, eos_token_id=eos, **kw).cpu()
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=att.to(device),
+            max_new_tokens=maxlen,
+            pad_token_id=eos,
+            eos_token_id=eos,
+            **kw,
+        ).cpu()
     res = []
     for i, p in enumerate(prompts):
         r = out[i, width:].tolist()
@@ -145,7 +158,7 @@ def grpo(model, tok, train, held, v, device, log):
         mask = torch.zeros(len(seqs), width)
         for i, (p, r) in enumerate(res):
             ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            mask[i, len(p): len(p) + len(r)] = 1
+            mask[i, len(p) : len(p) + len(r)] = 1
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids).logits[:, :-1].float() / temp
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -177,8 +190,15 @@ def run_variant(name, v, device, out):
     model, tok, train, held, sft_s = build(spec, v["fmt"], device)
     res = generate(model, tok, held[:64], 8, v["temp"], device)
     sampled = sum(reward(tok, r, held[i // 8]["label"]) for i, (_, r) in enumerate(res)) / len(res)
-    log({"iter": 0, "sft_s": round(sft_s, 1), "held_out": evaluate(model, tok, held, device), "sampled": sampled,
-         "config": v})
+    log(
+        {
+            "iter": 0,
+            "sft_s": round(sft_s, 1),
+            "held_out": evaluate(model, tok, held, device),
+            "sampled": sampled,
+            "config": v,
+        }
+    )
     grpo(model, tok, train, held, v, device, log)
 
 

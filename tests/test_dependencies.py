@@ -51,9 +51,10 @@ def _distributions() -> dict[str, list[str]]:
 
 def _declared(member: str) -> set[str]:
     project = tomllib.loads((MEMBERS[member] / "pyproject.toml").read_text())["project"]
+    extras = [dep for group in project.get("optional-dependencies", {}).values() for dep in group]
     return {
         dep.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip().lower()
-        for dep in project.get("dependencies", [])
+        for dep in [*project.get("dependencies", []), *extras]
     }
 
 

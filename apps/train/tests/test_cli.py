@@ -23,6 +23,18 @@ BAD = [
     (["--hf-checkpoint", "/nonexistent/model", "--prompt-data", __file__], "--hf-checkpoint"),
     (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data"),
     (["--not-a-flag", "1"], "--not-a-flag"),
+    (["--debug-train-only"], "--load-debug-rollout-data"),
+    (["--debug-rollout-only", "--debug-train-only"], "--debug-rollout-only"),
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+    (["--advantage-estimator", "magic"], "--advantage-estimator"),
+    (["--eps-clip-c", "0.5"], "--eps-clip-c"),
+    (["--use-kl-loss"], "--kl-loss-coef"),
+    (["--num-rollout", "3", "--start-rollout-id", "3"], "--start-rollout-id"),
+    (["--load", "/nonexistent/ckpt"], "--load"),
+    (["--ckpt-step", "5"], "--ckpt-step"),
+    (["--config", "/nonexistent.yaml"], "--config"),
+    (["--update-weights-interval", "0"], "--update-weights-interval"),
+    (["--keep-last", "0"], "--keep-last"),
 ]
 
 
@@ -30,6 +42,23 @@ BAD = [
 def test_bad_configuration_names_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         parse_job(argv)
+
+
+def test_load_without_tracker_names_the_iterations_and_the_fix(tmp_path):
+    for name in ("iter_0000050", "iter_0000100"):  # complete saves (the marker exists) but no tracker file
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metadata.json").write_text("{}")
+    with pytest.raises(ValueError, match="--load") as info:
+        parse_job(["--load", str(tmp_path)])
+    assert "latest_checkpointed_iteration.txt" in str(info.value)
+    assert "--ckpt-step" in str(info.value)
+
+
+def test_load_of_an_hf_checkpoint_says_to_use_hf_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="--hf-checkpoint"):
+        parse_job(["--load", str(tmp_path)])
 
 
 def test_default_job_is_valid_and_consistent():
@@ -58,3 +87,9 @@ def test_a_config_error_answers_in_seconds_with_one_line():
     assert proc.stderr.strip() == "train: error: --lr must be >= 0, got -1.0"
     # Parsing must not import the heavy stacks; a generous bound that still catches a megatron import (~10 s+).
     assert elapsed < 30, elapsed
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_use_wandb_without_wandb_says_how_to_install_it():
+    with pytest.raises(ValueError, match="--use-wandb needs the wandb package"):
+        parse_job(["--use-wandb"])

@@ -43,3 +43,18 @@ def test_missing_key_names_the_flag(tmp_path):
         assert "--input-key" in str(e)
     else:
         raise AssertionError("expected a ValueError")
+
+
+def test_apply_chat_template_renders_each_prompt_as_a_user_turn(tmp_path):
+    from tidal.train.data import PromptDataset
+    from tidal.train.embedded_model import build_tokenizer
+
+    tok = build_tokenizer(["12+34=046"])
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "12+34=", "label": "046"}\n')
+    plain = PromptDataset(path, tok, input_key="prompt", label_key="label", seed=0)
+    chat = PromptDataset(path, tok, input_key="prompt", label_key="label", seed=0, apply_chat_template=True)
+    assert plain.prompts[0].text == "12+34="
+    assert chat.prompts[0].text == "<user>12+34=<assistant>"
+    assert tok.decode(list(chat.prompts[0].ids)) == "<user>12+34=<assistant>"

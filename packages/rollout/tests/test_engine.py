@@ -171,3 +171,24 @@ def test_shutdown_leaves_no_process(sglang_server: SGLangEngine) -> None:
     assert not ({pid} | children) & live
     assert not [p for p, _, g in _procs() if g == pid]
     sglang_server.shutdown()  # idempotent
+
+
+def test_memory_release_is_refused_on_a_cpu_server_without_touching_it(sglang_server: SGLangEngine) -> None:
+    if not sglang_server.cpu:
+        pytest.skip("CUDA present: see test_memory_release_and_resume_on_gpu")
+    # SGLang 0.5.23's release calls torch.cuda.synchronize(), which kills a CPU server: it must never be sent.
+    for method in (sglang_server.release_memory_occupation, sglang_server.resume_memory_occupation):
+        with pytest.raises(RolloutError, match="is not supported by a CPU SGLang server"):
+            method()
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        sglang_server.release_memory_occupation(["activations"])
+    assert sglang_server.health_ok() and sglang_server.generate([[3, 4]], {"max_new_tokens": 2})
+
+
+@pytest.mark.gpu
+def test_memory_release_and_resume_on_gpu(sglang_server: SGLangEngine) -> None:
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    before = [out["output_ids"] for out in sglang_server.generate(PROMPTS, greedy)]
+    sglang_server.release_memory_occupation()
+    sglang_server.resume_memory_occupation()
+    assert [out["output_ids"] for out in sglang_server.generate(PROMPTS, greedy)] == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,19 @@ from transformers import AutoTokenizer
 
 
 def test_generate_samples_groups_responses_and_keeps_sampled_ids(
-    sglang_server: SGLangEngine, tiny_model_dir: Path
+    sglang_server: SGLangEngine, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="tidal.rollout.progress")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [tokenizer.encode("what is two plus two ?"), tokenizer.encode("the answer is")]
     params = {"n": 4, "max_new_tokens": 6, "temperature": 1.0}
-    samples = generate_samples(sglang_server, prompts, params, labels=["4", "7"], decode=tokenizer.decode)
+    samples = generate_samples(
+        sglang_server, prompts, params, labels=["4", "7"], decode=tokenizer.decode, progress_every_s=0.0
+    )
     assert len(samples) == 8
+    progress = [r.getMessage() for r in caplog.records if r.name == "tidal.rollout.progress"]
+    assert progress[0].startswith("generate: 4/8 samples (50%)")  # one request per prompt: 4 samples each
+    assert progress[-1].startswith("generate: 8/8 samples (100%)") and "samples/s" in progress[-1]
     assert [s.group_index for s in samples] == [0] * 4 + [1] * 4
     assert [s.label for s in samples] == ["4"] * 4 + ["7"] * 4
     for s in samples:
@@ -122,3 +129,10 @@ def test_check_chat_template(tiny_model_dir: Path) -> None:
     tokenizer.chat_template = "{{ raise_exception('system message required') }}"
     with pytest.raises(ValueError, match=r"fails to render: .*system message required"):
         check_chat_template(tokenizer)
+
+
+def test_generate_samples_without_max_new_tokens_uses_sglang_default(sglang_server: SGLangEngine) -> None:
+    samples = generate_samples(sglang_server, [[3, 4, 5]], {"n": 2, "temperature": 0.0})
+    assert len(samples) == 2 and all(s.finish_reason in ("stop", "length") for s in samples)
+    assert all(1 <= len(s.response_ids) <= 128 for s in samples)  # SGLang's default max_new_tokens
+    assert samples[0].response_ids == samples[1].response_ids  # greedy

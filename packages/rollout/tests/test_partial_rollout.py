@@ -80,3 +80,76 @@ def test_resume_keeps_the_length_limit_and_validates_versions() -> None:
     with pytest.raises(ValueError, match="response_weight_versions has 1 entries for 2 response tokens"):
         Sample(prompt_ids=[1], response_ids=[2, 3], response_log_probs=[-1.0, -1.0], finish_reason="stop",
                response_weight_versions=["v1"])  # fmt: skip
+
+
+def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_server: SGLangEngine, tiny_model_dir):
+    from tidal.rollout import generate_partial_rollout, numeric_match
+
+    full_len = 60
+    params = {"n": 2, "max_new_tokens": full_len, "temperature": 1.0, "ignore_eos": True}
+    # A group carried over from an earlier rollout, cut 2 tokens short of the limit under weights "old".
+    sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
+    cut = sglang_server.generate([[3, 4, 5]], {**params, "max_new_tokens": full_len - 2})
+    carried = [
+        Sample(
+            prompt_ids=[3, 4, 5],
+            response_ids=o["output_ids"],
+            response_log_probs=o["output_log_probs"],
+            finish_reason="abort",
+            label="1",
+            weight_version="old",
+        )
+        for o in cut
+    ]
+    sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="new")
+    sglang_server.call("/slow_down", {"forward_sleep_time": 0.05})  # fresh groups need 3 s: still running
+    try:
+        first = generate_partial_rollout(
+            sglang_server, [[6, 7], [8, 9, 10]], params, num_groups=1, carry_over=[carried], labels=["2", "3"],
+            mask_offpolicy=True, reward_fn=numeric_match,
+        )  # fmt: skip
+    finally:
+        sglang_server.call("/slow_down", {"forward_sleep_time": None})
+    # The carried group finished first and filled the batch; the fresh groups were aborted mid-response.
+    assert first.num_groups == 1 and len(first.samples) == 2
+    for s in first.samples:
+        assert s.group_index == 0 and s.label == "1" and s.reward is not None
+        assert s.finish_reason == "length" and len(s.response_ids) == full_len
+        assert s.token_weight_versions == ["old"] * (full_len - 2) + ["new"] * 2
+        assert s.loss_mask == [0] * 3 + [0] * (full_len - 2) + [1] * 2  # prompt, off-policy tokens masked
+    assert len(first.carry_over) == 2
+    for group, label in zip(first.carry_over, ["2", "3"], strict=True):
+        assert [s.finish_reason for s in group] == ["abort", "abort"] and group[0].label == label
+        assert all(len(s.response_ids) < full_len for s in group)
+    assert first.metrics["rollout/partial/resumed_groups"] == 1.0
+    assert first.metrics["rollout/partial/carried_over_groups"] == 2.0
+    assert first.metrics["rollout/partial/offpolicy_token_frac"] == pytest.approx((full_len - 2) / full_len)
+
+    # Next rollout, newer weights: the aborted groups are resumed from where they stopped.
+    sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="newer")
+    second = generate_partial_rollout(sglang_server, [], params, num_groups=2, carry_over=first.carry_over)
+    assert second.num_groups == 2 and second.carry_over == []
+    assert [s.group_index for s in second.samples] == [0, 0, 1, 1]
+    assert {s.label for s in second.samples} == {"2", "3"}
+    by_prompt = {tuple(g[0].prompt_ids): g for g in first.carry_over}
+    for i, s in enumerate(second.samples):
+        before = by_prompt[tuple(s.prompt_ids)][i % 2]  # a group's samples keep their order
+        k = len(before.response_ids)
+        assert list(s.response_ids[:k]) == list(before.response_ids)
+        assert list(s.response_log_probs[:k]) == list(before.response_log_probs)
+        assert s.finish_reason == "length" and len(s.response_ids) == full_len
+        assert s.token_weight_versions[k:] == ["newer"] * (full_len - k)
+        assert set(s.token_weight_versions[:k]) <= {"new"}
+        assert s.loss_mask[len(s.prompt_ids) :] == [1] * full_len  # not masked: mask_offpolicy is off
+
+
+def test_mask_offpolicy_tokens_keeps_tool_masks() -> None:
+    from tidal.rollout import mask_offpolicy_tokens
+
+    s = Sample(prompt_ids=[1], response_ids=[2, 3, 4], response_log_probs=[-1.0, 0.0, -1.0], finish_reason="stop",
+               response_loss_mask=[1, 0, 1], response_weight_versions=["1", "2", "2"], weight_version="2")  # fmt: skip
+    (masked,) = mask_offpolicy_tokens([s], "2")
+    assert masked.loss_mask == [0, 0, 0, 1]
+    assert mask_offpolicy_tokens([s], "1")[0].loss_mask == [0, 1, 0, 0]
+    fresh = Sample(prompt_ids=[1], response_ids=[2], response_log_probs=[-1.0], finish_reason="stop")
+    assert mask_offpolicy_tokens([fresh], None)[0] is fresh  # all tokens from the current (None) version

@@ -6,7 +6,6 @@ with one line naming the flag.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
@@ -17,123 +16,43 @@ logger = logging.getLogger("tidal.train")
 
 # The embedded default job (no --hf-checkpoint): sizes that suit the tiny addition model on a 2-core CPU.
 EMBEDDED_DEFAULTS: dict[str, Any] = {
-    "num_rollout": 3,
-    "rollout_batch_size": 16,
+    # RL on the fixed-width addition task: measured in bench/rl_recipe_grid.py, reproduced on the real stack
+    # (bench/RESULTS.md). One optimizer step per rollout of 64 prompts x 8 samples.
+    "num_rollout": 150,
+    "rollout_batch_size": 64,
     "n_samples_per_prompt": 8,
-    "rollout_max_response_len": 8,
+    "rollout_max_response_len": 6,
     "rollout_temperature": 1.0,
     "rm_type": "numeric_match",
-    "lr": 2e-5,
+    "lr": 3e-4,
     "use_dynamic_batch_size": True,
-    "max_tokens_per_gpu": 2048,
+    "max_tokens_per_gpu": 8192,
+    "eval_interval": 10,
+    "num_eval_prompts": 256,
 }
-
-# flag dest -> (section, field). Sections: train, placement, rollout, batching, actor.
-_SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
-    "train": [
-        ("--hf-checkpoint", {"help": "HF model dir to train (default: build or reuse the embedded tiny model)"}),
-        ("--prompt-data", {"help": "training prompts, JSONL (default: the shipped addition task)"}),
-        ("--eval-prompt-data", {"help": "held-out prompts, JSONL (default: the shipped held-out addition prompts)"}),
-        ("--input-key", {"help": "prompt key in each record (default: prompt)"}),
-        ("--label-key", {"help": "answer key in each record (default: label)"}),
-        ("--num-rollout", {"type": int, "help": "rollouts to run"}),
-        ("--eval-interval", {"type": int, "help": "evaluate every N rollouts (always before and after)"}),
-        ("--num-eval-prompts", {"type": int, "help": "held-out prompts per evaluation"}),
-        ("--save", {"help": "Megatron checkpoint dir (default: OUTPUT_DIR/ckpt)"}),
-        ("--save-interval", {"type": int, "help": "save every N rollouts (always at the end)"}),
-        ("--output-dir", {"help": "run folder (default: runs/latest)"}),
-        ("--seed", {"type": int, "help": "seed of data order and initialisation"}),
-    ],
-    "placement": [
-        ("--colocate", {"action": argparse.BooleanOptionalAction, "help": "actor and rollout share GPUs"}),
-        ("--actor-num-nodes", {"type": int, "help": "nodes of the actor"}),
-        ("--actor-num-gpus-per-node", {"type": int, "help": "actor GPUs per node"}),
-        ("--rollout-num-gpus", {"type": int, "help": "GPUs of all SGLang engines"}),
-        ("--rollout-num-gpus-per-engine", {"type": int, "help": "GPUs per SGLang engine (its TP size)"}),
-        ("--ray-address", {"help": "connect to this Ray cluster instead of starting a local one"}),
-        ("--num-gpus-local", {"type": int, "help": "logical GPUs of a local Ray (default: what the job needs)"}),
-        ("--placement-timeout", {"type": float, "dest": "placement_timeout_s", "help": "seconds to wait for GPUs"}),
-        ("--ray-env", {"action": "append", "metavar": "KEY=VALUE", "help": "env var for every Ray worker"}),
-    ],
-    "rollout": [
-        ("--n-samples-per-prompt", {"type": int, "help": "responses per prompt (one GRPO group)"}),
-        ("--rollout-max-response-len", {"type": int, "help": "most new tokens per response"}),
-        ("--rollout-temperature", {"type": float, "help": "sampling temperature"}),
-        ("--rollout-top-p", {"type": float, "help": "nucleus sampling mass"}),
-        ("--rollout-top-k", {"type": int, "help": "top-k sampling (-1: all)"}),
-        ("--rollout-stop-token-ids", {"type": int, "nargs": "+", "help": "extra token ids that end a response"}),
-        ("--rollout-stop", {"nargs": "+", "help": "strings that end a response"}),
-        ("--save-debug-rollout-data", {"help": "folder to write every rollout's samples to (one JSONL per rollout)"}),
-        ("--rm-type", {"help": "built-in reward: exact_match, numeric_match or math"}),
-        ("--custom-rm-path", {"help": "reward function by import path, pkg.module:fn"}),
-        ("--sglang-host", {"help": "address the SGLang servers listen on (default 127.0.0.1)"}),
-    ],
-    "batching": [
-        ("--rollout-batch-size", {"type": int, "help": "prompts per rollout"}),
-        ("--global-batch-size", {"type": int, "help": "samples per optimizer step"}),
-        ("--num-steps-per-rollout", {"type": int, "help": "optimizer steps per rollout"}),
-        ("--use-dynamic-batch-size", {"action": argparse.BooleanOptionalAction, "help": "pack by token budget"}),
-        ("--max-tokens-per-gpu", {"type": int, "help": "token budget per micro-batch (dynamic batch size)"}),
-        ("--micro-batch-size", {"type": int, "help": "sequences per micro-batch (without dynamic batch size)"}),
-        ("--pad-to-multiple-of", {"type": int, "help": "pad each micro-batch to a multiple of this"}),
-    ],
-    "actor": [
-        ("--lr", {"type": float, "help": "learning rate"}),
-        ("--lr-warmup-iters", {"type": int, "dest": "lr_warmup_steps", "help": "linear warm-up steps"}),
-        ("--weight-decay", {"type": float, "help": "AdamW weight decay"}),
-        ("--clip-grad", {"type": float, "help": "gradient-norm clip (0: off)"}),
-        ("--eps-clip", {"type": float, "help": "PPO lower clip range"}),
-        ("--eps-clip-high", {"type": float, "help": "PPO upper clip range (default: --eps-clip)"}),
-        ("--kl-loss-coef", {"type": float, "help": "weight of the KL-to-reference loss"}),
-        ("--kl-loss-type", {"help": "KL estimator: k1, k2 or k3"}),
-        ("--entropy-coef", {"type": float, "help": "entropy bonus weight"}),
-        ("--params-dtype", {"help": "float32 or bfloat16"}),
-    ],
-}
-_TITLES = {
-    "train": "run (apps/train)",
-    "placement": "placement (tidal-placement)",
-    "rollout": "rollout (tidal-rollout); any --sglang-<option> VALUE is passed to the SGLang server",
-    "batching": "batching (tidal-batching)",
-    "actor": "actor (tidal-actor)",
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``train`` argument parser, grouped by the package that owns each flag; every default is None."""
-    parser = argparse.ArgumentParser(
-        prog="train",
-        description="RL post-training: Megatron actor, SGLang rollouts. "
-        "`train convert --help`: HF <-> Megatron checkpoint conversion.",
-    )
-    for section, flags in _SECTIONS.items():
-        group = parser.add_argument_group(_TITLES[section])
-        for flag, kwargs in flags:
-            group.add_argument(flag, default=None, **kwargs)
-    return parser
-
-
-def _dest(flag: str, kwargs: dict[str, Any]) -> str:
-    return kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
 
 
 def parse_job(argv: list[str]):
     """Parse ``argv`` into a validated JobConfig (ValueError names the flag on bad input)."""
     from tidal.train.config import JobConfig, TrainConfig
+    from tidal.train.config_file import expand_config
+    from tidal.train.flags import SECTIONS, build_parser, dest
 
-    args, unknown = build_parser().parse_known_args(argv)
+    args, unknown = build_parser().parse_known_args(expand_config(argv))
     values = {k: v for k, v in vars(args).items() if v is not None}
+    values.pop("config", None)
     embedded = "hf_checkpoint" not in values
     if embedded:
         values = {**EMBEDDED_DEFAULTS, **values}
     sections = {
-        section: {_dest(flag, kw): values[_dest(flag, kw)] for flag, kw in flags if _dest(flag, kw) in values}
-        for section, flags in _SECTIONS.items()
+        section: {dest(flag, kw): values[dest(flag, kw)] for flag, kw in flags if dest(flag, kw) in values}
+        for section, flags in SECTIONS.items()
     }
     from tidal.actor import ActorConfig
     from tidal.batching import BatchingConfig
+    from tidal.ckpt import CkptConfig
     from tidal.placement import PlacementConfig, parse_ray_env
-    from tidal.rollout import RolloutConfig, sglang_server_args
+    from tidal.rollout import RolloutConfig, sglang_router_args, sglang_server_args
     from tidal.train.embedded_model import embedded_model_path
     from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, shipped_path
 
@@ -144,6 +63,7 @@ def parse_job(argv: list[str]):
     placement["ray_env"] = parse_ray_env(placement.pop("ray_env", []))
     rollout = sections["rollout"]
     rollout["sglang_server_args"] = sglang_server_args(unknown)
+    rollout["sglang_router_args"] = sglang_router_args(unknown)
     if "--dtype" not in rollout["sglang_server_args"]:
         # SGLang serves a float32 checkpoint in float16 by default; rollout and training log-probs must come
         # from the same precision, so the engines run in the actor's dtype unless --sglang-dtype says otherwise.
@@ -164,17 +84,58 @@ def parse_job(argv: list[str]):
             raise ValueError(f"--{key.replace('_', '-')} {train[key]} is not a file")
     train_cfg = TrainConfig(**train)
     hf = train_cfg.hf_checkpoint or str(embedded_model_path())
+    actor = sections["actor"]
+    if actor.pop("no_check_for_nan_in_loss_and_grad", False):
+        actor["check_for_nan_in_loss_and_grad"] = False
+    if not actor.get("use_kl_loss") and actor.get("kl_loss_coef"):
+        logger.warning("--kl-loss-coef %s is ignored without --use-kl-loss (slime's rule)", actor["kl_loss_coef"])
+        actor["kl_loss_coef"] = 0.0
     if not embedded and not (Path(hf) / "config.json").is_file():
         raise ValueError(f"--hf-checkpoint {hf} has no config.json; point it at a Hugging Face model directory")
+    ckpt = sections["ckpt"]
+    ckpt.setdefault("save", str(Path(train_cfg.output_dir) / "ckpt"))
+    _check_cross_section(train_cfg, rollout, placement, ckpt)
     return JobConfig(
         train=train_cfg,
         placement=PlacementConfig(**placement),
         rollout=RolloutConfig(**rollout),
         batching=BatchingConfig(n_samples_per_prompt=rollout.get("n_samples_per_prompt", 1), **sections["batching"]),
-        actor=ActorConfig(
-            hf_checkpoint=hf, temperature=rollout.get("rollout_temperature", 1.0) or 1.0, **sections["actor"]
-        ),
+        actor=ActorConfig(hf_checkpoint=hf, temperature=rollout.get("rollout_temperature", 1.0) or 1.0, **actor),
+        ckpt=CkptConfig(hf_checkpoint=hf, **sections["ckpt"]),
     )
+
+
+def _check_cross_section(train, rollout: dict, placement: dict, ckpt: dict) -> None:
+    """Checks that span packages; each package's own config checks the rest when it is built."""
+    if train.debug_train_only and not rollout.get("load_debug_rollout_data"):
+        raise ValueError(
+            "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
+            "(written by an earlier run with --save-debug-rollout-data DIR)"
+        )
+    if rollout.get("load_debug_rollout_data") and not Path(rollout["load_debug_rollout_data"]).is_dir():
+        raise ValueError(f"--load-debug-rollout-data {rollout['load_debug_rollout_data']} is not a directory")
+    if train.debug_rollout_only and rollout.get("load_debug_rollout_data"):
+        raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
+    gpus = placement.get("actor_num_nodes", 1) * placement.get("actor_num_gpus_per_node", 1)
+    model_parallel = train.tensor_model_parallel_size * train.context_parallel_size
+    if gpus % model_parallel:
+        raise ValueError(
+            f"--tensor-model-parallel-size {train.tensor_model_parallel_size} x --context-parallel-size "
+            f"{train.context_parallel_size} = {model_parallel} does not divide the {gpus} actor GPU(s) "
+            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if ckpt.get("load"):
+        from tidal.ckpt import CheckpointError, resolve_checkpoint
+
+        try:  # each kind of bad directory has its own message naming what was found and what to pass
+            resolve_checkpoint(ckpt["load"], ckpt_step=ckpt.get("ckpt_step"))
+        except CheckpointError as e:
+            raise ValueError(str(e) if "--load" in str(e) else f"--load {ckpt['load']}: {e}") from e
+    if train.use_wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("--use-wandb needs the wandb package: `uv pip install wandb` (it runs offline)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,17 +160,29 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.train.embedded_model import ensure_embedded_model
 
         ensure_embedded_model()
-    result = run(job)
+    from tidal.train.config_file import write_effective_config
+
+    write_effective_config(job, job.train.output_dir)
+    try:
+        result = run(job)
+    except KeyboardInterrupt:
+        logger.error("interrupted (Ctrl-C): every SGLang, Ray and Megatron process was stopped")
+        return 130
     logger.info(
-        "done in %.1f s: held-out accuracy %.3f -> %.3f; metrics %s; checkpoint %s; last weights %s",
+        "done in %.1f s (RL %.1f s): held-out accuracy %s -> %s; summary %s; curves %s; checkpoint %s",
         time.monotonic() - start,
-        result.eval_before,
-        result.eval_after,
-        result.output_dir / "metrics.jsonl",
+        result.wall_s,
+        _fmt(result.eval_before),
+        _fmt(result.eval_after),
+        result.output_dir / "summary.json",
+        result.output_dir / "curves.png",
         result.checkpoint_dir,
-        result.weights_dir,
     )
     return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

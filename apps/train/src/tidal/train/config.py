@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tidal.actor import ActorConfig
     from tidal.batching import BatchingConfig
+    from tidal.ckpt import CkptConfig
     from tidal.placement import PlacementConfig
     from tidal.rollout import RolloutConfig
 
@@ -27,30 +28,62 @@ class TrainConfig:
     label_key: str = "label"
     """Key of the reference answer in each JSONL record (--label-key)."""
     num_rollout: int = 3
-    """Rollouts to run (--num-rollout)."""
+    """Rollouts to run, counted from rollout 0 (a resumed run stops at the same place) (--num-rollout)."""
+    start_rollout_id: int | None = None
+    """First rollout id; None: 0, or the one after the rollout --load's checkpoint finished (--start-rollout-id)."""
     eval_interval: int = 0
     """Evaluate on held-out prompts every this many rollouts, and before the first; 0 only before and after
     (--eval-interval)."""
     num_eval_prompts: int = 64
     """Held-out prompts per evaluation (--num-eval-prompts)."""
-    save: str | None = None
-    """Megatron checkpoint dir to save to; None saves into the run folder's ckpt/ (--save)."""
-    save_interval: int = 0
-    """Save a checkpoint every this many rollouts; 0 saves only at the end (--save-interval)."""
     output_dir: str = "runs/latest"
     """Run folder: metrics, logs, weights handed to SGLang, checkpoints (--output-dir)."""
     seed: int = 1234
     """Seed of data order and initialisation (--seed)."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of the actor (--tensor-model-parallel-size)."""
+    context_parallel_size: int = 1
+    """Context-parallel size of the actor (--context-parallel-size)."""
+    update_weights_interval: int = 1
+    """Hand the actor's weights to the engines every this many rollouts (--update-weights-interval)."""
+    update_weight_buffer_size: int = 512 * 1024**2
+    """Bytes per weight-sync shard (the safetensors shard the engines reload) (--update-weight-buffer-size)."""
+    save_hf: str | None = None
+    """Also write an HF checkpoint at every save; "{rollout_id}" in the path is filled in (--save-hf)."""
+    debug_rollout_only: bool = False
+    """Generate and score only: no actor is built and nothing trains (--debug-rollout-only)."""
+    debug_train_only: bool = False
+    """Train only, on rollouts saved by --save-debug-rollout-data: no engine starts (--debug-train-only)."""
+    use_tensorboard: bool = False
+    """Write TensorBoard event files into the run folder's tensorboard/ (--use-tensorboard)."""
+    use_wandb: bool = False
+    """Log to Weights & Biases in offline mode, into the run folder's wandb/ (--use-wandb)."""
+    wandb_project: str = "tidal"
+    """W&B project name (--wandb-project)."""
+    use_fault_tolerance: bool = False
+    """Restart an engine that died during a rollout and retry its requests (--use-fault-tolerance)."""
+    reward_sanity_rollouts: int = 3
+    """Warn when every reward was identical for this many rollouts in a row; 0 disables (--reward-sanity-rollouts)."""
 
     def __post_init__(self) -> None:
         for flag, value, low in (
             ("--num-rollout", self.num_rollout, 1),
             ("--eval-interval", self.eval_interval, 0),
             ("--num-eval-prompts", self.num_eval_prompts, 1),
-            ("--save-interval", self.save_interval, 0),
+            ("--tensor-model-parallel-size", self.tensor_model_parallel_size, 1),
+            ("--context-parallel-size", self.context_parallel_size, 1),
+            ("--update-weights-interval", self.update_weights_interval, 1),
+            ("--reward-sanity-rollouts", self.reward_sanity_rollouts, 0),
+            ("--update-weight-buffer-size", self.update_weight_buffer_size, 1),
         ):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if self.start_rollout_id is not None and not 0 <= self.start_rollout_id < self.num_rollout:
+            raise ValueError(
+                f"--start-rollout-id must be in [0, --num-rollout={self.num_rollout}), got {self.start_rollout_id}"
+            )
+        if self.debug_rollout_only and self.debug_train_only:
+            raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
         if not self.input_key or not self.label_key:
             raise ValueError("--input-key and --label-key must be non-empty")
 
@@ -69,3 +102,5 @@ class JobConfig:
     """Batch arithmetic and micro-batching."""
     actor: ActorConfig
     """Model, optimizer and loss."""
+    ckpt: CkptConfig
+    """Where checkpoints are loaded from and saved to."""

@@ -25,8 +25,21 @@ class Prompt:
 class PromptDataset:
     """Prompts in epochs of a seeded permutation; ``batch(k, n)`` is the same for the same ``(k, n)``, always."""
 
-    def __init__(self, path: str | Path, tokenizer, *, input_key: str, label_key: str, seed: int) -> None:
-        """Read ``path`` (JSONL) and tokenize every prompt; a record missing a key is an error naming it."""
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer,
+        *,
+        input_key: str,
+        label_key: str,
+        seed: int,
+        apply_chat_template: bool = False,
+    ) -> None:
+        """Read ``path`` (JSONL) and tokenize every prompt; a record missing a key is an error naming it.
+
+        With ``apply_chat_template`` each prompt is rendered as a one-message user conversation with the
+        tokenizer's chat template (generation prompt added) before tokenizing (``--apply-chat-template``).
+        """
         records = read_jsonl(path)
         if not records:
             raise ValueError(f"{path} holds no records; point --prompt-data at a JSONL file with prompts")
@@ -37,10 +50,22 @@ class PromptDataset:
                         f"{path}: record {line_no} has no key {key!r} (keys: {sorted(record)}); set {flag}"
                     )
         self.path = Path(path)
+        self.tokenizer = tokenizer
         self.seed = seed
         self._orders: dict[int, list[int]] = {}
+        texts = [r[input_key] for r in records]
+        if apply_chat_template:
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+                )
+                for t in texts
+            ]
+        # A rendered template already holds its special tokens: do not let the tokenizer add a BOS twice.
+        encode = {"add_special_tokens": False} if apply_chat_template else {}
         self.prompts = [
-            Prompt(text=r[input_key], ids=tuple(tokenizer.encode(r[input_key])), label=r[label_key]) for r in records
+            Prompt(text=t, ids=tuple(tokenizer.encode(t, **encode)), label=r[label_key])
+            for t, r in zip(texts, records, strict=True)
         ]
 
     def __len__(self) -> int:

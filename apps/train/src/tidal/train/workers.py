@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,16 +51,42 @@ class ActorWorker:
     """One rank of the Megatron actor (tidal.actor) on its bundle."""
 
     def __init__(
-        self, actor_cfg, batching_cfg, *, rank: int, world_size: int, master_addr: str, master_port: int, seed: int
+        self,
+        actor_cfg,
+        batching_cfg,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        seed: int,
+        tensor_model_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        ref_load: str | None = None,
     ) -> None:
         setup_logging(f"actor r{rank}")
+        _limit_cpu_threads()
         from tidal.actor import Actor, init_distributed
 
-        init_distributed(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, seed=seed)
+        init_distributed(
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            seed=seed,
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            context_parallel_size=context_parallel_size,
+        )
+        self.dp_size = world_size // (tensor_model_parallel_size * context_parallel_size)
         self.rank = rank
         self.world_size = world_size
         self.batching_cfg = batching_cfg
         self.actor = Actor(actor_cfg)
+        self.reference = None
+        if actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0:  # frozen, offloaded to CPU between rollouts
+            from tidal.actor import ReferenceModel
+
+            self.reference = ReferenceModel(actor_cfg, load_dir=ref_load)
 
     def ready(self) -> bool:
         """True once the model is built and loaded (the constructor finished)."""
@@ -77,11 +104,12 @@ class ActorWorker:
             rewards=rollout.rewards,
             group_size=rollout.group_size,
             rollout_log_probs=rollout.rollout_log_probs,
-            rank=self.rank,
-            dp_size=self.world_size,
+            rank=_dp_rank(),
+            dp_size=self.dp_size,
+            reference=self.reference,
         )
 
-    def save_hf(self, out_dir: str, source_dir: str) -> str:
+    def save_hf(self, out_dir: str, source_dir: str, max_shard_bytes: int | None = None) -> str:
         """Write the current weights as an HF checkpoint (rank 0 writes; every rank gathers TP shards)."""
         from tidal.ckpt import save_hf_checkpoint
 
@@ -90,18 +118,71 @@ class ActorWorker:
             for _ in tensors:
                 pass
             return out_dir
-        return str(save_hf_checkpoint(out_dir, tensors, source_dir=source_dir))
+        shard = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
+        return str(save_hf_checkpoint(out_dir, tensors, source_dir=source_dir, **shard))
 
-    def save_checkpoint(self, save_dir: str, iteration: int, common_state: dict[str, Any]) -> str:
-        """Save a Megatron checkpoint (every rank takes part)."""
-        from tidal.ckpt import save_checkpoint
+    def save_checkpoint(self, ckpt_cfg, iteration: int, common_state: dict[str, Any]) -> str:
+        """Save a Megatron checkpoint of model, optimizer and this rank's RNG states (every rank takes part)."""
+        from tidal.ckpt import RNG_STATE_KEY, rng_state_sharded_object, save_checkpoint
 
-        return str(save_checkpoint(save_dir, iteration, self.actor.sharded_state_dict(), common_state=common_state))
+        state = self.actor.sharded_state_dict()
+        state[RNG_STATE_KEY] = rng_state_sharded_object()
+        saved = save_checkpoint(
+            ckpt_cfg.save,
+            iteration,
+            state,
+            common_state=common_state,
+            keep_last=ckpt_cfg.keep_last,
+            async_save=ckpt_cfg.async_save,  # published by the next save, or by finalize_saves()
+        )
+        return str(getattr(saved, "path", saved))
+
+    def finalize_saves(self) -> list[str]:
+        """Wait for a pending --async-save to be durable and published (every rank calls it)."""
+        from tidal.ckpt import finalize_async_saves
+
+        return [str(p) for p in finalize_async_saves()]
+
+    def load_checkpoint(self, ckpt_cfg) -> dict[str, Any]:
+        """Load ``--load`` (model, optimizer unless --no-load-optim, RNG unless --no-load-rng); its common state."""
+        from tidal.ckpt import RNG_STATE_KEY, load_checkpoint, restore_rng_state, rng_state_sharded_object
+
+        state = self.actor.sharded_state_dict(with_optimizer=not ckpt_cfg.no_load_optim)
+        if not ckpt_cfg.no_load_rng:
+            state[RNG_STATE_KEY] = rng_state_sharded_object()
+        loaded, common = load_checkpoint(ckpt_cfg.load, state, ckpt_step=ckpt_cfg.ckpt_step)
+        rng = loaded.pop(RNG_STATE_KEY, None)
+        self.actor.load_state_dict(loaded)
+        if rng is not None:
+            restore_rng_state(rng)
+        return common
 
 
-@ray.remote
+def _limit_cpu_threads() -> None:
+    """Without CUDA, one torch thread per actor rank (or ``OMP_NUM_THREADS``).
+
+    Ray leaves an actor without a CPU reservation free to start one thread per core, and on a small CPU machine
+    those threads spin against the SGLang server's: the actor's step ran 10-30x slower than single-threaded.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def _dp_rank() -> int:
+    from tidal.actor import data_parallel_rank_and_size
+
+    return data_parallel_rank_and_size()[0]
+
+
+@ray.remote(max_concurrency=4)
 class EngineWorker:
-    """One SGLang server (tidal.rollout) started from its bundle, so it sees the bundle's GPUs."""
+    """One SGLang server (tidal.rollout) started from its bundle, so it sees the bundle's GPUs.
+
+    Threaded (``max_concurrency``): ``shutdown`` must reach the server while ``start`` still waits for it to
+    become healthy (Ctrl-C during start-up), or the server would outlive its killed worker.
+    """
 
     def __init__(
         self,
@@ -113,10 +194,18 @@ class EngineWorker:
         log_dir: str,
         rollout_cfg,
         env: dict[str, str] | None = None,
+        fault_tolerant: bool = False,
     ) -> None:
         setup_logging(f"engine {port}")
         from tidal.rollout import SGLangEngine
 
+        self.fault_tolerant = fault_tolerant  # --use-fault-tolerance: restart a dead engine, resend its requests
+        self.max_concurrency = rollout_cfg.generate_max_concurrency
+        self.generate_fn = None
+        if rollout_cfg.custom_generate_function_path:  # multi-turn / tool use: one call per sample
+            from tidal.rollout import load_generate_fn
+
+            self.generate_fn = load_generate_fn(rollout_cfg.custom_generate_function_path)
         env = dict(env or {})
         if os.environ.get("CUDA_VISIBLE_DEVICES"):
             env.setdefault("CUDA_VISIBLE_DEVICES", os.environ["CUDA_VISIBLE_DEVICES"])
@@ -144,11 +233,24 @@ class EngineWorker:
         """Process id of the server (its process group leader)."""
         return self.engine.pid
 
-    def generate_samples(self, prompts: list[list[int]], sampling_params: dict[str, Any], labels: list) -> list:
-        """One batched generation wrapped as unscored Samples (tidal.rollout.generate_samples)."""
+    def generate_samples(
+        self, prompts: list[list[int]], sampling_params: dict[str, Any], labels: list
+    ) -> tuple[list, float]:
+        """One batched generation wrapped as unscored Samples (tidal.rollout.generate_samples); and its seconds."""
         from tidal.rollout import generate_samples
 
-        return generate_samples(self.engine, prompts, sampling_params, labels=labels, decode=self._decode)
+        tick = time.monotonic()
+        samples = generate_samples(
+            self.engine,
+            prompts,
+            sampling_params,
+            labels=labels,
+            decode=self._decode,
+            generate_fn=self.generate_fn,
+            max_concurrency=self.max_concurrency,
+            max_restarts=1 if self.fault_tolerant else 0,
+        )
+        return samples, time.monotonic() - tick
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -21,7 +21,7 @@ from tidal.actor.errors import ActorError  # noqa: E402
 if TYPE_CHECKING:
     from tidal.actor.actor import Actor
     from tidal.actor.compat import apply_cpu_compat
-    from tidal.actor.distributed import destroy_distributed, init_distributed
+    from tidal.actor.distributed import data_parallel_rank_and_size, destroy_distributed, init_distributed
     from tidal.actor.hf_config import HFModelSpec, read_hf_config
     from tidal.actor.hf_export import HFTensorBucket
     from tidal.actor.loss import grpo_advantages, kl_penalty, ppo_clip_loss
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Actor": "actor",
     "apply_cpu_compat": "compat",
+    "data_parallel_rank_and_size": "distributed",
     "destroy_distributed": "distributed",
     "init_distributed": "distributed",
     "HFModelSpec": "hf_config",
@@ -63,6 +64,7 @@ __all__ = [
     "HFTensorBucket",
     "ReferenceModel",
     "apply_cpu_compat",
+    "data_parallel_rank_and_size",
     "destroy_distributed",
     "grpo_advantages",
     "init_distributed",

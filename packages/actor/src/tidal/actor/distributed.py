@@ -84,6 +84,11 @@ def init_distributed(
     )
 
 
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """This process's data-parallel rank and the DP size (after :func:`init_distributed`)."""
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's parallel state and the default process group."""
     if parallel_state.model_parallel_is_initialized():

@@ -9,10 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tidal.rollout.config import RolloutConfig, sglang_server_args
-from tidal.rollout.errors import RolloutError
+from tidal.rollout.config import ROUTER_POLICIES, RolloutConfig, sglang_router_args, sglang_server_args
+from tidal.rollout.errors import EngineUnavailableError, RolloutError
 
 if TYPE_CHECKING:
+    from tidal.rollout.client import SGLangClient
     from tidal.rollout.custom_generate import GenerateFn, MultiTurn, load_generate_fn
     from tidal.rollout.debug_data import load_rollout_data, rollout_data_path, save_rollout_data
     from tidal.rollout.dynamic_sampling import (
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
         reward_variance,
         sample_with_dynamic_filter,
     )
-    from tidal.rollout.engine import CPU_SERVER_ARGS, SGLangEngine
+    from tidal.rollout.engine import CPU_SERVER_ARGS, MEMORY_TAGS, SGLangEngine
     from tidal.rollout.generation import (
         check_chat_template,
         check_stop_tokens,
@@ -32,7 +33,13 @@ if TYPE_CHECKING:
         model_stop_token_ids,
         rollout_metrics,
     )
-    from tidal.rollout.partial_rollout import resume_samples
+    from tidal.rollout.partial_rollout import (
+        PartialRolloutResult,
+        generate_partial_rollout,
+        mask_offpolicy_tokens,
+        resume_samples,
+    )
+    from tidal.rollout.progress import GenerationProgress
     from tidal.rollout.rewards import (
         BUILTIN_REWARDS,
         RewardFn,
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
         resolve_reward_fn,
         score_samples,
     )
+    from tidal.rollout.router import RolloutRouter, start_router
     from tidal.rollout.types import Sample
     from tidal.rollout.weight_sync import (
         destroy_weights_update_group,
@@ -54,6 +62,14 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "SGLangClient": "client",
+    "MEMORY_TAGS": "engine",
+    "GenerationProgress": "progress",
+    "RolloutRouter": "router",
+    "start_router": "router",
+    "PartialRolloutResult": "partial_rollout",
+    "generate_partial_rollout": "partial_rollout",
+    "mask_offpolicy_tokens": "partial_rollout",
     "resume_samples": "partial_rollout",
     "GenerateFn": "custom_generate",
     "MultiTurn": "custom_generate",
@@ -110,13 +126,20 @@ __all__ = [
     "BUILTIN_GROUP_FILTERS",
     "BUILTIN_REWARDS",
     "CPU_SERVER_ARGS",
+    "MEMORY_TAGS",
+    "ROUTER_POLICIES",
     "DynamicSamplingResult",
+    "EngineUnavailableError",
     "GenerateFn",
+    "GenerationProgress",
     "GroupFilter",
     "MultiTurn",
+    "PartialRolloutResult",
     "RewardFn",
     "RolloutConfig",
     "RolloutError",
+    "RolloutRouter",
+    "SGLangClient",
     "SGLangEngine",
     "Sample",
     "check_chat_template",
@@ -125,12 +148,14 @@ __all__ = [
     "exact_match",
     "extract_boxed",
     "filter_uniform_groups",
+    "generate_partial_rollout",
     "generate_samples",
     "init_weights_update_group",
     "last_number",
     "load_generate_fn",
     "load_reward_fn",
     "load_rollout_data",
+    "mask_offpolicy_tokens",
     "math_answer",
     "model_stop_token_ids",
     "numeric_match",
@@ -143,7 +168,9 @@ __all__ = [
     "sample_with_dynamic_filter",
     "save_rollout_data",
     "score_samples",
+    "sglang_router_args",
     "sglang_server_args",
+    "start_router",
     "update_weights_from_distributed",
     "update_weights_from_tensor",
 ]

@@ -10,9 +10,30 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SGLANG_FLAG_PREFIX = "--sglang-"
+ROUTER_FLAG_PREFIX = "--sglang-router-"
+
+# sglang-router load-balancing policies tidal accepts (see tidal.rollout.router).
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 # Built-in dynamic-sampling group filters (see tidal.rollout.dynamic_sampling), by name.
 BUILTIN_GROUP_FILTER_NAMES = ("reward_variance",)
+
+
+def _split_flags(flags: Sequence[str], *, router: bool) -> tuple[str, ...]:
+    """The ``--sglang-router-*`` flags (``router``) or the other ``--sglang-*`` flags, values kept with their flag."""
+    out: list[str] = []
+    keep = False
+    for arg in flags:
+        if arg.startswith("--"):
+            if not arg.startswith(SGLANG_FLAG_PREFIX) or len(arg) == len(SGLANG_FLAG_PREFIX):
+                raise ValueError(f"{arg!r} is not an SGLang pass-through flag: write it as --sglang-<server-option>")
+            is_router = arg.startswith(ROUTER_FLAG_PREFIX)
+            keep = is_router == router
+            if keep:
+                arg = "--" + arg[len(ROUTER_FLAG_PREFIX if router else SGLANG_FLAG_PREFIX) :]
+        if keep:
+            out.append(arg)
+    return tuple(out)
 
 
 def sglang_server_args(flags: Sequence[str]) -> tuple[str, ...]:
@@ -20,19 +41,25 @@ def sglang_server_args(flags: Sequence[str]) -> tuple[str, ...]:
 
     ``["--sglang-mem-fraction-static", "0.7", "--sglang-enable-metrics"]`` becomes
     ``("--mem-fraction-static", "0.7", "--enable-metrics")``; values pass through unchanged, so any
-    SGLang option works without a code change here.
+    SGLang option works without a code change here. ``--sglang-router-*`` flags (and their values) are
+    left out: they are the router's (see :func:`sglang_router_args`).
 
     Raises:
         ValueError: A flag does not start with ``--sglang-``.
     """
-    out = []
-    for arg in flags:
-        if arg.startswith("--"):
-            if not arg.startswith(SGLANG_FLAG_PREFIX) or len(arg) == len(SGLANG_FLAG_PREFIX):
-                raise ValueError(f"{arg!r} is not an SGLang pass-through flag: write it as --sglang-<server-option>")
-            arg = "--" + arg[len(SGLANG_FLAG_PREFIX) :]
-        out.append(arg)
-    return tuple(out)
+    return _split_flags(flags, router=False)
+
+
+def sglang_router_args(flags: Sequence[str]) -> tuple[str, ...]:
+    """Map tidal's ``--sglang-router-*`` flags to ``sglang_router.launch_router`` arguments.
+
+    ``["--sglang-mem-fraction-static", "0.7", "--sglang-router-cache-threshold", "0.5"]`` becomes
+    ``("--cache-threshold", "0.5")``: any router option works without a code change here.
+
+    Raises:
+        ValueError: A flag does not start with ``--sglang-``.
+    """
+    return _split_flags(flags, router=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +104,16 @@ class RolloutConfig:
     """Address the SGLang servers listen on."""
     sglang_server_args: tuple[str, ...] = ()
     """Extra sglang.launch_server arguments, already mapped from --sglang-* (see sglang_server_args())."""
+    partial_rollout: bool = False
+    """Once the batch is full, abort the requests still running and resume them next rollout (slime's flag)."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """Loss mask 0 on resumed tokens that older weights sampled (needs --partial-rollout)."""
+    use_router: bool | None = None
+    """Send requests through sglang-router; None: only when there are several engines."""
+    sglang_router_policy: str = "cache_aware"
+    """sglang-router policy: cache_aware, round_robin, random or power_of_two."""
+    sglang_router_args: tuple[str, ...] = ()
+    """Extra sglang_router.launch_router arguments, already mapped from --sglang-router-* (see sglang_router_args())."""
     sglang_startup_timeout_s: float = 600.0
     """Longest wait for an SGLang server to become healthy."""
     sglang_request_timeout_s: float = 600.0
@@ -128,11 +165,21 @@ class RolloutConfig:
             )
         if any(not isinstance(s, str) or not s for s in self.rollout_stop):
             raise ValueError(f"--rollout-stop strings must be non-empty, got {self.rollout_stop!r}")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            logger.warning("--mask-offpolicy-in-partial-rollout has no effect without --partial-rollout")
+        if self.sglang_router_policy not in ROUTER_POLICIES:
+            raise ValueError(
+                f"--sglang-router-policy must be one of {list(ROUTER_POLICIES)}, got {self.sglang_router_policy!r}"
+            )
         if self.save_debug_rollout_data is not None and self.load_debug_rollout_data is not None:
             raise ValueError(
                 "--save-debug-rollout-data and --load-debug-rollout-data are both set; replayed rollouts are "
                 "already on disk: give only --load-debug-rollout-data"
             )
+
+    def router_wanted(self, num_engines: int) -> bool:
+        """Whether requests go through sglang-router: ``use_router`` if set, else when there are several engines."""
+        return num_engines > 1 if self.use_router is None else self.use_router
 
     def sampling_params(self) -> dict[str, Any]:
         """SGLang sampling parameters for :meth:`SGLangEngine.generate` (``n`` included)."""

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 from collections.abc import Awaitable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from tidal.rollout.engine import SGLangEngine
+from tidal.rollout.client import SGLangClient
 from tidal.rollout.errors import RolloutError
 from tidal.rollout.import_path import load_callable
+from tidal.rollout.progress import GenerationProgress
 from tidal.rollout.types import Sample
 
 FLAG = "--custom-generate-function-path"
@@ -26,7 +28,7 @@ class GenerateFn(Protocol):
     """Makes one sample for one prompt; sync, or async (then awaited in its worker thread)."""
 
     def __call__(
-        self, engine: SGLangEngine, prompt_ids: list[int], sampling_params: dict[str, Any], *, label: Any
+        self, engine: SGLangClient, prompt_ids: list[int], sampling_params: dict[str, Any], *, label: Any
     ) -> Sample | Awaitable[Sample]:
         """Generate one response to ``prompt_ids`` (``sampling_params`` has no ``n``: one sample per call)."""
         ...
@@ -64,11 +66,11 @@ class MultiTurn:
         """Response tokens still allowed, None when unbounded."""
         return None if self.max_response_len is None else max(0, self.max_response_len - len(self.response_ids))
 
-    def generate(self, engine: SGLangEngine, sampling_params: Mapping[str, Any]) -> dict[str, Any]:
+    def generate(self, engine: SGLangClient, sampling_params: Mapping[str, Any]) -> dict[str, Any]:
         """Generate the next turn from the prompt and everything so far; its tokens get loss mask 1.
 
         Returns:
-            The engine's output for this turn (see :meth:`SGLangEngine.generate`); when no budget is left
+            The engine's output for this turn (see :meth:`SGLangClient.generate`); when no budget is left
             nothing is generated and ``finish_reason`` is "length".
         """
         params = {k: v for k, v in sampling_params.items() if k != "n"}
@@ -108,7 +110,7 @@ class MultiTurn:
         )
 
 
-def _call_one(fn: GenerateFn, engine: SGLangEngine, prompt: list[int], params: dict[str, Any], label: Any) -> Sample:
+def _call_one(fn: GenerateFn, engine: SGLangClient, prompt: list[int], params: dict[str, Any], label: Any) -> Sample:
     result = fn(engine, prompt, dict(params), label=label)
     if inspect.isawaitable(result):
         result = asyncio.run(_awaited(result))
@@ -121,14 +123,20 @@ async def _awaited(result: Awaitable[Sample]) -> Sample:
     return await result
 
 
+def _count(progress: GenerationProgress, future: Future) -> None:
+    if future.exception() is None:
+        progress.update(1)
+
+
 def run_generate_fn(
     fn: GenerateFn,
-    engine: SGLangEngine,
+    engine: SGLangClient,
     prompts: Sequence[Sequence[int]],
     sampling_params: Mapping[str, Any],
     *,
     labels: Sequence[Any] | None = None,
     max_concurrency: int = 64,
+    progress: GenerationProgress | None = None,
 ) -> list[Sample]:
     """Call ``fn`` ``n`` times per prompt, at most ``max_concurrency`` calls at once (SGLang batches them).
 
@@ -146,6 +154,9 @@ def run_generate_fn(
     label_of = (lambda g: None) if labels is None else (lambda g: labels[g])
     with ThreadPoolExecutor(max_workers=min(max_concurrency, len(jobs)), thread_name_prefix="generate") as pool:
         futures = [pool.submit(_call_one, fn, engine, list(prompts[g]), params, label_of(g)) for g in jobs]
+        if progress is not None:
+            for future in futures:
+                future.add_done_callback(functools.partial(_count, progress))
         samples = []
         for group, future in zip(jobs, futures, strict=True):
             try:

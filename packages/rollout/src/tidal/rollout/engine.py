@@ -1,21 +1,16 @@
-"""One SGLang server as a child process: launch, health, batched generation, weight updates, shutdown."""
+"""One SGLang server as a child process: launch flags, weight updates from disk, memory release, restart."""
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import requests
 from tidal.rollout.errors import RolloutError
-from tidal.rollout.server_process import kill_process_group, log_tail, process_group_alive
+from tidal.rollout.server_process import ManagedServer, log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +26,10 @@ CPU_SERVER_ARGS: tuple[tuple[str, ...], ...] = (
     ("--max-total-tokens", "4096"),
 )
 
+# SGLang's names for what release_memory_occupation can free (sglang.srt.constants).
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-_HEALTH_POLL_S = 0.5
-_PROGRESS_EVERY_S = 30.0
-_SHUTDOWN_GRACE_S = 15.0
 
 
 def _cuda_available() -> bool:
@@ -47,7 +42,7 @@ def _flag_names(args: Sequence[str]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
 
 
-class SGLangEngine:
+class SGLangEngine(ManagedServer):
     """An SGLang HTTP server in its own process group, and a client for the endpoints RL needs.
 
     The server is started with ``sys.executable -m sglang.launch_server`` on the given host and ports.
@@ -55,6 +50,8 @@ class SGLangEngine:
     ``sgl_kernel`` stand-in on its ``PYTHONPATH``. Its stdout and stderr go to a log file in ``log_dir``
     whose tail is quoted in every start-up error.
     """
+
+    kind = "SGLang server"
 
     def __init__(
         self,
@@ -92,44 +89,29 @@ class SGLangEngine:
         """
         if port <= 0 or port > 65535:
             raise ValueError(f"port must be in 1..65535, got {port}")
-        if startup_timeout_s <= 0:
-            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
         if host not in _LOOPBACK_HOSTS and not api_key:
             raise ValueError(
                 f"SGLang host {host!r} is reachable from other machines and the server would accept any request; "
                 "set --sglang-api-key (or keep the default host 127.0.0.1)"
             )
+        log_dir = Path(log_dir)
+        super().__init__(
+            f"http://{host}:{port}",
+            log_path=log_dir / f"sglang_{host}_{port}.log",
+            startup_timeout_s=startup_timeout_s,
+            request_timeout_s=request_timeout_s,
+            api_key=api_key,
+        )
         self.model_path = str(model_path)
         self.host = host
         self.port = port
         self.nccl_port = nccl_port
-        self.log_dir = Path(log_dir)
+        self.log_dir = log_dir
         self.extra_server_args = tuple(extra_server_args)
-        self.startup_timeout_s = startup_timeout_s
-        self.request_timeout_s = request_timeout_s
         self.env = dict(env or {})
         self.cpu = cpu
-        self.log_path = self.log_dir / f"sglang_{host}_{port}.log"
-        self._process: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._api_key = api_key
-        self._session = requests.Session()
-        if api_key:
-            self._session.headers["Authorization"] = f"Bearer {api_key}"
-
-    @property
-    def url(self) -> str:
-        """Base URL of the server, e.g. ``http://127.0.0.1:30000``."""
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """Process id of the server's launcher (also its process group id), None when not started."""
-        return None if self._process is None else self._process.pid
-
-    def is_running(self) -> bool:
-        """Whether the launched server process is still alive."""
-        return self._process is not None and self._process.poll() is None
+        # The last weights loaded from disk, re-applied by restart() so that a restarted engine serves them.
+        self._disk_weights: dict[str, Any] | None = None
 
     def command(self) -> list[str]:
         """The server command line this engine runs (CPU flags resolved)."""
@@ -151,7 +133,8 @@ class SGLangEngine:
             self.cpu = not _cuda_available()
         return self.cpu
 
-    def _server_env(self) -> dict[str, str]:
+    def server_env(self) -> dict[str, str]:
+        """This process's environment plus the CPU stand-in (without CUDA) and ``env``."""
         env = dict(os.environ)
         if self._use_cpu():
             env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -160,178 +143,19 @@ class SGLangEngine:
         env.update(self.env)
         return env
 
-    def start(self, *, wait: bool = True) -> None:
-        """Launch the server; with ``wait`` also block until it is healthy (see :meth:`wait_healthy`).
-
-        Raises:
-            RolloutError: The server is already running, died during start-up or timed out.
-        """
-        if self.is_running():
-            raise RolloutError(f"SGLang server at {self.url} is already running (pid {self.pid})")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = self.command()
-        shown = " ".join("***" if prev == "--api-key" else arg for prev, arg in zip(["", *cmd[:-1]], cmd, strict=True))
-        logger.info("starting SGLang server at %s: %s (log: %s)", self.url, shown, self.log_path)
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._server_env(),
-                start_new_session=True,  # own process group: shutdown() reaches every helper process
-            )
-        # Kill the group even if the owner forgets shutdown() or the interpreter exits first.
-        self._finalizer = weakref.finalize(self, kill_process_group, self._process.pid, signal.SIGKILL)
-        if wait:
-            self.wait_healthy()
-
-    def wait_healthy(self, timeout_s: float | None = None) -> None:
-        """Poll ``/health`` until it answers 200, the process dies, or the timeout passes.
-
-        Args:
-            timeout_s: Longest wait; defaults to ``startup_timeout_s``.
-
-        Raises:
-            RolloutError: The process exited or the timeout passed; the message quotes the server log.
-        """
-        if self._process is None:
-            raise RolloutError(f"SGLang server at {self.url} was never started; call start() first")
-        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
-        start = time.monotonic()
-        next_report = start + _PROGRESS_EVERY_S
-        while True:
-            if self._health_ok():
-                logger.info("SGLang server at %s healthy after %.1f s", self.url, time.monotonic() - start)
-                return
-            now = time.monotonic()
-            if now - start > timeout_s:
-                self.shutdown()
-                raise RolloutError(
-                    f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s (startup_timeout_s); "
-                    f"raise it on a slow machine or read the log.\n{log_tail(self.log_path)}"
-                )
-            if now >= next_report:
-                logger.info("waiting for SGLang server at %s: %.0f s / %.0f s", self.url, now - start, timeout_s)
-                next_report = now + _PROGRESS_EVERY_S
-            try:  # the poll interval doubles as a wait on the process: a crash is seen at once
-                code = self._process.wait(timeout=_HEALTH_POLL_S)
-            except subprocess.TimeoutExpired:
-                continue
-            self.shutdown()
-            raise RolloutError(
-                f"SGLang server at {self.url} exited with code {code} during start-up "
-                f"(model {self.model_path}).\n{log_tail(self.log_path)}"
-            )
-
-    def _health_ok(self) -> bool:
-        try:
-            return self._session.get(f"{self.url}/health", timeout=5.0).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def shutdown(self, timeout_s: float = _SHUTDOWN_GRACE_S) -> None:
-        """Stop the server and every process in its group; SIGKILL what outlives ``timeout_s``. Idempotent."""
-        process = self._process
-        if process is None:
-            return
-        pgid = process.pid
-        kill_process_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("SGLang server pid %d ignored SIGTERM for %.0f s; killing it", pgid, timeout_s)
-        while process_group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)  # children leave the group a moment after the launcher
-        kill_process_group(pgid, signal.SIGKILL)
-        process.wait(timeout=timeout_s)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._process = None
-        logger.info("SGLang server at %s stopped", self.url)
-
     def restart(self) -> None:
-        """Stop the server if anything is left of it, then start it again and wait until it is healthy."""
-        logger.warning("restarting SGLang server at %s", self.url)
-        self.shutdown()
-        self.start()
+        """Stop what is left of the server, start it again, wait for health, and reload the last disk weights.
 
-    def __enter__(self) -> SGLangEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    # ---- HTTP endpoints ------------------------------------------------------------------------------
-
-    def _post(self, endpoint: str, payload: Mapping[str, Any] | None = None) -> requests.Response:
-        try:
-            return self._session.post(f"{self.url}{endpoint}", json=payload or {}, timeout=self.request_timeout_s)
-        except requests.RequestException as e:
-            raise RolloutError(f"POST {self.url}{endpoint} failed: {e}; is the server running?") from e
-
-    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Sample continuations of token-id prompts in ONE batched ``/generate`` call.
-
-        Args:
-            input_ids: One token-id list per prompt.
-            sampling_params: SGLang sampling parameters (``max_new_tokens``, ``temperature``, ``top_p``,
-                ``top_k``, ``stop_token_ids``, ...). ``n`` (default 1) samples per prompt are made by
-                repeating each prompt ``n`` times.
-
-        Returns:
-            ``len(input_ids) * n`` dicts, prompt-major (all samples of prompt 0 first), each with
-            ``output_ids`` (the sampled tokens, a matched stop token included), ``output_log_probs``
-            (log-prob of each of those tokens under the sampling distribution's model), ``finish_reason``
-            ("stop", "length" or "abort") and ``weight_version``.
+        Weights pushed as tensors or by broadcast cannot be re-applied: the restarted server serves
+        ``model_path`` (or the last ``update_weights_from_disk`` checkpoint) and reports that version.
 
         Raises:
-            RolloutError: The request failed or the answer is inconsistent.
+            RolloutError: The server does not come back, or refuses the weights it served before.
         """
-        params = dict(sampling_params)
-        n = int(params.pop("n", 1))
-        if n < 1:
-            raise ValueError(f"sampling_params['n'] must be >= 1, got {n}")
-        if not input_ids:
-            return []
-        prompts = [list(map(int, ids)) for ids in input_ids for _ in range(n)]
-        payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
-        response = self._post("/generate", payload)
-        if response.status_code != 200:
-            raise RolloutError(f"/generate at {self.url} answered {response.status_code}: {response.text[:2000]}")
-        answers = response.json()
-        if len(answers) != len(prompts):
-            raise RolloutError(f"/generate at {self.url} returned {len(answers)} outputs for {len(prompts)} prompts")
-        return [_parse_output(answer) for answer in answers]
-
-    def call(self, endpoint: str, payload: Mapping[str, Any] | None = None, *, what: str = "") -> dict[str, Any]:
-        """POST JSON to an SGLang control endpoint and check that it succeeded.
-
-        Args:
-            endpoint: Path such as ``/update_weights_from_disk``.
-            payload: JSON body (``{}`` when None).
-            what: Description of the operation for the error message (default: the endpoint).
-
-        Returns:
-            The decoded JSON answer (``{}`` when it is not JSON).
-
-        Raises:
-            RolloutError: HTTP status other than 200 or ``"success": false``; the message is the server's.
-        """
-        response = self._post(endpoint, payload)
-        try:
-            body = response.json()
-        except ValueError:
-            body = {"message": response.text[:2000]}
-        if not isinstance(body, dict):
-            body = {"result": body}
-        if response.status_code != 200 or body.get("success") is False:
-            raise RolloutError(
-                f"SGLang server at {self.url} refused {what or endpoint} "
-                f"(HTTP {response.status_code}): {body.get('message', body)}"
-            )
-        return body
+        super().restart()
+        if self._disk_weights is not None:
+            self.call("/update_weights_from_disk", self._disk_weights, what="reloading weights after a restart")
+            logger.info("reloaded %s into the restarted server", self._disk_weights["model_path"])
 
     def update_weights_from_disk(self, path: str | os.PathLike[str], *, weight_version: str | None = None) -> None:
         """Load new weights from an HF checkpoint directory into the running server (cache flushed).
@@ -343,62 +167,75 @@ class SGLangEngine:
         if weight_version is not None:
             payload["weight_version"] = weight_version
         self.call("/update_weights_from_disk", payload, what=f"update_weights_from_disk({path})")
+        self._disk_weights = payload
 
-    def abort(self, rid: str | None = None) -> None:
-        """Abort in-flight requests (all of them, or the one with ``rid``) via ``/abort_request``.
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Free the engine's weights and KV cache (co-located mode: the trainer needs the GPU memory).
 
-        An aborted request's ``/generate`` call still answers, with the tokens sampled so far and
-        ``finish_reason`` "abort" (a partial rollout resumes them with :func:`resume_samples`).
+        SGLang frees device memory only when started with ``--enable-memory-saver`` (``--sglang-enable-
+        memory-saver``, torch_memory_saver, CUDA only); without it the call succeeds and frees nothing,
+        which is logged. The server must be idle: abort or finish requests first.
 
-        Raises:
-            RolloutError: The server refused.
-        """
-        payload: dict[str, Any] = {"abort_all": True} if rid is None else {"rid": rid}
-        response = self._post("/abort_request", payload)
-        if response.status_code != 200:
-            raise RolloutError(f"/abort_request at {self.url} answered {response.status_code}: {response.text[:500]}")
-
-    def flush_cache(self) -> None:
-        """Empty the server's radix (prefix) cache.
+        Args:
+            tags: Subset of ``MEMORY_TAGS``; None frees all.
 
         Raises:
-            RolloutError: The server could not flush (e.g. requests are still running).
+            ValueError: An unknown tag.
+            RolloutError: A CPU engine (see :meth:`_refuse_on_cpu`), or the server refused.
         """
-        response = self._post("/flush_cache")
-        if response.status_code != 200:
-            raise RolloutError(f"/flush_cache at {self.url} answered {response.status_code}: {response.text[:500]}")
+        payload = self._memory_payload(tags)
+        self._refuse_on_cpu("release_memory_occupation")
+        self.call("/release_memory_occupation", payload, what="release_memory_occupation")
+        if "--enable-memory-saver" not in _flag_names(self.extra_server_args):
+            logger.warning(
+                "%s: release_memory_occupation frees no memory without --sglang-enable-memory-saver; "
+                "weights and KV cache stay allocated",
+                self.url,
+            )
 
-    def get_model_info(self) -> dict[str, Any]:
-        """The server's ``/model_info``: ``model_path``, ``weight_version``, ``is_generation``, ..."""
-        try:
-            response = self._session.get(f"{self.url}/model_info", timeout=self.request_timeout_s)
-        except requests.RequestException as e:
-            raise RolloutError(f"GET {self.url}/model_info failed: {e}; is the server running?") from e
-        if response.status_code != 200:
-            raise RolloutError(f"/model_info at {self.url} answered {response.status_code}: {response.text[:500]}")
-        return response.json()
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what :meth:`release_memory_occupation` freed (weights come back as they were).
 
+        Raises:
+            ValueError: An unknown tag.
+            RolloutError: A CPU engine, or the server refused.
+        """
+        payload = self._memory_payload(tags)
+        self._refuse_on_cpu("resume_memory_occupation")
+        self.call("/resume_memory_occupation", payload, what="resume_memory_occupation")
 
-def _parse_output(answer: Mapping[str, Any]) -> dict[str, Any]:
-    """One ``/generate`` answer -> the tokens, log-probs and finish reason exactly as sampled."""
-    meta = answer["meta_info"]
-    output_ids = [int(t) for t in answer["output_ids"]]
-    # Each entry is (log-prob, token id, token text or None).
-    token_logprobs = meta["output_token_logprobs"]
-    log_probs = [float(entry[0]) for entry in token_logprobs]
-    logprob_ids = [int(entry[1]) for entry in token_logprobs]
-    if logprob_ids != output_ids:
-        raise RolloutError(
-            f"SGLang returned log-probs for tokens {logprob_ids[:16]}... but output_ids {output_ids[:16]}...; "
-            "refusing to pair log-probs with the wrong tokens"
+    def _refuse_on_cpu(self, what: str) -> None:
+        # Seen with SGLang 0.5.23 on CPU: the scheduler's release_memory_occupation ends with
+        # torch.get_device_module().synchronize(), i.e. torch.cuda.synchronize(), which raises "Found no
+        # NVIDIA driver"; the scheduler dies and takes the whole server down (SIGQUIT). So never send it.
+        if self._use_cpu():
+            raise RolloutError(
+                f"{what} is not supported by a CPU SGLang server ({self.url}): SGLang 0.5.23 calls "
+                "torch.cuda.synchronize() there, which kills the server; memory release is for co-located "
+                "GPU engines (--sglang-enable-memory-saver)"
+            )
+
+    @staticmethod
+    def _memory_payload(tags: Sequence[str] | None) -> dict[str, Any]:
+        if tags is None:
+            return {}
+        unknown = sorted(set(tags) - set(MEMORY_TAGS))
+        if unknown:
+            raise ValueError(f"unknown memory tags {unknown}; SGLang knows {list(MEMORY_TAGS)}")
+        return {"tags": list(tags)}
+
+    def check_alive(self) -> None:
+        """Raise unless the server process runs and answers ``/health``.
+
+        Raises:
+            RolloutError: Naming the engine, its port and the tail of its log.
+        """
+        if not self.is_running() or not self.health_ok():
+            raise self.dead_error("is not running or not healthy")
+
+    def dead_error(self, what: str) -> RolloutError:
+        """A RolloutError saying that this engine ``what``, with its port, pid and log tail."""
+        return RolloutError(
+            f"{self.kind} at {self.url} (port {self.port}, pid {self.pid}, model {self.model_path}) {what}.\n"
+            f"{log_tail(self.log_path)}"
         )
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, Mapping) else str(reason)
-    if kind not in ("stop", "length", "abort"):
-        raise RolloutError(f"unexpected finish_reason {reason!r} from SGLang")
-    return {
-        "output_ids": output_ids,
-        "output_log_probs": log_probs,
-        "finish_reason": kind,
-        "weight_version": meta.get("weight_version"),
-    }

@@ -10,8 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tidal.rollout.client import SGLangClient
 from tidal.rollout.custom_generate import GenerateFn, run_generate_fn
-from tidal.rollout.engine import SGLangEngine
+from tidal.rollout.dispatch import fresh_group, run_groups
+from tidal.rollout.progress import DEFAULT_LOG_EVERY_S, GenerationProgress
 from tidal.rollout.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -93,8 +95,13 @@ def check_chat_template(tokenizer: str | Path | Any) -> str:
     return rendered
 
 
+def as_client(target: SGLangClient | str) -> SGLangClient:
+    """An engine or router as given, or a client for a URL (e.g. a router started elsewhere)."""
+    return SGLangClient(target) if isinstance(target, str) else target
+
+
 def generate_samples(
-    engine: SGLangEngine,
+    engine: SGLangClient | str,
     prompts: Sequence[Sequence[int]],
     sampling_params: Mapping[str, Any],
     *,
@@ -102,55 +109,72 @@ def generate_samples(
     decode: Callable[[list[int]], str] | None = None,
     generate_fn: GenerateFn | None = None,
     max_concurrency: int = 64,
+    progress_every_s: float = DEFAULT_LOG_EVERY_S,
+    max_restarts: int = 1,
 ) -> list[Sample]:
-    """Generate ``n`` responses per prompt in one batched call and wrap them as unscored Samples.
+    """Generate ``n`` responses per prompt and wrap them as unscored Samples.
 
-    With ``generate_fn`` (``--custom-generate-function-path``, e.g. a multi-turn rollout) each sample is
-    made by one call of it instead, ``max_concurrency`` calls at a time.
+    Each prompt's ``n`` samples go in one ``/generate`` request, ``max_concurrency`` requests in flight
+    (SGLang batches them). Progress (samples done, samples/s, ETA) is logged every ``progress_every_s``
+    and drawn as a bar when stderr is a terminal. If ``engine`` is an :class:`SGLangEngine` whose process
+    dies mid-rollout, it is restarted once and the requests it lost are sent again, so no sample is
+    dropped. With ``generate_fn`` (``--custom-generate-function-path``, e.g. a multi-turn rollout) each
+    sample is made by one call of it instead, ``max_concurrency`` calls at a time.
 
     Args:
-        engine: A running engine.
+        engine: A running engine, a :class:`~tidal.rollout.router.RolloutRouter` in front of several, or
+            the URL of either.
         prompts: Token ids of each prompt.
-        sampling_params: As for :meth:`SGLangEngine.generate` (``n`` samples per prompt).
+        sampling_params: As for :meth:`SGLangClient.generate` (``n`` samples per prompt).
         labels: Reference answer per prompt, copied to each of its samples.
         decode: Token ids -> text for ``Sample.response_text`` (e.g. a tokenizer's decode); the ids
             stay what the engine sampled either way; fills a custom sample's empty ``response_text``.
         generate_fn: Makes one sample per call (see :class:`tidal.rollout.custom_generate.GenerateFn`).
-        max_concurrency: Most ``generate_fn`` calls in flight at once.
+        max_concurrency: Most requests (or ``generate_fn`` calls) in flight at once.
+        progress_every_s: Seconds between progress log lines.
+        max_restarts: Restarts of a dead engine allowed before RolloutError.
 
     Returns:
         ``len(prompts) * n`` Samples, prompt-major; ``group_index`` is the prompt's index.
+
+    Raises:
+        RolloutError: A request failed, or the engine died again after its restart (with its log tail).
     """
     if labels is not None and len(labels) != len(prompts):
         raise ValueError(f"got {len(labels)} labels for {len(prompts)} prompts")
-    if generate_fn is not None:
-        samples = run_generate_fn(
-            generate_fn, engine, prompts, sampling_params, labels=labels, max_concurrency=max_concurrency
-        )
-        if decode is None:
-            return samples
-        return [
-            s if s.response_text else dataclasses.replace(s, response_text=decode(list(s.response_ids)))
-            for s in samples
-        ]
+    target = as_client(engine)
     n = int(sampling_params.get("n", 1))
-    outputs = engine.generate(prompts, sampling_params)
-    samples = []
-    for i, out in enumerate(outputs):
-        group = i // n
-        samples.append(
-            Sample(
-                prompt_ids=list(prompts[group]),
-                response_ids=out["output_ids"],
-                response_log_probs=out["output_log_probs"],
-                finish_reason=out["finish_reason"],
-                label=None if labels is None else labels[group],
-                group_index=group,
-                weight_version=out["weight_version"],
-                response_text=decode(out["output_ids"]) if decode is not None else "",
+    with GenerationProgress(len(prompts) * n, log_every_s=progress_every_s) as progress:
+        if generate_fn is not None:
+            samples = run_generate_fn(
+                generate_fn,
+                target,
+                prompts,
+                sampling_params,
+                labels=labels,
+                max_concurrency=max_concurrency,
+                progress=progress,
             )
+            if decode is None:
+                return samples
+            return [
+                s if s.response_text else dataclasses.replace(s, response_text=decode(list(s.response_ids)))
+                for s in samples
+            ]
+        groups = [
+            fresh_group(ids, n, label=None if labels is None else labels[g], group_index=g)
+            for g, ids in enumerate(prompts)
+        ]
+        run_groups(
+            target,
+            groups,
+            sampling_params,
+            max_concurrency=max_concurrency,
+            decode=decode,
+            progress=progress,
+            max_restarts=max_restarts,
         )
-    return samples
+    return [sample for group in groups for sample in group]
 
 
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:

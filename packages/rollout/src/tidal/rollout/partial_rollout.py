@@ -1,39 +1,33 @@
-"""Partial rollout: resume responses that an abort cut short, recording which weights sampled each token.
+"""Partial rollout: stop once the batch is full, keep the cut responses, resume them in the next rollout.
 
-When a rollout's batch is full, the requests still running are aborted (:meth:`SGLangEngine.abort`):
-their samples come back with the tokens sampled so far and ``finish_reason`` "abort". The next rollout
-resumes them with :func:`resume_samples`, possibly under newer weights; ``response_weight_versions``
-then says which version sampled each token (e.g. to drop or reweight stale tokens).
+:func:`generate_partial_rollout` resumes the groups carried over from the previous call first, then
+starts fresh prompts, and as soon as ``num_groups`` groups are finished (and kept, under dynamic
+sampling) it aborts the requests still running (SGLang ``/abort_request``). Their samples come back with
+the tokens sampled so far and are handed back as ``carry_over`` for the next call, which continues them,
+possibly under newer weights: ``Sample.response_weight_versions`` records the version of every token,
+and ``--mask-offpolicy-in-partial-rollout`` (:func:`mask_offpolicy_tokens`) zeroes the loss mask of the
+tokens sampled by older weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.rollout.engine import SGLangEngine
+from tidal.rollout.client import SGLangClient
+from tidal.rollout.dispatch import fresh_group, run_groups
+from tidal.rollout.progress import DEFAULT_LOG_EVERY_S, GenerationProgress
+from tidal.rollout.rewards import RewardFn, score_samples
 from tidal.rollout.types import Sample
 
-
-def _resumed(sample: Sample, out: Mapping[str, Any], decode: Callable[[list[int]], str] | None) -> Sample:
-    new_ids = out["output_ids"]
-    response_ids = [*sample.response_ids, *new_ids]
-    mask = sample.response_loss_mask
-    return dataclasses.replace(
-        sample,
-        response_ids=response_ids,
-        response_log_probs=[*sample.response_log_probs, *out["output_log_probs"]],
-        response_loss_mask=None if mask is None else [*mask, *[1] * len(new_ids)],
-        response_weight_versions=[*sample.token_weight_versions, *[out["weight_version"]] * len(new_ids)],
-        weight_version=out["weight_version"],
-        finish_reason=out["finish_reason"],
-        response_text=decode(response_ids) if decode is not None else sample.response_text,
-    )
+logger = logging.getLogger(__name__)
 
 
 def resume_samples(
-    engine: SGLangEngine,
+    engine: SGLangClient,
     samples: Sequence[Sample],
     sampling_params: Mapping[str, Any],
     *,
@@ -41,12 +35,12 @@ def resume_samples(
 ) -> list[Sample]:
     """Continue every aborted sample from where it stopped; other samples pass through unchanged.
 
-    Each aborted sample is resumed as one request for ``prompt + response so far``, with
-    ``max_new_tokens`` reduced by the tokens it already has, so that a resumed response obeys the same
-    length limit as one generated in one go. Requests with the same remaining budget share one batched call.
+    Each aborted sample is resumed from ``prompt + response so far``, with ``max_new_tokens`` reduced by
+    the tokens it already has, so that a resumed response obeys the same length limit as one generated in
+    one go (with no budget left it becomes "length" without a request).
 
     Args:
-        engine: A running engine (its current weights sample the new tokens).
+        engine: A running engine or router (its current weights sample the new tokens).
         samples: Samples of a previous rollout; those with ``finish_reason == "abort"`` are resumed.
         sampling_params: The rollout's sampling parameters (``n`` is ignored: one continuation each).
         decode: Token ids -> text, to refresh ``response_text`` of resumed samples.
@@ -54,20 +48,143 @@ def resume_samples(
     Returns:
         The samples in the same order; resumed ones carry per-token ``response_weight_versions``.
     """
-    params = {k: v for k, v in sampling_params.items() if k != "n"}
-    limit = int(params.get("max_new_tokens", 1 << 30))
-    by_budget: dict[int, list[int]] = {}
-    for i, sample in enumerate(samples):
-        if sample.finish_reason == "abort":
-            by_budget.setdefault(limit - len(sample.response_ids), []).append(i)
-    result = list(samples)
-    for budget, indices in by_budget.items():
-        if budget <= 0:
-            for i in indices:
-                result[i] = dataclasses.replace(samples[i], finish_reason="length")
+    groups = [[s] for s in samples]
+    if any(s.finish_reason == "abort" for s in samples):
+        run_groups(engine, groups, sampling_params, decode=decode)
+    else:  # nothing to send: no engine needed
+        return list(samples)
+    return [
+        original if original.finish_reason != "abort" else group[0]
+        for original, group in zip(samples, groups, strict=True)
+    ]
+
+
+def mask_offpolicy_tokens(samples: Sequence[Sample], current_version: str | None) -> list[Sample]:
+    """``--mask-offpolicy-in-partial-rollout``: loss mask 0 on response tokens not sampled by ``current_version``.
+
+    Samples whose tokens all come from ``current_version`` are returned as they are.
+    """
+    out = []
+    for s in samples:
+        versions = s.token_weight_versions
+        if all(v == current_version for v in versions):
+            out.append(s)
             continue
-        prompts = [[*samples[i].prompt_ids, *samples[i].response_ids] for i in indices]
-        outputs = engine.generate(prompts, {**params, "max_new_tokens": budget})
-        for i, out in zip(indices, outputs, strict=True):
-            result[i] = _resumed(samples[i], out, decode)
-    return result
+        mask = [1] * len(s.response_ids) if s.response_loss_mask is None else list(s.response_loss_mask)
+        mask = [m if v == current_version else 0 for m, v in zip(mask, versions, strict=True)]
+        out.append(dataclasses.replace(s, response_loss_mask=mask))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartialRolloutResult:
+    """One rollout's finished groups, and what the next rollout must resume."""
+
+    samples: list[Sample]
+    """The finished groups, prompt-major, ``group_index`` 0, 1, ... in the order they finished."""
+    carry_over: list[list[Sample]]
+    """Groups cut short by the abort or never started, and finished ones beyond ``num_groups``: pass them
+    as ``carry_over`` to the next call (they are resumed before any new prompt)."""
+    num_groups: int
+    """Finished groups in ``samples`` (fewer than asked when the prompts ran out)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``rollout/partial/*``: resumed, carried over, dropped groups; off-policy token fraction."""
+
+
+def _offpolicy_frac(samples: Sequence[Sample], current: str | None) -> float:
+    tokens = [v for s in samples for v in s.token_weight_versions]
+    return sum(v != current for v in tokens) / len(tokens) if tokens else 0.0
+
+
+def generate_partial_rollout(
+    target: SGLangClient,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: Mapping[str, Any],
+    *,
+    num_groups: int,
+    carry_over: Sequence[Sequence[Sample]] = (),
+    labels: Sequence[Any] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    reward_fn: RewardFn | None = None,
+    group_filter: Callable[[list[Sample]], bool] | None = None,
+    mask_offpolicy: bool = False,
+    max_concurrency: int = 64,
+    progress_every_s: float = DEFAULT_LOG_EVERY_S,
+) -> PartialRolloutResult:
+    """Generate until ``num_groups`` groups are finished, abort the rest and hand it over (``--partial-rollout``).
+
+    Args:
+        target: An engine or a :class:`~tidal.rollout.router.RolloutRouter` (its ``abort`` reaches every engine).
+        prompts: Token ids of this rollout's new prompts (over-sample: unused ones are carried over).
+        sampling_params: SGLang sampling parameters with ``n`` samples per prompt.
+        num_groups: Finished groups wanted (the rollout batch size).
+        carry_over: ``carry_over`` of the previous call; resumed first.
+        labels: Reference answer per new prompt.
+        decode: Token ids -> text for ``response_text``.
+        reward_fn: Scores each group as it finishes (needed by ``group_filter``).
+        group_filter: Dynamic sampling: a finished group counts only if this returns True; dropped
+            groups are discarded and counted.
+        mask_offpolicy: Zero the loss mask of tokens that older weights sampled (see :func:`mask_offpolicy_tokens`);
+            the current version is the target's ``weight_version``.
+        max_concurrency: Most requests in flight.
+        progress_every_s: Seconds between progress log lines.
+
+    Returns:
+        The finished groups, the groups to carry over and ``rollout/partial/*`` metrics.
+    """
+    if labels is not None and len(labels) != len(prompts):
+        raise ValueError(f"got {len(labels)} labels for {len(prompts)} prompts")
+    if group_filter is not None and reward_fn is None:
+        raise ValueError("group_filter needs reward_fn: groups are filtered on their rewards")
+    n = int(sampling_params.get("n", 1))
+    groups = [list(group) for group in carry_over]
+    groups += [fresh_group(ids, n, label=None if labels is None else labels[i]) for i, ids in enumerate(prompts)]
+    kept: list[int] = []
+    dropped: set[int] = set()
+
+    def finished(g: int) -> bool:  # a group's last sample is done: score, filter, count; True when full
+        if reward_fn is not None:
+            groups[g] = score_samples(groups[g], reward_fn)
+        if group_filter is not None and not group_filter(groups[g]):
+            dropped.add(g)
+        else:
+            kept.append(g)
+        return len(kept) >= num_groups
+
+    done_before = {g for g, group in enumerate(groups) if all(s.finish_reason != "abort" for s in group)}
+    full = any(finished(g) for g in sorted(done_before))  # surplus groups of the previous call count first
+    to_run = [] if full else [g for g in range(len(groups)) if g not in done_before]
+    unfinished = sum(s.finish_reason == "abort" for g in to_run for s in groups[g])
+    with GenerationProgress(unfinished, desc="partial rollout", log_every_s=progress_every_s) as progress:
+        if to_run:
+            run_groups(
+                target,
+                [groups[g] for g in to_run],
+                sampling_params,
+                max_concurrency=max_concurrency,
+                decode=decode,
+                progress=progress,
+                on_group_done=lambda i: finished(to_run[i]),
+            )
+    taken = kept[:num_groups]
+    samples = [dataclasses.replace(s, group_index=i) for i, g in enumerate(taken) for s in groups[g]]
+    rest = [groups[g] for g in range(len(groups)) if g not in set(taken) and g not in dropped]
+    metrics = {
+        "rollout/partial/resumed_groups": float(len(carry_over)),
+        "rollout/partial/carried_over_groups": float(len(rest)),
+        "rollout/partial/aborted_samples": float(sum(s.finish_reason == "abort" for group in rest for s in group)),
+        "rollout/partial/groups_dropped": float(len(dropped)),
+    }
+    if samples:
+        current = target.get_model_info().get("weight_version")
+        metrics["rollout/partial/offpolicy_token_frac"] = _offpolicy_frac(samples, current)
+        if mask_offpolicy:
+            samples = mask_offpolicy_tokens(samples, current)
+    logger.info(
+        "partial rollout: %d/%d groups finished, %d carried over, %d dropped",
+        len(taken),
+        num_groups,
+        len(rest),
+        len(dropped),
+    )
+    return PartialRolloutResult(samples=samples, carry_over=rest, num_groups=len(taken), metrics=metrics)

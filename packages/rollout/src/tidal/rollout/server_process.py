@@ -1,12 +1,31 @@
-"""The server's process group and log: what shutdown and start-up errors need."""
+"""A server as a child process in its own process group: launch, health wait, shutdown with no orphan, log tail.
+
+:class:`ManagedServer` is what an SGLang engine and an sglang-router have in common; each subclass says
+which command to run.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import signal
+import subprocess
+import time
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Self
+
+from tidal.rollout.client import SGLangClient
+from tidal.rollout.errors import RolloutError
+
+logger = logging.getLogger(__name__)
 
 _LOG_TAIL_LINES = 40
+_HEALTH_POLL_S = 0.5
+_PROGRESS_EVERY_S = 30.0
+_SHUTDOWN_GRACE_S = 15.0
 
 
 def log_tail(path: Path, num_lines: int = _LOG_TAIL_LINES) -> str:
@@ -37,3 +56,150 @@ def process_group_alive(pgid: int) -> bool:
     except PermissionError:  # a pid reused by someone else's group: not ours any more
         return False
     return True
+
+
+class ManagedServer(SGLangClient):
+    """An HTTP server this process launches, owns and stops; subclasses give :meth:`command`.
+
+    The server runs in its own session (process group), so :meth:`shutdown` reaches every helper process
+    it forks; a ``weakref.finalize`` kills the group if the owner never calls :meth:`shutdown`. Its stdout
+    and stderr go to ``log_path``, whose tail is quoted in every start-up error.
+    """
+
+    kind = "server"
+    """What the server is called in logs and errors."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        log_path: Path,
+        startup_timeout_s: float,
+        request_timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ) -> None:
+        """Describe the server; nothing starts until :meth:`start`."""
+        if startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+        super().__init__(url, api_key=api_key, request_timeout_s=request_timeout_s)
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def command(self) -> list[str]:
+        """The command line that runs the server."""
+        raise NotImplementedError
+
+    def server_env(self) -> Mapping[str, str]:
+        """Environment of the server process (this process's by default)."""
+        return dict(os.environ)
+
+    def describe(self) -> str:
+        """How errors name this server: kind, URL and pid."""
+        return f"{self.kind} at {self.url} (pid {self.pid})"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the server's launcher (also its process group id), None when not started."""
+        return None if self._process is None else self._process.pid
+
+    def is_running(self) -> bool:
+        """Whether the launched server process is still alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def start(self, *, wait: bool = True) -> None:
+        """Launch the server; with ``wait`` also block until it is healthy (see :meth:`wait_healthy`).
+
+        Raises:
+            RolloutError: The server is already running, died during start-up or timed out.
+        """
+        if self.is_running():
+            raise RolloutError(f"{self.kind} at {self.url} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.command()
+        shown = " ".join("***" if prev == "--api-key" else arg for prev, arg in zip(["", *cmd[:-1]], cmd, strict=True))
+        logger.info("starting %s at %s: %s (log: %s)", self.kind, self.url, shown, self.log_path)
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(self.server_env()),
+                start_new_session=True,  # own process group: shutdown() reaches every helper process
+            )
+        # Kill the group even if the owner forgets shutdown() or the interpreter exits first.
+        self._finalizer = weakref.finalize(self, kill_process_group, self._process.pid, signal.SIGKILL)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Poll ``/health`` until it answers 200, the process dies, or the timeout passes.
+
+        Args:
+            timeout_s: Longest wait; defaults to ``startup_timeout_s``.
+
+        Raises:
+            RolloutError: The process exited or the timeout passed; the message quotes the server log.
+        """
+        if self._process is None:
+            raise RolloutError(f"{self.kind} at {self.url} was never started; call start() first")
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        next_report = start + _PROGRESS_EVERY_S
+        while True:
+            if self.health_ok():
+                logger.info("%s at %s healthy after %.1f s", self.kind, self.url, time.monotonic() - start)
+                return
+            now = time.monotonic()
+            if now - start > timeout_s:
+                self.shutdown()
+                raise RolloutError(
+                    f"{self.kind} at {self.url} not healthy after {timeout_s:.0f} s (startup_timeout_s); "
+                    f"raise it on a slow machine or read the log.\n{log_tail(self.log_path)}"
+                )
+            if now >= next_report:
+                logger.info("waiting for %s at %s: %.0f s / %.0f s", self.kind, self.url, now - start, timeout_s)
+                next_report = now + _PROGRESS_EVERY_S
+            try:  # the poll interval doubles as a wait on the process: a crash is seen at once
+                code = self._process.wait(timeout=_HEALTH_POLL_S)
+            except subprocess.TimeoutExpired:
+                continue
+            self.shutdown()
+            raise RolloutError(
+                f"{self.kind} at {self.url} exited with code {code} during start-up.\n{log_tail(self.log_path)}"
+            )
+
+    def shutdown(self, timeout_s: float = _SHUTDOWN_GRACE_S) -> None:
+        """Stop the server and every process in its group; SIGKILL what outlives ``timeout_s``. Idempotent."""
+        process = self._process
+        if process is None:
+            return
+        pgid = process.pid
+        kill_process_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s pid %d ignored SIGTERM for %.0f s; killing it", self.kind, pgid, timeout_s)
+        while process_group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # children leave the group a moment after the launcher
+        kill_process_group(pgid, signal.SIGKILL)
+        process.wait(timeout=timeout_s)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._process = None
+        logger.info("%s at %s stopped", self.kind, self.url)
+
+    def restart(self) -> None:
+        """Stop the server if anything is left of it, then start it again and wait until it is healthy."""
+        logger.warning("restarting %s at %s", self.kind, self.url)
+        self.shutdown()
+        self.start()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,61 @@
+"""Rollouts the driver generates itself over HTTP: partial rollout, DAPO over-sampling, or a router in front.
+
+The plain path (one batched request per engine, inside each engine's Ray actor) stays in ``cluster.generate``;
+these strategies need to see every group as it finishes, so the driver talks to the router or the engine
+directly through tidal.rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class DriverRollouts:
+    """Per-rollout generation through ``tidal.rollout.generate_partial_rollout`` (carry-over kept between calls)."""
+
+    def __init__(self, job, cluster, train_data, reward_fn, *, tokenizer) -> None:
+        """Decide whether this job needs the driver-side path; nothing starts here."""
+        rollout = job.rollout
+        self.job, self.cluster, self.data, self.reward_fn = job, cluster, train_data, reward_fn
+        self.tokenizer = tokenizer
+        self.driver_side = bool(cluster.engines) and (
+            rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None or cluster.router is not None
+        )
+        self.carry: list = []
+        self.group_filter = None
+        if rollout.dynamic_sampling_filter_path is not None:
+            from tidal.rollout import resolve_group_filter
+
+            self.group_filter = resolve_group_filter(rollout.dynamic_sampling_filter_path)
+
+    def generate(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
+        """Scored samples of ``rollout_batch_size`` finished groups, and the strategy's metrics."""
+        from tidal.rollout import generate_partial_rollout
+        from tidal.train.cluster import driver_target
+
+        job = self.job
+        wanted = job.batching.rollout_batch_size
+        size = job.rollout.over_sampling_batch_size or wanted
+        prompts = self.data.batch(rollout_id, size)
+        result = generate_partial_rollout(
+            driver_target(self.cluster, job),
+            [list(p.ids) for p in prompts],
+            job.rollout.sampling_params(),
+            num_groups=wanted,
+            carry_over=self.carry if job.rollout.partial_rollout else (),
+            labels=[p.label for p in prompts],
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            reward_fn=self.reward_fn,
+            group_filter=self.group_filter,
+            mask_offpolicy=job.rollout.mask_offpolicy_in_partial_rollout,
+        )
+        self.carry = list(result.carry_over) if job.rollout.partial_rollout else []
+        if len(result.samples) != wanted * job.rollout.n_samples_per_prompt:
+            raise RuntimeError(
+                f"rollout {rollout_id}: {len(result.samples)} samples for {wanted} groups of "
+                f"{job.rollout.n_samples_per_prompt}; raise --over-sampling-batch-size or loosen the group filter"
+            )
+        return list(result.samples), {k: float(v) for k, v in result.metrics.items()}

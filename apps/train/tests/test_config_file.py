@@ -1,0 +1,81 @@
+"""`--config FILE` (YAML or TOML) gives the same job as the flags; flags override it; the run's config reloads."""
+
+import pytest
+from tidal.train.cli import parse_job
+from tidal.train.config_file import write_effective_config
+
+FLAGS = [
+    "--rollout-batch-size", "8",
+    "--n-samples-per-prompt", "4",
+    "--lr", "3e-4",
+    "--rollout-stop", "\n", "END",
+    "--use-dynamic-batch-size",
+    "--no-colocate",
+    "--ray-env", "A=1",
+    "--sglang-mem-fraction-static", "0.5",
+    "--use-tis",
+]  # fmt: skip
+
+YAML = """
+rollout-batch-size: 8
+n_samples_per_prompt: 4
+lr: 3.0e-4
+rollout-stop: ["\\n", "END"]
+use-dynamic-batch-size: true
+colocate: false
+ray-env: ["A=1"]
+sglang-mem-fraction-static: 0.5
+use-tis: true
+"""
+
+TOML = """
+rollout-batch-size = 8
+n_samples_per_prompt = 4
+lr = 3e-4
+rollout-stop = ["\\n", "END"]
+use-dynamic-batch-size = true
+colocate = false
+ray-env = ["A=1"]
+sglang-mem-fraction-static = 0.5
+use-tis = true
+"""
+
+
+@pytest.mark.parametrize(("name", "text"), [("job.yaml", YAML), ("job.toml", TOML)])
+def test_config_file_equals_flags(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert parse_job(["--config", str(path)]) == parse_job(FLAGS)
+
+
+def test_flags_override_the_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(YAML)
+    job = parse_job(["--config", str(path), "--lr", "1e-5", "--colocate"])
+    assert job.actor.lr == 1e-5
+    assert job.placement.colocate is True
+    assert job.batching.rollout_batch_size == 8
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("no-such-option: 1\n", "no-such-option"),
+        ("use-tis: maybe\n", "use-tis"),
+        ("- a\n- b\n", "mapping"),
+        ("lr: [1, 2\n", "could not be parsed"),
+    ],
+)
+def test_bad_config_file_names_the_file_and_the_key(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="--config") as info:
+        parse_job(["--config", str(path)])
+    assert needle in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_effective_config_reloads_to_the_same_job(tmp_path):
+    job = parse_job([*FLAGS, "--output-dir", str(tmp_path / "run")])
+    written = write_effective_config(job, tmp_path / "run")
+    assert parse_job(["--config", str(written)]) == job

@@ -1,0 +1,81 @@
+"""Flat-reward and chat-template warnings, with a real tokenizer and real rollout Samples."""
+
+import logging
+
+from tidal.rollout import Sample
+from tidal.train.embedded_model import build_tokenizer
+from tidal.train.monitors import RewardSanity, check_prompt_chat_template
+
+
+class _Prompts:
+    def __init__(self, texts):
+        self.prompts = [type("P", (), {"text": t})() for t in texts]
+
+
+def _samples(rewards):
+    return [
+        Sample(
+            prompt_ids=[1, 2],
+            response_ids=[3, 4],
+            response_log_probs=[-0.1, -0.2],
+            finish_reason="stop",
+            reward=r,
+            label="7",
+            response_text="12",
+        )
+        for r in rewards
+    ]
+
+
+def test_identical_rewards_warn_once_after_patience_with_an_example(caplog):
+    sanity = RewardSanity(3)
+    with caplog.at_level(logging.WARNING):
+        assert not sanity.observe(_samples([0.0, 0.0]))
+        assert not sanity.observe(_samples([0.0, 0.0]))
+        assert sanity.observe(_samples([0.0, 0.0]))
+        assert not sanity.observe(_samples([0.0, 0.0]))  # once per streak
+    assert "for 3 rollouts in a row" in caplog.text
+    assert "label '7'" in caplog.text
+    assert not sanity.observe(_samples([0.0, 1.0]))  # a varied rollout resets the streak
+    assert sanity.streak == 0
+
+
+def test_reward_sanity_can_be_disabled():
+    sanity = RewardSanity(0)
+    assert not any(sanity.observe(_samples([1.0])) for _ in range(5))
+
+
+def _tokenizer(template=None):
+    tok = build_tokenizer(["1+2=3"])
+    if template:
+        tok.chat_template = template
+    return tok
+
+
+QWEN = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA = "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}{% endfor %}"
+
+
+def test_prompts_rendered_with_another_template_warn_with_both_examples():
+    data = _Prompts(["1+2=", "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"])
+    message = check_prompt_chat_template(data, _tokenizer(LLAMA), apply_chat_template=False)
+    assert message is not None
+    assert "<|im_start|>" in message and "<|start_header_id|>" in message
+
+
+def test_prompts_rendered_with_the_tokenizers_own_template_are_fine():
+    data = _Prompts(["<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"])
+    assert check_prompt_chat_template(data, _tokenizer(QWEN), apply_chat_template=False) is None
+
+
+def test_templated_prompts_with_apply_chat_template_warn_about_double_wrapping():
+    data = _Prompts(["<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"])
+    message = check_prompt_chat_template(data, _tokenizer(QWEN), apply_chat_template=True)
+    assert message is not None and "second time" in message
+
+
+def test_raw_prompts_never_warn():
+    assert check_prompt_chat_template(_Prompts(["1+2=", "hello"]), _tokenizer(), apply_chat_template=False) is None

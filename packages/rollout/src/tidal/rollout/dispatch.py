@@ -1,0 +1,211 @@
+"""Sending a rollout's /generate requests: one per group, bounded concurrency, progress, restart, early stop.
+
+A group is the list of samples of one prompt. A sample whose ``finish_reason`` is "abort" is unfinished:
+a fresh one (no response yet) or one cut short by an abort. :func:`run_groups` continues every unfinished
+sample from ``prompt + response so far`` with the length budget it has left, one HTTP request per group
+(per distinct budget), up to ``max_concurrency`` requests in flight, so that SGLang batches them and the
+caller sees groups finish one by one. If the engine process dies mid-rollout, the requests it dropped are
+retried once after a restart; a caller's ``on_group_done`` can end the rollout early (partial rollout),
+which aborts the requests still running: they answer with the tokens sampled so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.rollout.client import SGLangClient
+from tidal.rollout.engine import SGLangEngine
+from tidal.rollout.errors import EngineUnavailableError, RolloutError
+from tidal.rollout.progress import GenerationProgress
+from tidal.rollout.types import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def fresh_group(prompt_ids: Sequence[int], n: int, *, label: Any = None, group_index: int = 0) -> list[Sample]:
+    """``n`` unstarted samples of one prompt (empty responses, ``finish_reason`` "abort")."""
+    ids = [int(t) for t in prompt_ids]
+    return [
+        Sample(
+            prompt_ids=ids,
+            response_ids=[],
+            response_log_probs=[],
+            finish_reason="abort",
+            label=label,
+            group_index=group_index,
+        )
+        for _ in range(n)
+    ]
+
+
+def continued(sample: Sample, out: Mapping[str, Any], decode: Callable[[list[int]], str] | None) -> Sample:
+    """``sample`` with one engine output appended (its tokens recorded under the output's weight version)."""
+    new_ids = out["output_ids"]
+    response_ids = [*sample.response_ids, *new_ids]
+    mask = sample.response_loss_mask
+    versions = None
+    if sample.response_ids or sample.response_weight_versions is not None:  # a resumed response may mix versions
+        versions = [*sample.token_weight_versions, *[out["weight_version"]] * len(new_ids)]
+    return dataclasses.replace(
+        sample,
+        response_ids=response_ids,
+        response_log_probs=[*sample.response_log_probs, *out["output_log_probs"]],
+        response_loss_mask=None if mask is None else [*mask, *[1] * len(new_ids)],
+        response_weight_versions=versions,
+        weight_version=out["weight_version"],
+        finish_reason=out["finish_reason"],
+        response_text=decode(response_ids) if decode is not None else sample.response_text,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    group: int
+    members: tuple[int, ...]
+    budget: int | None  # None: no max_new_tokens given, SGLang's default applies
+
+
+def _jobs(groups: Sequence[Sequence[Sample]], g: int, limit: int | None) -> list[_Job]:
+    """Requests that continue group ``g``'s unfinished samples (one per remaining budget); marks spent ones."""
+    by_budget: dict[int | None, list[int]] = {}
+    for k, sample in enumerate(groups[g]):
+        if sample.finish_reason == "abort":
+            by_budget.setdefault(None if limit is None else limit - len(sample.response_ids), []).append(k)
+    jobs = []
+    for budget, members in by_budget.items():
+        if budget is not None and budget <= 0:  # nothing left to generate: it ends as a length-truncated response
+            for k in members:
+                groups[g][k] = dataclasses.replace(groups[g][k], finish_reason="length")  # type: ignore[index]
+        else:
+            jobs.append(_Job(g, tuple(members), budget))
+    return jobs
+
+
+class _Dispatcher:
+    def __init__(
+        self,
+        target: SGLangClient,
+        groups: list[list[Sample]],
+        params: Mapping[str, Any],
+        *,
+        decode: Callable[[list[int]], str] | None,
+        progress: GenerationProgress | None,
+    ) -> None:
+        self.target = target
+        self.groups = groups
+        self.params = {k: v for k, v in params.items() if k != "n"}
+        limit = self.params.get("max_new_tokens")
+        self.limit = None if limit is None else int(limit)
+        self.decode = decode
+        self.progress = progress
+        self.open_jobs = [0] * len(groups)
+        self.restarts_left = 1
+
+    def request(self, job: _Job) -> list[dict[str, Any]]:
+        group = self.groups[job.group]
+        input_ids = [[*group[k].prompt_ids, *group[k].response_ids] for k in job.members]
+        params = self.params if job.budget is None else {**self.params, "max_new_tokens": job.budget}
+        return self.target.generate(input_ids, params)
+
+    def apply(self, job: _Job, outputs: list[dict[str, Any]]) -> bool:
+        """Record a request's outputs; True when that finished the group."""
+        group = self.groups[job.group]
+        for k, out in zip(job.members, outputs, strict=True):
+            group[k] = continued(group[k], out, self.decode)
+        if self.progress is not None:
+            self.progress.update(sum(out["finish_reason"] != "abort" for out in outputs))
+        self.open_jobs[job.group] -= 1
+        return self.open_jobs[job.group] == 0 and all(s.finish_reason != "abort" for s in group)
+
+    def recover(self, error: EngineUnavailableError) -> None:
+        """The engine went away mid-rollout: restart it once (so no sample is lost), or give up."""
+        engine = self.target
+        if not isinstance(engine, SGLangEngine):
+            raise RolloutError(f"{engine.describe()} stopped answering during generation: {error}") from error
+        if engine.is_running() and engine.health_ok():  # alive and well: a network error, not a death
+            raise RolloutError(f"{engine.describe()} is healthy but a request to it failed: {error}") from error
+        if self.restarts_left <= 0:
+            raise engine.dead_error(
+                f"stopped answering during generation ({error}) and may not be restarted again"
+            ) from error
+        logger.warning("%s stopped answering mid-rollout (%s); restarting it and retrying", engine.url, error)
+        self.restarts_left -= 1
+        try:
+            engine.restart()
+        except RolloutError as e:
+            raise engine.dead_error(f"died during generation and did not restart: {e}") from e
+
+
+def run_groups(
+    target: SGLangClient,
+    groups: list[list[Sample]],
+    sampling_params: Mapping[str, Any],
+    *,
+    max_concurrency: int = 64,
+    decode: Callable[[list[int]], str] | None = None,
+    progress: GenerationProgress | None = None,
+    on_group_done: Callable[[int], bool] | None = None,
+    max_restarts: int = 1,
+) -> bool:
+    """Continue every unfinished sample of ``groups`` in place, until all finish or ``on_group_done`` says stop.
+
+    Args:
+        target: An engine (restarted once if it dies), a router, or any SGLang endpoint.
+        groups: Samples per prompt; unfinished ones (``finish_reason == "abort"``) are continued in place.
+        sampling_params: SGLang sampling parameters; ``max_new_tokens`` bounds each whole response.
+        max_concurrency: Most HTTP requests in flight.
+        decode: Token ids -> text for ``response_text``.
+        progress: Counts finished samples.
+        on_group_done: Called with a group's index when its last sample finishes; True ends the rollout:
+            nothing more is sent, the target aborts what still runs, and those samples keep their partial
+            responses (``finish_reason`` "abort").
+        max_restarts: Restarts of a dead engine allowed in this call before giving up.
+
+    Returns:
+        Whether ``on_group_done`` stopped the rollout early.
+
+    Raises:
+        RolloutError: A request failed, or the engine died twice (the message quotes its log).
+    """
+    run = _Dispatcher(target, groups, sampling_params, decode=decode, progress=progress)
+    run.restarts_left = max_restarts
+    queue: deque[_Job] = deque()
+    for g in range(len(groups)):
+        jobs = _jobs(groups, g, run.limit)
+        run.open_jobs[g] = len(jobs)
+        queue.extend(jobs)
+    stopped = False
+    failed: list[_Job] = []
+    lost: EngineUnavailableError | None = None
+    with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(queue))), thread_name_prefix="rollout") as pool:
+        inflight: dict[Future, _Job] = {}
+        while queue or inflight or lost is not None:
+            while queue and not stopped and lost is None and len(inflight) < max_concurrency:
+                job = queue.popleft()
+                inflight[pool.submit(run.request, job)] = job
+            if not inflight:
+                if lost is not None:  # every request the dead engine held has come back failed
+                    run.recover(lost)
+                    queue.extendleft(reversed(failed))
+                    failed, lost = [], None
+                    continue
+                break  # stopped: the jobs still queued stay unfinished
+            done, _ = wait(inflight, return_when=FIRST_COMPLETED)
+            for future in done:
+                job = inflight.pop(future)
+                try:
+                    outputs = future.result()
+                except EngineUnavailableError as e:
+                    failed.append(job)
+                    lost = e
+                    continue
+                if run.apply(job, outputs) and on_group_done is not None and not stopped and on_group_done(job.group):
+                    stopped = True
+                    target.abort()  # running requests answer now, with what they have
+    return stopped

@@ -1,0 +1,210 @@
+"""`train` end to end in its other modes, on the real Ray, SGLang and Megatron-core.
+
+- decoupled placement, killed with SIGKILL in the middle of its third rollout, then resumed with --load: the
+  metrics continue without a gap or a repeat and the resumed rollout trains on the prompts it would have had;
+- --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
+  --debug-train-only on its saved rollouts (no engine);
+- Ctrl-C during start-up stops every process and exits 130.
+
+Each run starts its own SGLang server (~80 s on two cores) except the train-only one.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: siblings are not importable otherwise
+from test_train_e2e import _alive, _children, _set_child_subreaper
+
+pytestmark = pytest.mark.slow
+
+COMMON = [
+    "--rollout-batch-size", "4",
+    "--n-samples-per-prompt", "4",
+    "--rollout-max-response-len", "6",
+    "--num-eval-prompts", "8",
+    "--lr", "1e-4",
+]  # fmt: skip
+
+
+def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL):
+    """Run `train`; with ``kill_when(out)`` send ``sig`` to its process group once that returns True.
+
+    Returns ``(returncode, output, leftover pids)``; leftovers (orphans re-parented here) are killed afterwards.
+    """
+    before = _children(os.getpid())
+    _set_child_subreaper(True)
+    log = out.parent / f"{out.name}-{len(list(out.parent.glob(out.name + '-*.log')))}.log"  # one per run
+    try:
+        with log.open("w") as f:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tidal.train.cli", *args, "--output-dir", str(out)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                if kill_when is not None and kill_when(out, log):
+                    os.killpg(proc.pid, sig)
+                    kill_when = None
+                time.sleep(0.5)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait(timeout=120)
+        if sig == signal.SIGKILL:  # nothing can clean up after SIGKILL: give Ray's own reapers a moment
+            time.sleep(5)
+        leftovers = {pid for pid in _children(os.getpid()) - before if _alive(pid)}
+        _kill_until_none_left(before)  # still subreaper: grandchildren of what we kill come to us too
+    finally:
+        _set_child_subreaper(False)
+    return code, log.read_text(), leftovers
+
+
+def _kill_until_none_left(before: set[int], timeout_s: float = 60.0) -> None:
+    """SIGKILL every new child (and its group) until none is alive: never leave a server for the next test."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = {pid for pid in _children(os.getpid()) - before if _alive(pid)}
+        if not alive:
+            return
+        for pid in alive:
+            for kill in (os.killpg, os.kill):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A decoupled run SIGKILLed during rollout 3 of 3, then the same command with --load = --save."""
+    out = tmp_path_factory.mktemp("decoupled")
+    args = [
+        *COMMON,
+        "--num-rollout", "3",
+        "--no-colocate",
+        "--actor-num-gpus-per-node", "1",
+        "--rollout-num-gpus", "1",
+        "--save-interval", "1",
+        "--save", str(out / "ckpt"),
+        "--save-debug-rollout-data", str(out / "debug"),
+        "--use-tensorboard",
+    ]  # fmt: skip
+
+    def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
+        return len(_records(run_dir)) >= 2 and (run_dir / "ckpt" / "iter_0000002" / "metadata.json").exists()
+
+    killed_code, killed_log, _ = _train(args, out=out, kill_when=mid_third_rollout)
+    records_at_kill = _records(out)
+    code, log, leftovers = _train([*args, "--load", str(out / "ckpt")], out=out)
+    assert code == 0, log[-6000:]
+    return out, killed_code, killed_log, records_at_kill, log, leftovers
+
+
+def test_killed_run_died_mid_rollout(resumed):
+    _, killed_code, killed_log, records_at_kill, _, _ = resumed
+    assert killed_code == -signal.SIGKILL, killed_log[-3000:]
+    assert [r["rollout"] for r in records_at_kill] == [0, 1]
+
+
+def test_resume_continues_metrics_without_gap_or_repeat(resumed):
+    out, _, _, _, log, _ = resumed
+    assert "resumed from" in log
+    assert [r["rollout"] for r in _records(out)] == [0, 1, 2]
+    assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_resumed_rollout_used_the_prompts_of_an_uninterrupted_run(resumed):
+    from tidal.rollout import load_rollout_data
+    from tidal.train.cli import parse_job
+    from tidal.train.data import PromptDataset
+    from transformers import AutoTokenizer
+
+    out, *_ = resumed
+    job = parse_job(COMMON)
+    tokenizer = AutoTokenizer.from_pretrained(job.actor.hf_checkpoint)
+    keys = {"input_key": "prompt", "label_key": "label", "seed": job.train.seed}
+    data = PromptDataset(job.train.prompt_data, tokenizer, **keys)
+    for rollout_id in (0, 1, 2):
+        samples = load_rollout_data(out / "debug", rollout_id)
+        expected = [list(p.ids) for p in data.batch(rollout_id, 4) for _ in range(4)]
+        assert [list(s.prompt_ids) for s in samples] == expected, rollout_id
+
+
+def test_resumed_engines_serve_the_checkpointed_weights(resumed):
+    # The first rollout after resume was sampled by the weights of the checkpoint (version 2), not the HF start.
+    out, *_ = resumed
+    assert _records(out)[2]["rollout/weight_version"] == 2.0
+    assert _records(out)[2]["train/old_logprob_abs_diff"] < 0.05
+
+
+def test_decoupled_run_leaves_no_process_and_writes_tensorboard(resumed):
+    out, _, _, _, _, leftovers = resumed
+    assert not leftovers, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in leftovers]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "config.yaml").exists()
+
+
+@pytest.fixture(scope="module")
+def debug_runs(tmp_path_factory):
+    """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them."""
+    root = tmp_path_factory.mktemp("debug")
+    data = root / "rollouts"
+    gen = [*COMMON, "--num-rollout", "2", "--debug-rollout-only", "--save-debug-rollout-data", str(data),
+           "--partial-rollout", "--over-sampling-batch-size", "6"]  # fmt: skip
+    code, gen_log, gen_left = _train(gen, out=root / "gen")
+    assert code == 0, gen_log[-6000:]
+    trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data)]
+    code, train_log, train_left = _train(trn, out=root / "train")
+    assert code == 0, train_log[-6000:]
+    return root, data, gen_left | train_left
+
+
+def test_rollout_only_generates_without_training(debug_runs):
+    root, data, _ = debug_runs
+    records = _records(root / "gen")
+    assert [r["rollout"] for r in records] == [0, 1]
+    assert not any("train/loss" in r for r in records)
+    # partial rollout through the driver: 4 finished groups kept, the rest aborted and carried to the next rollout
+    assert all("rollout/partial/carried_over_groups" in r for r in records), records[0].keys()
+    assert sorted(p.name for p in data.iterdir())[:2] and len(list(data.iterdir())) == 2
+    assert not (root / "gen" / "ckpt").exists()
+
+
+def test_train_only_trains_on_the_saved_rollouts(debug_runs):
+    from tidal.rollout import load_rollout_data
+
+    root, data, leftovers = debug_runs
+    records = _records(root / "train")
+    assert [r["rollout"] for r in records] == [0, 1]
+    for r in records:
+        saved = load_rollout_data(data, r["rollout"])
+        assert r["rollout/reward/mean"] == pytest.approx(sum(s.reward for s in saved) / len(saved))
+        assert r["train/grad_norm"] >= 0.0 and "train/loss" in r
+    summary = json.loads((root / "train" / "summary.json").read_text())
+    assert summary["engine_pids"] == []
+    assert (root / "train" / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+    assert not leftovers
+
+
+def test_ctrl_c_during_start_up_stops_everything(tmp_path):
+    def engine_launched(_out: Path, log: Path) -> bool:
+        return "starting SGLang" in log.read_text() or "waiting for SGLang" in log.read_text()
+
+    code, log, leftovers = _train([*COMMON, "--num-rollout", "1"], out=tmp_path / "run", kill_when=engine_launched,
+                                  sig=signal.SIGINT, timeout=600)  # fmt: skip
+    assert code == 130, log[-4000:]
+    assert "interrupted" in log
+    assert not leftovers, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in leftovers]
