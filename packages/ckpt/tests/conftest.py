@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-RANK_TIMEOUT_S = 120
+RANK_TIMEOUT_S = 300  # a rank builds a GPTModel after importing megatron: ~2 min on a loaded 2-core box
 
 
 def _rank_main(
