@@ -193,22 +193,54 @@ def allocated_gib() -> float:
     return torch.cuda.memory_allocated() / 2**30 if CUDA else float("nan")
 
 
+def smoke_fused(report: dict, args) -> None:
+    """Run each fused kernel once (and the Triton split + RoPE against eager); on failure run unfused."""
+    try:
+        from tidal.actor.logprobs import _compiled_local_log_probs
+
+        x = torch.randn(64, 1000, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        lp, ent = _compiled_local_log_probs()(x, torch.randint(0, 1000, (64,), device=DEV), with_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        from tidal.actor.fused import split_rope_qkv
+        from tidal.actor.rope_kernel import split_rope_qkv_triton
+
+        # the Triton q/k/v split + RoPE against the eager function on the device (fp32: exact up to fma)
+        diffs = {}
+        for dt in (torch.float32, torch.bfloat16):
+            res = []
+            for fn in (split_rope_qkv, split_rope_qkv_triton):
+                gen = torch.Generator(device=DEV).manual_seed(0)
+                mixed = torch.randn(3000, 2, 1024, device=DEV, generator=gen).to(dt).requires_grad_()
+                bias = torch.randn(2048, device=DEV, generator=gen).to(dt).requires_grad_()
+                cos, sin = (torch.randn(3000, 1, 128, device=DEV, generator=gen).to(dt) for _ in range(2))
+                out = fn(mixed, bias, cos, sin, 6, True)  # k/v expanded, as on torch 2.11
+                sum((o.float() * (i + 1)).sum() for i, o in enumerate(out)).backward()
+                res.append([*out, mixed.grad, bias.grad])
+            diffs[str(dt)] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*res, strict=True))
+        report["split_rope_triton_vs_eager_max_abs_diff"] = diffs
+        from tidal.actor.logprobs import local_log_probs
+        from tidal.actor.logsumexp_kernel import target_log_probs
+
+        with torch.no_grad():  # the Triton log-prob reduction against the eager log-softmax
+            x = torch.randn(256, 151936, device=DEV).mul(4).to(torch.bfloat16)
+            t = torch.randint(0, 151936, (256,), device=DEV)
+            diff = float((target_log_probs(x, t) - local_log_probs(x, t)[0]).abs().max())
+        report["target_log_probs_triton_vs_eager_max_abs_diff"] = diff
+        log(f"target_log_probs triton vs eager: {diff}")
+        log(f"split_rope triton vs eager: {diffs}")
+    except Exception as e:
+        report.setdefault("errors", []).append(f"torch.compile smoke test failed, running unfused: {e!r}"[:500])
+        args.no_fused = True
+
+
 def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
     from tidal.actor import Actor
     from tidal.actor.bridge import enable_layer_recompute
     from tidal.batching import pack_micro_batches, plan_micro_batches, unpack
 
     lengths, tokens, masks = work["lengths"], work["tokens"], work["loss_masks"]
-    if CUDA and not args.no_fused:  # a torch.compile failure must not cost the run: fall back to eager
-        try:
-            from tidal.actor.logprobs import _compiled_local_log_probs
-
-            x = torch.randn(64, 1000, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-            lp, ent = _compiled_local_log_probs()(x, torch.randint(0, 1000, (64,), device=DEV), with_entropy=True)
-            (lp.sum() + ent.sum()).backward()
-        except Exception as e:
-            report.setdefault("errors", []).append(f"torch.compile smoke test failed, running unfused: {e!r}"[:500])
-            args.no_fused = True
+    if CUDA and not args.no_fused:  # a torch.compile / Triton failure must not cost the run: fall back to eager
+        smoke_fused(report, args)
     cfg = actor_config(args, ckpt)
     actor = Actor(cfg)
     keys = ("params_dtype", "fp32_main_params", "bf16", "fused_kernels", "recompute_lm_head", "log_probs_chunk_size")
@@ -289,12 +321,13 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         finally:
             actor._recompute_lm_head = not actor._recompute_lm_head
     if args.ab_fused and actor._fused:  # the same passes with SwiGLU, RoPE and the log-softmax unfused (eager)
-        from tidal.actor import compat
+        from tidal.actor import compat, fused
 
         first = [lp.clone() for lp in outs]
         actor._fused = False
         actor.model.config.bias_activation_fusion = False
         compat.set_fused_rope(False)
+        fused.set_fused_kernels(False)
         try:
             measure_logprob("tidal_logprob_unfused")
             report["fused_vs_unfused_logprob_max_abs_diff"] = max(
@@ -305,6 +338,7 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
             actor._fused = True
             actor.model.config.bias_activation_fusion = True
             compat.set_fused_rope(True)
+            fused.set_fused_kernels(True)
     if args.profile and CUDA:
         biggest = train_mbs(max(fits or args.max_tokens_train[:1]))
         profile(report, args, lambda: actor.train_step(biggest), "train")
@@ -351,7 +385,7 @@ def profile(report: dict, args, fn, tag: str) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         t0 = time.perf_counter()
         fn()
         sync()
@@ -361,7 +395,10 @@ def profile(report: dict, args, fn, tag: str) -> None:
     report[f"profile_{tag}"] = {"wall_s": wall, "kernel_s": kernels}
     log(f"profile {tag}: {kernels:.3f} s of kernels in {wall:.3f} s (under the profiler)")
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60)
-    Path(args.out, f"profile_{tag}.txt").write_text(table)
+    shapes = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=90
+    )
+    Path(args.out, f"profile_{tag}.txt").write_text(table + "\n\nby input shape (aten ops):\n" + shapes)
     print(f"--- profile {tag} (top by CUDA time) ---\n" + "\n".join(table.splitlines()[:22]), flush=True)
 
 

@@ -1,14 +1,17 @@
 """One rank of the context-parallel and vocab-padding tests (run as a script by test_context_parallel.py).
 
-Usage: python cp_worker.py RANK WORLD PORT CP_HF_DIR VOCAB_HF_DIR OUT_FILE
-Part 1 (CP = WORLD): log-probs of a packed batch, one train step over two micro-batches, the weights
-after it. Part 2 (TP = WORLD, same processes): an HF model whose vocabulary does not split over TP:
-log-probs, export, and the padded rows after a train step. torch.saves both to OUT_FILE.
+Usage: python cp_worker.py RANK 4 PORT CP_HF_DIR VOCAB_HF_DIR OUT_FILE
+The same four processes run, one after the other: the CP part at DP=2 x CP=2 and at TP=2 x CP=2 (log-probs
+of a packed batch, one train step over two micro-batches, the weights after it; with DP=2 each DP rank
+trains on one micro-batch), then the vocabulary part at TP=2 x DP=2 (an HF model whose vocabulary does
+not split over TP: log-probs, export, and the padded rows after a train step). torch.saves all three
+to OUT_FILE.
 """
 
 import sys
 
 import torch
+from megatron.core import parallel_state
 from tidal.actor import Actor, ActorConfig, init_distributed
 from tidal.batching import pack, unpack
 
@@ -36,22 +39,31 @@ def rl_batch(actor, seqs, advantages, **kw):
     return pack(seqs, loss_masks=masks, token_fields=fields, **kw)
 
 
-def cp_part(rank: int, world: int, port: int, cp: int, hf_dir: str) -> dict:
-    init_distributed(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, context_parallel_size=cp)
+def cp_part(rank: int, world: int, port: int, cp: int, hf_dir: str, tp: int = 1) -> dict:
+    """CP = ``cp`` x TP = ``tp`` x DP = ``world / (cp * tp)``; each DP rank trains on its share of the micro-batches."""
+    init_distributed(
+        rank=rank,
+        world_size=world,
+        master_addr="127.0.0.1",
+        master_port=port,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+    )
     actor = Actor(ActorConfig(hf_checkpoint=hf_dir, **CP_CFG))
     probe = pack(SEQS, pad_to_multiple_of=8)
     result = {"log_probs": actor.compute_log_probs(probe)}
     advantages = [1.0, -1.0, 0.5, -0.5, 0.8]
     mbs = [rl_batch(actor, SEQS[:2], advantages[:2]), rl_batch(actor, SEQS[2:], advantages[2:], pad_to_multiple_of=4)]
-    result["metrics"] = actor.train_step(mbs)
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    result["metrics"] = actor.train_step(mbs[dp_rank::dp])
     result["weights"] = dict(actor.named_hf_tensors())
     result["log_probs_after"] = actor.compute_log_probs(probe)
     return result
 
 
-def vocab_part(rank: int, world: int, port: int, hf_dir: str) -> dict:
+def vocab_part(rank: int, world: int, port: int, hf_dir: str, tp: int) -> dict:
     init_distributed(
-        rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, tensor_model_parallel_size=world
+        rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, tensor_model_parallel_size=tp
     )
     actor = Actor(ActorConfig(hf_checkpoint=hf_dir, lr=1e-2, entropy_coef=0.01, log_probs_chunk_size=5))
     probe = pack(VOCAB_SEQS)
@@ -64,7 +76,7 @@ def vocab_part(rank: int, world: int, port: int, hf_dir: str) -> dict:
     result["export_after"] = {n: tuple(t.shape) for n, t in actor.named_hf_tensors()}
     vocab = actor.spec.vocab_size
     local = result["local_vocab_rows"]
-    real = max(0, min(local, vocab - rank * local))
+    real = max(0, min(local, vocab - parallel_state.get_tensor_model_parallel_rank() * local))
     padded = [actor.model.embedding.word_embeddings.weight[real:], actor.model.output_layer.weight[real:]]
     result["padded_rows_abs_max"] = float(
         torch.cat([p.detach().flatten() for p in padded] + [torch.zeros(1)]).abs().max()
@@ -74,5 +86,9 @@ def vocab_part(rank: int, world: int, port: int, hf_dir: str) -> dict:
 
 if __name__ == "__main__":
     rank, world, port = (int(x) for x in sys.argv[1:4])
-    out = {"cp": cp_part(rank, world, port, world, sys.argv[4]), "vocab": vocab_part(rank, world, port, sys.argv[5])}
+    out = {
+        "dp2cp2": cp_part(rank, world, port, 2, sys.argv[4], tp=1),
+        "tp2cp2": cp_part(rank, world, port, 2, sys.argv[4], tp=2),
+        "vocab": vocab_part(rank, world, port, sys.argv[5], tp=2),
+    }
     torch.save(out, sys.argv[6])

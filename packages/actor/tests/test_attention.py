@@ -37,3 +37,36 @@ def test_segments_do_not_see_each_other():
     changed = packed_causal_attention(q, k2, v2, cu, 3, scale=0.5)
     assert not torch.allclose(base[:3], changed[:3])
     torch.testing.assert_close(base[3:], changed[3:])
+
+
+@pytest.mark.parametrize(
+    ("cls_path", "name", "cp"),
+    [
+        ("tidal.actor.attention:PackedCoreAttention", "PackedCoreAttention", 1),
+        ("tidal.actor.cp_attention:ContextParallelCoreAttention", "context-parallel attention", 2),
+    ],
+)
+def test_core_attention_modules_share_the_constructor_checks(cls_path, name, cp):
+    """Both core-attention modules refuse dropout and non-causal masks at construction, naming themselves."""
+    import importlib
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    module, attr = cls_path.split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, context_parallel_size=cp)
+    with pytest.raises(ValueError, match=f"{name} has no attention dropout; set attention_dropout=0, got 0.1"):
+        cls(config, 1, AttnMaskType.causal, "self", attention_dropout=0.1)
+    with pytest.raises(ValueError, match=f"{name} is causal only"):
+        cls(config, 1, AttnMaskType.padding, "self", attention_dropout=0.0)
+
+
+def test_packed_core_attention_refuses_context_parallelism():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tidal.actor.attention import PackedCoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, context_parallel_size=2)
+    with pytest.raises(ValueError, match="context_parallel_size 1 only, got 2"):
+        PackedCoreAttention(config, 1, AttnMaskType.causal, "self")

@@ -1,6 +1,6 @@
-"""CP=2 over gloo against one process, and a vocabulary that does not split over TP=2 against transformers.
+"""CP=2 (with DP=2 and with TP=2) over gloo against one process, and a vocabulary that does not split over TP=2.
 
-One spawn of two real processes runs both parts (cp_worker.py); the single-process reference runs the
+One spawn of four real processes runs every part (cp_worker.py); the single-process reference runs the
 same code in this process.
 """
 
@@ -56,15 +56,13 @@ def odd_vocab_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, qwen2_dir, odd_vocab_dir):
-    """Both parts of cp_worker.py on two real processes over gloo (CP=2, then TP=2)."""
-    tmp = tmp_path_factory.mktemp("cp2")
+def spawn(tmp: Path, worker: Path, world: int, args: list[str]) -> list[dict]:
+    """``world`` real processes of ``worker RANK WORLD PORT *args OUT`` over gloo; their torch.saved results."""
     port, procs = free_port(), []
-    for rank in range(2):
+    for rank in range(world):
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, str(WORKER), str(rank), "2", str(port), str(qwen2_dir), str(odd_vocab_dir)]
-        procs.append((subprocess.Popen([*cmd, str(tmp / f"rank{rank}.pt")], stdout=log, stderr=subprocess.STDOUT), log))
+        cmd = [sys.executable, str(worker), str(rank), str(world), str(port), *args, str(tmp / f"rank{rank}.pt")]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     try:
         for rank, (proc, log) in enumerate(procs):
             rc = proc.wait(timeout=300)
@@ -74,7 +72,13 @@ def two_ranks(tmp_path_factory, qwen2_dir, odd_vocab_dir):
         for proc, _ in procs:
             if proc.poll() is None:
                 proc.kill()
-    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, qwen2_dir, odd_vocab_dir):
+    """cp_worker.py on four real processes over gloo: DP=2 x CP=2, TP=2 x CP=2, then TP=2 x DP=2 (odd vocabulary)."""
+    return spawn(tmp_path_factory.mktemp("cp2x2"), WORKER, 4, [str(qwen2_dir), str(odd_vocab_dir)])
 
 
 @pytest.fixture(scope="module")
@@ -82,35 +86,45 @@ def single_cp(dist_env, qwen2_dir):
     return _import_worker().cp_part(0, 1, 0, 1, str(qwen2_dir))  # process group already up: port unused
 
 
+def assert_matches_single(result: dict, single: dict, *, weights_atol: float = 2e-6) -> None:
+    """Log-probs, loss, grad norm, updated weights and the next log-probs equal the single-process run's."""
+    torch.testing.assert_close(result["log_probs"], single["log_probs"], atol=1e-5, rtol=0)
+    for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/num_loss_tokens"):
+        assert result["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5, abs=1e-7), key
+    # the updated weights (after clipping and the Adam step) equal the single-process ones
+    assert set(result["weights"]) == set(single["weights"])
+    for name, tensor in result["weights"].items():
+        torch.testing.assert_close(tensor, single["weights"][name], atol=weights_atol, rtol=0, msg=name)
+    torch.testing.assert_close(result["log_probs_after"], single["log_probs_after"], atol=1e-4, rtol=0)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-def test_cp2_matches_single_process(two_ranks, single_cp, qwen2_dir, hf_reference):
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 4, reason="NCCL needs one GPU per rank")
+@pytest.mark.parametrize("layout", ["dp2cp2", "tp2cp2"])
+def test_cp2_layouts_match_single_process(four_ranks, single_cp, qwen2_dir, hf_reference, layout):
+    """DP=2 x CP=2 and TP=2 x CP=2 (one spawn of four processes) against one process on the same data.
+
+    With DP=2 each DP rank trains on one of the two micro-batches; the step's loss and update cover both.
+    """
     worker = _import_worker()
     _, ref = hf_reference(qwen2_dir, worker.SEQS)
     n = sum(len(s) for s in worker.SEQS)
-    for result in (r["cp"] for r in two_ranks):
-        torch.testing.assert_close(result["log_probs"], single_cp["log_probs"], atol=1e-5, rtol=0)
+    for result in (r[layout] for r in four_ranks):
         torch.testing.assert_close(result["log_probs"][:n], torch.cat(ref), atol=1e-4, rtol=0)
-        for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/num_loss_tokens"):
-            assert result["metrics"][key] == pytest.approx(single_cp["metrics"][key], rel=1e-5, abs=1e-7), key
-        # the updated weights (after clipping and the Adam step) equal the single-process ones
-        assert set(result["weights"]) == set(single_cp["weights"])
-        for name, tensor in result["weights"].items():
-            torch.testing.assert_close(tensor, single_cp["weights"][name], atol=2e-6, rtol=0, msg=name)
-        torch.testing.assert_close(result["log_probs_after"], single_cp["log_probs_after"], atol=1e-4, rtol=0)
+        assert_matches_single(result, single_cp)
     assert single_cp["metrics"]["train/grad_norm"] > 0.5  # clipping was active
     assert not torch.allclose(single_cp["log_probs_after"], single_cp["log_probs"], atol=1e-3)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
-def test_odd_vocab_at_tp2_matches_transformers(two_ranks, odd_vocab_dir, hf_reference):
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 4, reason="NCCL needs one GPU per rank")
+def test_odd_vocab_at_tp2_matches_transformers(four_ranks, odd_vocab_dir, hf_reference):
     from safetensors.torch import load_file
 
     worker = _import_worker()
     _, ref = hf_reference(odd_vocab_dir, worker.VOCAB_SEQS)
     original = load_file(odd_vocab_dir / "model.safetensors")
-    for rank, result in enumerate(r["vocab"] for r in two_ranks):
+    for rank, result in enumerate(r["vocab"] for r in four_ranks):
         assert result["local_vocab_rows"] == 128, rank  # 131 padded to 256 = 2 x 128
         torch.testing.assert_close(result["log_probs"], torch.cat(ref), atol=1e-4, rtol=0)
         assert set(result["export"]) == set(original)

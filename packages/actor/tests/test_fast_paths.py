@@ -83,3 +83,84 @@ def test_reused_export_buffers_are_refilled(dist_env, qwen2_dir):
     for bucket in second:
         for name, tensor in bucket:
             assert torch.equal(tensor, exported[name].to(torch.bfloat16)), name
+
+
+def _rope_inputs(dtype, tokens=23, heads=3, dim=16):
+    gen = torch.Generator().manual_seed(2)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    angles = torch.outer(torch.arange(64).float(), inv)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    return torch.randn(tokens, heads, dim, generator=gen).to(dtype), freqs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_equals_rope_at_positions(dtype):
+    from tidal.actor import compat, fused
+
+    t, freqs = _rope_inputs(dtype)
+    cu = torch.tensor([0, 5, 8, 23], dtype=torch.int32)
+    position = fused.positions(cu, 23, t.device)
+    out = fused.rope_with_table(t, *fused.rope_table(freqs, position, dtype))
+    torch.testing.assert_close(out, compat.rope_at_positions(t, freqs, position), atol=0, rtol=0)
+    # built once per (freqs, cu_seqlens) pair: every layer of a forward reuses it, a new micro-batch rebuilds it
+    first = fused.cached_rope_table(freqs, cu, 23, dtype)
+    assert fused.cached_rope_table(freqs, cu, 23, dtype) is first
+    again = fused.cached_rope_table(freqs, cu.clone(), 23, dtype)
+    assert again is not first
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_rope_qkv_equals_megatron_split_and_rope(dtype):
+    from megatron.core.models.common.embeddings import rope_utils
+    from tidal.actor import fused
+
+    groups, per_group, dim, tokens = 2, 3, 16, 23
+    gen = torch.Generator().manual_seed(3)
+    mixed = torch.randn(tokens, groups, (per_group + 2) * dim, generator=gen).to(dtype).requires_grad_()
+    _, freqs = _rope_inputs(dtype, tokens, dim=dim)
+    position = fused.positions(torch.tensor([0, 9, 23], dtype=torch.int32), tokens, mixed.device)
+    bias = torch.randn(groups * (per_group + 2) * dim, generator=gen).to(dtype).requires_grad_()
+    q, k, v = fused.split_rope_qkv(mixed, bias, *fused.rope_table(freqs, position, dtype), per_group)
+    # megatron: add the bias ([T, 1, hp] + [hp]), split the interleaved projection, reshape q, rotate q and k
+    biased = (mixed.reshape(tokens, 1, -1) + bias).view(tokens, groups, -1)
+    rq, rk, rv = torch.split(biased, [per_group * dim, dim, dim], dim=-1)
+    rq = rq.reshape(tokens, groups * per_group, dim)
+    rope = lambda x: rope_utils._apply_rotary_pos_emb_bshd(x.unsqueeze(1), freqs[position]).squeeze(1)  # noqa: E731
+    for out, ref in ((q, rope(rq)), (k, rope(rk)), (v, rv)):
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    grads = [torch.randn(x.shape, generator=gen).to(dtype) for x in (q, k, v)]
+    g_fused = torch.autograd.grad((q, k, v), (mixed, bias), grads)
+    g_ref = torch.autograd.grad((rope(rq), rope(rk), rv), (mixed, bias), grads)
+    torch.testing.assert_close(g_fused, g_ref, atol=0, rtol=0)
+    assert fused.split_rope_qkv(mixed, None, *fused.rope_table(freqs, position, dtype), per_group)[2].equal(
+        torch.split(mixed, [per_group * dim, dim, dim], dim=-1)[2]
+    )
+
+
+def test_packed_self_attention_equals_megatron_self_attention(dist_env, qwen2_dir, monkeypatch):
+    from megatron.core.transformer.attention import SelfAttention
+    from tidal.actor import fused
+
+    calls = []
+    split = fused.split_rope_qkv
+    monkeypatch.setattr(fused, "split_rope_qkv", lambda *a: calls.append(1) or split(*a))
+    cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0)
+    a, b = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg))
+    layers = [m for m in b.model.modules() if isinstance(m, fused.PackedSelfAttention)]
+    assert len(layers) == sum(isinstance(m, fused.PackedSelfAttention) for m in a.model.modules()) > 0
+    for m in layers:
+        m.__class__ = SelfAttention  # megatron's own split + per-layer RoPE (compat patch 5)
+    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
+    plain = pack(SEQS, loss_masks=masks)
+    lp_a, lp_b = a.compute_log_probs(plain), b.compute_log_probs(plain)
+    assert len(calls) == len(layers)  # the fused path ran once per layer in a, never in b
+    torch.testing.assert_close(lp_a, lp_b, atol=1e-6, rtol=0)
+    old = [o.tolist() for o in unpack(lp_a, plain)]
+    adv = [[x] * len(s) for x, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
+    batch = pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})
+    ma, mb = a.train_step([batch]), b.train_step([batch])
+    assert ma["train/grad_norm"] == pytest.approx(mb["train/grad_norm"], rel=1e-6)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)

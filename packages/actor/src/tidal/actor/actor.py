@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from megatron.core.packed_seq_params import PackedSeqParams
+from tidal.actor import fused
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
 from tidal.actor.compat import apply_cpu_compat, set_fused_rope
 from tidal.actor.config import ActorConfig
@@ -49,6 +50,7 @@ class Actor:
         self.device = self.device or torch.device("cpu")
         self._fused = cfg.fused_kernels and self.device.type == "cuda"
         set_fused_rope(self._fused)
+        fused.set_fused_kernels(self._fused)
         self._recompute_lm_head = cfg.recompute_lm_head
         self._exporters: dict[tuple, HFExporter] = {}
         self.spec = read_hf_config(cfg.hf_checkpoint)

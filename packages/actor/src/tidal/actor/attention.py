@@ -97,13 +97,17 @@ def packed_causal_attention(
     return torch.cat(outputs, dim=0)
 
 
-class PackedCoreAttention(MegatronModule):
-    """Drop-in replacement for Megatron's ``DotProductAttention`` that accepts THD packed sequences.
+class CausalCoreAttentionBase(MegatronModule):
+    """What tidal's core-attention modules share: Megatron's constructor arguments, their checks, head bookkeeping.
 
-    The constructor takes the arguments Megatron's ``SelfAttention`` passes to its
-    ``core_attention`` submodule. Only causal self-attention without dropout, softmax offsets or
-    sliding windows is supported; anything else raises ``ValueError`` at construction.
+    The constructor takes the arguments Megatron's ``SelfAttention`` passes to its ``core_attention``
+    submodule. Only causal self-attention without dropout, softmax offsets or sliding windows is supported;
+    anything else raises ``ValueError`` at construction. Subclasses set ``_name`` (for messages) and
+    ``_required_pgs`` (the process groups they need from ``pg_collection``).
     """
+
+    _name = "core attention"
+    _required_pgs = ("tp",)
 
     def __init__(
         self,
@@ -118,25 +122,44 @@ class PackedCoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         del attention_type, cp_comm_type
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"PackedCoreAttention supports context_parallel_size 1 only, got {config.context_parallel_size}"
-            )
+        name = self._name
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout != 0.0:
-            raise ValueError(f"PackedCoreAttention has no attention dropout; set attention_dropout=0, got {dropout}")
+            raise ValueError(f"{name} has no attention dropout; set attention_dropout=0, got {dropout}")
         if config.window_size is not None or config.softmax_type != "vanilla":
-            raise ValueError("PackedCoreAttention supports plain causal softmax attention only (no window/offset)")
+            raise ValueError(f"{name} supports plain causal softmax attention only (no window/offset)")
         if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"PackedCoreAttention is causal only, got attn_mask_type={attn_mask_type}")
+            raise ValueError(f"{name} is causal only, got attn_mask_type={attn_mask_type}")
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(self._required_pgs))
+        self.pg_collection = pg_collection
         tp_size = pg_collection.tp.size()
         self.layer_number = max(1, layer_number)
         self.head_dim = config.kv_channels
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
+
+    def _check_bias(self, attention_bias: torch.Tensor | None) -> None:
+        if attention_bias is not None:
+            raise ValueError(f"{self._name} does not support attention_bias")
+
+
+class PackedCoreAttention(CausalCoreAttentionBase):
+    """Drop-in replacement for Megatron's ``DotProductAttention`` that accepts THD packed sequences.
+
+    Same constructor and restrictions as ``CausalCoreAttentionBase``; context-parallel size 1 only
+    (``cp_attention.ContextParallelCoreAttention`` handles CP > 1).
+    """
+
+    _name = "PackedCoreAttention"
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs) -> None:
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"PackedCoreAttention supports context_parallel_size 1 only, got {config.context_parallel_size}"
+            )
+        super().__init__(config, *args, **kwargs)
 
     def forward(
         self,
@@ -150,8 +173,7 @@ class PackedCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         """Attend within each packed segment; returns ``[T, heads * dim]`` (THD) or ``[S, B, heads * dim]``."""
         del attention_mask, attn_mask_type
-        if attention_bias is not None:
-            raise ValueError("PackedCoreAttention does not support attention_bias")
+        self._check_bias(attention_bias)
         if packed_seq_params is None:
             # SBHD: [S, B, h, d]; treat each batch row as one segment.
             seq_len, batch = query.shape[:2]

@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
 from tidal.actor.cp_attention import ContextParallelCoreAttention
+from tidal.actor.fused import PackedSelfAttention
 from tidal.actor.hf_config import HFModelSpec
 from tidal.actor.rope_scaling import apply_rope_scaling
 from tidal.actor.vocab_padding import install_padded_logits_mask, pad_vocab_rows, padded_vocab_size
@@ -45,6 +46,8 @@ def build_gpt_model(spec: HFModelSpec, config: TransformerConfig) -> GPTModel:
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     core_attention = PackedCoreAttention if config.context_parallel_size == 1 else ContextParallelCoreAttention
     layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+    if config.context_parallel_size == 1:  # q/k/v split + RoPE in one pass (tidal.actor.fused)
+        layer_spec.submodules.self_attention.module = PackedSelfAttention
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

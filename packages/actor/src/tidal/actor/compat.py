@@ -21,7 +21,10 @@ patch wrong or unnecessary):
    position inside its sequence (computed on the device from ``cu_seqlens``) and rotates all tokens
    at once: the same arithmetic, one pass, no host sync. Context parallelism (cp > 1) keeps the
    original. With ``set_fused_rope(True)`` (the Actor's ``fused_kernels`` on CUDA) the rotation is
-   ``rope_at_positions`` through ``torch.compile``: one kernel instead of ~8.
+   ``fused.rope_with_table`` through ``torch.compile`` (one kernel instead of ~8) on cos/sin tables built once per
+   forward (``fused.cached_rope_table``). Since issue 11's third pass the layers of a cp = 1 model take
+   ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models it does not cover (q/k norm,
+   output gate, YaRN); cp > 1 keeps megatron's original.
 
 Patches 2–4 are applied only when ``torch.cuda.is_available()`` is false.
 """
@@ -113,7 +116,9 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
         return original(t, cu_seqlens, freqs, *args, **kwargs)
     plain = not kwargs.get("rotary_interleaved") and not kwargs.get("mla_rotary_interleaved")
     if _FUSED_ROPE[0] and t.is_cuda and plain and kwargs.get("mscale", 1.0) == 1.0 and freqs.size(-1) == t.size(-1):
-        return _compiled_rope()(t, freqs, _positions(cu_seqlens, t.size(0), t.device))
+        from tidal.actor.fused import cached_rope_table  # cos/sin once per forward, not per layer
+
+        return _compiled_rope()(t, *cached_rope_table(freqs, cu_seqlens, t.size(0), t.dtype))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
         freqs[_positions(cu_seqlens, t.size(0), t.device)],
@@ -153,7 +158,9 @@ def rope_at_positions(t: torch.Tensor, freqs: torch.Tensor, position: torch.Tens
 
 @functools.cache
 def _compiled_rope():
-    return torch.compile(rope_at_positions, dynamic=True)
+    from tidal.actor.fused import rope_with_table
+
+    return torch.compile(rope_with_table, dynamic=True)
 
 
 def _patch_packed_rope() -> None:

@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
+from tidal.actor.attention import CausalCoreAttentionBase
 
 logger = logging.getLogger(__name__)
 
@@ -170,47 +167,25 @@ def zigzag_attention(
     return torch.cat(outputs, dim=0)
 
 
-class ContextParallelCoreAttention(MegatronModule):
+class ContextParallelCoreAttention(CausalCoreAttentionBase):
     """Megatron core-attention submodule for context parallelism over packed (THD) zigzag shards.
 
     Used in place of ``PackedCoreAttention`` when ``config.context_parallel_size > 1``; same
-    constructor arguments (what Megatron's ``SelfAttention`` passes), causal attention only, no
-    dropout. Expects ``PackedSeqParams`` whose ``cu_seqlens_q`` are the global padded boundaries.
+    constructor arguments and restrictions (``attention.CausalCoreAttentionBase``). Expects
+    ``PackedSeqParams`` whose ``cu_seqlens_q`` are the global padded boundaries.
     """
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: ProcessGroupCollection | None = None,
-    ) -> None:
-        super().__init__(config=config)
-        del attention_type, cp_comm_type
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout != 0.0:
-            raise ValueError(f"context-parallel attention has no dropout; set attention_dropout=0, got {dropout}")
-        if config.window_size is not None or config.softmax_type != "vanilla":
-            raise ValueError("context-parallel attention supports plain causal softmax attention only")
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"context-parallel attention is causal only, got attn_mask_type={attn_mask_type}")
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+    _name = "context-parallel attention"
+    _required_pgs = ("tp", "cp")
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         if self.cp_group.size() != config.context_parallel_size:
             raise ValueError(
                 f"context-parallel group has {self.cp_group.size()} ranks, config says "
                 f"--context-parallel-size {config.context_parallel_size}"
             )
-        tp_size = pg_collection.tp.size()
-        self.layer_number = max(1, layer_number)
-        self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
-        self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
 
     def forward(
         self,
@@ -224,8 +199,7 @@ class ContextParallelCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         """Attend this rank's queries to all ranks' keys; returns ``[T_local, heads * dim]``."""
         del attention_mask, attn_mask_type
-        if attention_bias is not None:
-            raise ValueError("context-parallel attention does not support attention_bias")
+        self._check_bias(attention_bias)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("context-parallel attention needs packed (THD) inputs with PackedSeqParams")
         cu = packed_seq_params.cu_seqlens_q_padded

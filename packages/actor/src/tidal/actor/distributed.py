@@ -32,6 +32,7 @@ def init_distributed(
     master_port: int,
     tensor_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     timeout_s: float = 600.0,
 ) -> None:
@@ -42,8 +43,10 @@ def init_distributed(
     (an already initialised default group is reused).
 
     Raises:
-        ValueError: the world size is not a multiple of TP x CP, or CP < 1.
+        ValueError: the world size is not a multiple of TP x CP, CP < 1, or a pipeline-parallel size other
+            than 1 (not supported yet: see the package README, "Pipeline parallelism").
     """
+    check_pipeline_model_parallel_size(pipeline_model_parallel_size)
     apply_cpu_compat()
     if context_parallel_size < 1:
         raise ValueError(f"--context-parallel-size must be >= 1, got {context_parallel_size}")
@@ -81,6 +84,26 @@ def init_distributed(
         tensor_model_parallel_size,
         context_parallel_size,
         parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def check_pipeline_model_parallel_size(size: int) -> None:
+    """Refuse pipeline parallelism, naming the flag and what to use instead.
+
+    Megatron's 1F1B schedule itself runs here (PP=2 over gloo gave PP=1's log-probs and gradients exactly), but
+    the Actor does not drive it yet: see the package README, "Pipeline parallelism".
+
+    Raises:
+        ValueError: ``size`` is not 1.
+    """
+    if size == 1:
+        return
+    if size < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {size}")
+    raise ValueError(
+        f"--pipeline-model-parallel-size {size} is not supported by tidal-actor (pipeline parallelism is not wired "
+        "into the Actor's train step, log-probs and weight export yet); use --pipeline-model-parallel-size 1 and "
+        "split the model with --tensor-model-parallel-size (and long sequences with --context-parallel-size)"
     )
 
 

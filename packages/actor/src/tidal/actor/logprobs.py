@@ -151,9 +151,16 @@ def chunked_log_probs(
     """
     tp1 = parallel_state.get_tensor_model_parallel_world_size() == 1
     local = _compiled_local_log_probs() if fused else local_log_probs
+    # the log-prob pass (no autograd, no entropy) on CUDA: one Triton row reduction per chunk (logsumexp_kernel.py)
+    lse_kernel = fused and tp1 and not with_entropy and not torch.is_grad_enabled()
 
     def one_chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, _ = output_layer(h, weight=output_weight)
+        if lse_kernel and logits.is_cuda:
+            from tidal.actor.logsumexp_kernel import target_log_probs
+
+            lp = target_log_probs(logits.squeeze(1), t, temperature)
+            return lp, torch.zeros_like(lp)
         if tp1:
             return local(
                 logits.squeeze(1), t, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad

@@ -1,0 +1,186 @@
+"""Fused q/k/v split + RoPE for packed (THD) self-attention, with cos/sin computed once per forward.
+
+Megatron's ``SelfAttention`` adds the QKV bias in a separate broadcast add, splits its interleaved QKV projection
+(``[T, groups, (heads/groups + 2) * dim]``) into q/k/v views, copies q into ``[T, heads, dim]`` (the reshape cannot be
+a view), rotates q and k per layer from the ``freqs`` table (a cos and a sin per element, recomputed in every layer,
+forward and backward), and ``packed_causal_attention`` repeats k/v per q head (torch 2.11's ``varlen_attn`` has no
+grouped-query flag): on the H200 about 0.2 s of a 2.2 s training step (issue 11's profile).
+
+``PackedSelfAttention`` takes ``SelfAttention``'s place in the layer spec (context parallel size 1). For packed THD
+input with plain RoPE (non-interleaved, full rotary dim, no YaRN ``mscale``, no q/k norm, no output gate) it asks
+megatron's QKV projection for its output without the bias and calls ``split_rope_qkv``: one function that adds
+the bias and returns contiguous, rotated q and k and a contiguous v (k/v already repeated per q head where the
+attention kernel needs it), with the rotation's cos/sin tables (``rope_table``) built once per forward and
+shared by every layer (``cached_rope_table``). Megatron then skips its own RoPE (it receives no ``rotary_pos_emb``).
+Any other input takes megatron's own path unchanged.
+
+The arithmetic is megatron's ``_apply_rotary_pos_emb_bshd`` (``t * cos + rotate_half(t) * sin``, cos/sin cast to
+``t``'s dtype), tested equal on CPU. With ``set_fused_kernels(True)`` (the Actor's ``fused_kernels`` on CUDA)
+``split_rope_qkv`` runs as two Triton kernels (``rope_kernel.py``: one forward, one backward, plus the bias
+gradient's sum); on CPU, and for a head dim that is not a power of two, it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from tidal.actor.attention import _varlen_attn_supports_gqa
+
+logger = logging.getLogger(__name__)
+
+# set_fused_kernels(True): split_rope_qkv runs as Triton kernels (CUDA tensors only; rope_kernel.py).
+_FUSED = [False]
+# The last table: (freqs, cu_seqlens, tokens, dtype, inference mode) -> (cos, sin). Strong references keep the
+# keys alive, so an identity match cannot be a recycled object.
+_TABLE: list[tuple[Any, ...] | None] = [None]
+
+
+def set_fused_kernels(enabled: bool) -> None:
+    """Run ``split_rope_qkv`` as Triton kernels for CUDA tensors (the Actor's ``fused_kernels``)."""
+    _FUSED[0] = enabled
+
+
+def positions(cu_seqlens: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """Each of ``n`` packed tokens' position inside its own sequence, computed on the device."""
+    idx = torch.arange(n, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    return idx - cu[torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)]
+
+
+def rope_table(freqs: torch.Tensor, position: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin ``[T, 1, dim]`` in ``dtype`` at ``position [T]`` from megatron's ``freqs [max_len, 1, 1, dim]``."""
+    f = freqs[position].reshape(position.numel(), 1, freqs.size(-1))
+    return f.cos().to(dtype), f.sin().to(dtype)
+
+
+def cached_rope_table(
+    freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_table`` for ``n`` packed tokens, reused while the same ``freqs`` and ``cu_seqlens`` objects come back.
+
+    Every layer of one forward passes the same two objects, so the table is built once per micro-batch instead of
+    twice per layer. A new micro-batch (a new ``cu_seqlens``), dtype or grad mode builds a new one.
+    """
+    key = (freqs, cu_seqlens, n, dtype, torch.is_inference_mode_enabled())
+    last = _TABLE[0]
+    if last is not None and all(
+        a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(last[0], key, strict=True)
+    ):
+        return last[1]
+    with torch.no_grad():
+        table = rope_table(freqs, positions(cu_seqlens, n, freqs.device), dtype)
+    _TABLE[0] = (key, table)
+    return table
+
+
+def rope_with_table(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t [T, heads, dim]`` with ``cos``/``sin [T, 1, dim]``: megatron's non-interleaved rotation."""
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def split_rope_qkv(
+    mixed_qkv: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads_per_group: int,
+    expand_kv: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Add the QKV bias to megatron's interleaved ``[T, groups, (heads_per_group + 2) * dim]`` QKV, split, rotate.
+
+    ``bias`` is the QKV projection's bias (``[groups * (heads_per_group + 2) * dim]``, or None): megatron's linear
+    layer adds it as a separate broadcast add (and sums its gradient in another pass); here it rides along.
+    ``expand_kv`` returns k and v repeated for each q head of their group (``repeat_interleave``), for an attention
+    kernel without grouped-query support (torch 2.11's ``varlen_attn``), instead of a separate copy there.
+
+    Returns:
+        Contiguous ``q [T, groups * heads_per_group, dim]`` and ``k [T, groups, dim]`` (rotated) and ``v [T, groups,
+        dim]``: what megatron's split, reshape, RoPE and the attention kernel's copies produce, in one pass.
+    """
+    dim = cos.size(-1)
+    if bias is not None:
+        mixed_qkv = mixed_qkv + bias.view(mixed_qkv.shape[-2:])
+    q, k, v = torch.split(mixed_qkv, [heads_per_group * dim, dim, dim], dim=-1)
+    q = q.reshape(q.size(0), -1, dim)
+    k, v = rope_with_table(k, cos, sin), v
+    if expand_kv:
+        return (
+            rope_with_table(q, cos, sin),
+            k.repeat_interleave(heads_per_group, 1),
+            v.repeat_interleave(heads_per_group, 1),
+        )
+    return rope_with_table(q, cos, sin), k.contiguous(), v.contiguous()
+
+
+class PackedSelfAttention(SelfAttention):
+    """Megatron's ``SelfAttention`` with q/k/v split and RoPE fused for packed THD input (cp = 1).
+
+    Constructed exactly like ``SelfAttention`` (the layer spec passes the same arguments).
+    """
+
+    _pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _fusable(self, rotary_pos_emb: Any, packed_seq_params: Any, kwargs: dict[str, Any]) -> bool:
+        cfg = self.config
+        return (
+            packed_seq_params is not None
+            and packed_seq_params.qkv_format == "thd"
+            and isinstance(rotary_pos_emb, torch.Tensor)  # megatron passes one table for q and k
+            and rotary_pos_emb.size(-1) == self.hidden_size_per_attention_head
+            and kwargs.get("inference_context") is None
+            and kwargs.get("inference_params") is None
+            and kwargs.get("key_value_states") is None
+            and self.pg_collection.cp.size() == 1
+            and self.config.num_query_groups >= self.world_size
+            and not cfg.rotary_interleaved
+            and not cfg.apply_rope_fusion
+            and not cfg.attention_output_gate
+            and self._yarn_concentration_factor in (None, 1.0)
+            and (self.q_layernorm is None or isinstance(self.q_layernorm, IdentityOp))
+            and (self.k_layernorm is None or isinstance(self.k_layernorm, IdentityOp))
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any):
+        """``SelfAttention.forward``; packed THD input with plain RoPE takes the fused q/k/v path."""
+        rotary_pos_emb = kwargs.get("rotary_pos_emb")
+        packed_seq_params = kwargs.get("packed_seq_params")
+        if args or not self._fusable(rotary_pos_emb, packed_seq_params, kwargs):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        self._pending = cached_rope_table(rotary_pos_emb, cu, hidden_states.size(0), hidden_states.dtype)
+        try:
+            return super().forward(hidden_states, attention_mask, **(kwargs | {"rotary_pos_emb": None}))
+        finally:
+            self._pending = None
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        """Megatron's split; inside a fused forward, contiguous rotated q/k and v shaped ``[T, 1, heads, dim]``."""
+        if self._pending is None:
+            return super().get_query_key_value_tensors(
+                hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
+            )
+        # megatron's get_query_key_value_tensors (cp = 1, no gate, groups >= TP) with the bias add left to us
+        linear, skip = self.linear_qkv, self.linear_qkv.skip_bias_add
+        linear.skip_bias_add = True
+        try:
+            mixed, bias = linear(hidden_states)
+        finally:
+            linear.skip_bias_add = skip
+        groups = self.num_query_groups_per_partition
+        mixed = mixed.view(mixed.size(0), groups, -1)  # [T, 1, hp] -> [T, groups, (heads/groups + 2) * dim]
+        cos, sin = self._pending
+        fn = split_rope_qkv
+        dim = self.hidden_size_per_attention_head
+        if _FUSED[0] and mixed.is_cuda and dim & (dim - 1) == 0:
+            from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
+        # varlen_attn without grouped-query support would repeat k/v itself: write them repeated right away
+        expand = mixed.is_cuda and not _varlen_attn_supports_gqa()
+        cos, sin = cos.to(mixed.dtype), sin.to(mixed.dtype)
+        q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, expand)
+        return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)

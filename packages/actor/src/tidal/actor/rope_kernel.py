@@ -1,0 +1,152 @@
+"""Triton kernels for ``fused.split_rope_qkv``: QKV bias + split + RoPE in one pass, forward and backward.
+
+``torch.compile`` of the same function (dynamic token count) produced a q kernel at ~0.15 TB/s on the H200 (1.3 ms
+per layer at 24k tokens; issue 11's third pass), so the rotation is written out: each program reads one head of
+``BLOCK_T`` tokens from megatron's interleaved ``[T, groups, (heads_per_group + 2) * dim]`` projection (two
+half-rows), adds the bias, rotates q/k heads with the per-token cos/sin table and writes contiguous q, k and v.
+Arithmetic in fp32, rounded once (the eager code rounds after each op: the two agree to bf16 rounding).
+
+Imported only on CUDA (``fused.PackedSelfAttention`` with ``fused_kernels``); tested on CPU against the eager
+``split_rope_qkv`` under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_T = 32
+
+
+@triton.jit
+def _split_rope_fwd(
+    mixed, bias, cos, sin, q, k, v, T, stride_t, stride_g,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, EXPAND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = D // 2
+    KV_HEADS: tl.constexpr = G * R if EXPAND else G  # EXPAND: k/v written once per q head of their group
+    g = tl.program_id(1) // (R + 2)
+    h = tl.program_id(1) % (R + 2)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, HALF)
+    mask = (t < T)[:, None]
+    src = mixed + t[:, None].to(tl.int64) * stride_t + g * stride_g + h * D + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        off = (g * (R + 2) + h) * D + d[None, :]
+        x1 = (x1 + tl.load(bias + off).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+        x2 = (x2 + tl.load(bias + off + HALF).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+    t64 = t[:, None].to(tl.int64)
+    if h <= R:  # q heads (h < R) and the k head (h == R) rotate; v (h == R + 1) is copied
+        tab = t64 * D + d[None, :]
+        c1 = tl.load(cos + tab, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin + tab, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+        if h < R:
+            dst = q + t64 * (G * R * D) + (g * R + h) * D + d[None, :]
+        else:
+            dst = k + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
+    else:
+        y1 = x1
+        y2 = x2
+        dst = v + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
+    copies = tl.where(h < R, 1, KV_HEADS // G)
+    for j in range(copies):
+        tl.store(dst + j * D, y1.to(q.dtype.element_ty), mask=mask)
+        tl.store(dst + j * D + HALF, y2.to(q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_rope_bwd(
+    gq, gk, gv, cos, sin, gmixed, T,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = D // 2
+    KV_HEADS: tl.constexpr = G * R if EXPAND else G
+    g = tl.program_id(1) // (R + 2)
+    h = tl.program_id(1) % (R + 2)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, HALF)
+    mask = (t < T)[:, None]
+    t64 = t[:, None].to(tl.int64)
+    if h < R:
+        src = gq + t64 * (G * R * D) + (g * R + h) * D + d[None, :]
+    elif h == R:
+        src = gk + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
+    else:
+        src = gv + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
+    y1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    y2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    copies = tl.where(h < R, 1, KV_HEADS // G)
+    for j in range(1, copies):  # an expanded k/v head's gradient is the sum over its copies
+        y1 += tl.load(src + j * D, mask=mask, other=0.0).to(tl.float32)
+        y2 += tl.load(src + j * D + HALF, mask=mask, other=0.0).to(tl.float32)
+    if h <= R:  # transpose of the rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
+        tab = t64 * D + d[None, :]
+        c1 = tl.load(cos + tab, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin + tab, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin + tab + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = y1 * c1 + y2 * s2
+        x2 = y2 * c2 - y1 * s1
+    else:
+        x1 = y1
+        x2 = y2
+    dst = gmixed + t64 * (G * (R + 2) * D) + (g * (R + 2) + h) * D + d[None, :]
+    tl.store(dst, x1.to(gmixed.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, x2.to(gmixed.dtype.element_ty), mask=mask)
+
+
+class SplitRopeQKV(torch.autograd.Function):
+    """Autograd wrapper of the two kernels: ``apply(mixed, bias, cos, sin, heads_per_group) -> (q, k, v)``."""
+
+    @staticmethod
+    def forward(ctx, mixed, bias, cos, sin, heads_per_group, expand_kv):  # noqa: D102
+        n, groups, width = mixed.shape
+        dim = cos.size(-1)
+        assert mixed.stride(-1) == 1 and width == (heads_per_group + 2) * dim and dim % 2 == 0
+        cos, sin = cos.reshape(n, dim).contiguous(), sin.reshape(n, dim).contiguous()
+        q = mixed.new_empty(n, groups * heads_per_group, dim)
+        kv_heads = groups * heads_per_group if expand_kv else groups
+        k, v = mixed.new_empty(n, kv_heads, dim), mixed.new_empty(n, kv_heads, dim)
+        grid = (triton.cdiv(n, _BLOCK_T), groups * (heads_per_group + 2))
+        b = bias if bias is not None else mixed
+        _split_rope_fwd[grid](
+            mixed, b, cos, sin, q, k, v, n, mixed.stride(0), mixed.stride(1),
+            G=groups, R=heads_per_group, D=dim, HAS_BIAS=bias is not None, EXPAND=expand_kv, BLOCK_T=_BLOCK_T,
+        )  # fmt: skip
+        ctx.save_for_backward(cos, sin)
+        ctx.meta = (groups, heads_per_group, dim, bias is not None, expand_kv)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):  # noqa: D102
+        cos, sin = ctx.saved_tensors
+        groups, heads_per_group, dim, has_bias, expand_kv = ctx.meta
+        n = cos.size(0)
+        gq, gk, gv = (torch.zeros_like(x) if x is None else x.contiguous() for x in (gq, gk, gv))
+        gmixed = gq.new_empty(n, groups, (heads_per_group + 2) * dim)
+        grid = (triton.cdiv(n, _BLOCK_T), groups * (heads_per_group + 2))
+        _split_rope_bwd[grid](
+            gq, gk, gv, cos, sin, gmixed, n, G=groups, R=heads_per_group, D=dim, EXPAND=expand_kv, BLOCK_T=_BLOCK_T
+        )  # fmt: skip
+        gbias = gmixed.view(n, -1).sum(0) if has_bias else None
+        return gmixed, gbias, None, None, None, None
+
+
+def split_rope_qkv_triton(
+    mixed: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads_per_group: int,
+    expand_kv: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused.split_rope_qkv`` (same arguments and results) in two Triton kernels."""
+    return SplitRopeQKV.apply(mixed, bias, cos, sin, heads_per_group, expand_kv)
