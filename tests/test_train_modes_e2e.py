@@ -1,12 +1,15 @@
 """`train` end to end in its other modes, on the real Ray, SGLang and Megatron-core.
 
-- decoupled placement, killed with SIGKILL in the middle of its third rollout, then resumed with --load: the
-  metrics continue without a gap or a repeat and the resumed rollout trains on the prompts it would have had;
+- killed with SIGKILL in the middle of its third rollout, then resumed with --load: the metrics continue without
+  a gap or a repeat, the resumed rollout trains on the prompts it would have had, and the engine serves the
+  checkpoint's weights again;
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
   --debug-train-only on its saved rollouts (no engine);
-- Ctrl-C during start-up stops every process and exits 130.
+- Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130.
 
-Each run starts its own SGLang server (~80 s on two cores) except the train-only one.
+The killed, resumed and rollout-only runs attach to the session's one SGLang server (``external_engine``,
+tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own;
+tests/test_train_e2e.py covers a run that launches its engine.
 """
 
 import contextlib
@@ -88,15 +91,20 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """A decoupled run SIGKILLed during rollout 3 of 3, then the same command with --load = --save."""
-    out = tmp_path_factory.mktemp("decoupled")
+def resumed(tmp_path_factory, external_engine):
+    """A run SIGKILLed during rollout 3 of 3, then the same command with --load = --save.
+
+    In between, the shared server is given the initial weights again, so the resumed run must load the
+    checkpoint's weights into it for its first rollout to be sampled by them.
+    """
+    from tidal.rollout import SGLangClient
+    from tidal.train.embedded_model import embedded_model_path
+
+    out = tmp_path_factory.mktemp("resume")
     args = [
         *COMMON,
         "--num-rollout", "3",
-        "--no-colocate",
-        "--actor-num-gpus-per-node", "1",
-        "--rollout-num-gpus", "1",
+        "--rollout-external-engine-addrs", external_engine,
         "--save-interval", "1",
         "--save", str(out / "ckpt"),
         "--save-debug-rollout-data", str(out / "debug"),
@@ -108,6 +116,9 @@ def resumed(tmp_path_factory):
 
     killed_code, killed_log, _ = _train(args, out=out, kill_when=mid_third_rollout)
     records_at_kill = _records(out)
+    server = SGLangClient(f"http://{external_engine}")
+    server.update_weights_from_disk(embedded_model_path(), weight_version="0")
+    assert server.get_model_info()["weight_version"] == "0"
     code, log, leftovers = _train([*args, "--load", str(out / "ckpt")], out=out)
     assert code == 0, log[-6000:]
     return out, killed_code, killed_log, records_at_kill, log, leftovers
@@ -150,20 +161,24 @@ def test_resumed_engines_serve_the_checkpointed_weights(resumed):
     assert _records(out)[2]["train/old_logprob_abs_diff"] < 0.05
 
 
-def test_decoupled_run_leaves_no_process_and_writes_tensorboard(resumed):
+def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, external_engine):
+    from tidal.rollout import SGLangClient
+
     out, _, _, _, _, leftovers = resumed
     assert not leftovers, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in leftovers]
+    assert SGLangClient(f"http://{external_engine}").health_ok()  # tidal never stops a server it did not start
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "config.yaml").exists()
 
 
 @pytest.fixture(scope="module")
-def debug_runs(tmp_path_factory):
+def debug_runs(tmp_path_factory, external_engine):
     """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them."""
     root = tmp_path_factory.mktemp("debug")
     data = root / "rollouts"
     gen = [*COMMON, "--num-rollout", "2", "--debug-rollout-only", "--save-debug-rollout-data", str(data),
-           "--partial-rollout", "--over-sampling-batch-size", "6"]  # fmt: skip
+           "--partial-rollout", "--over-sampling-batch-size", "6",
+           "--rollout-external-engine-addrs", external_engine]  # fmt: skip
     code, gen_log, gen_left = _train(gen, out=root / "gen")
     assert code == 0, gen_log[-6000:]
     trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data)]
@@ -203,8 +218,9 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path):
     def engine_launched(_out: Path, log: Path) -> bool:
         return "starting SGLang" in log.read_text() or "waiting for SGLang" in log.read_text()
 
-    code, log, leftovers = _train([*COMMON, "--num-rollout", "1"], out=tmp_path / "run", kill_when=engine_launched,
-                                  sig=signal.SIGINT, timeout=600)  # fmt: skip
+    decoupled = ["--no-colocate", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+    code, log, leftovers = _train([*COMMON, *decoupled, "--num-rollout", "1"], out=tmp_path / "run",
+                                  kill_when=engine_launched, sig=signal.SIGINT, timeout=600)  # fmt: skip
     assert code == 130, log[-4000:]
     assert "interrupted" in log
     assert not leftovers, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in leftovers]

@@ -35,6 +35,11 @@ BAD = [
     (["--config", "/nonexistent.yaml"], "--config"),
     (["--update-weights-interval", "0"], "--update-weights-interval"),
     (["--keep-last", "0"], "--keep-last"),
+    (["--rollout-external"], "--rollout-external-engine-addrs"),
+    (["--rollout-external-engine-addrs", "localhost"], "--rollout-external-engine-addrs"),
+    (["--rollout-external-engine-addrs", "h:1", "h:1"], "--rollout-external-engine-addrs"),
+    (["--rollout-external-engine-addrs", "h:1", "--use-fault-tolerance"], "--use-fault-tolerance"),
+    (["--rollout-external-engine-addrs", "h:1", "--no-colocate"], "--no-colocate"),
 ]
 
 
@@ -93,3 +98,8 @@ def test_a_config_error_answers_in_seconds_with_one_line():
 def test_use_wandb_without_wandb_says_how_to_install_it():
     with pytest.raises(ValueError, match="--use-wandb needs the wandb package"):
         parse_job(["--use-wandb"])
+
+
+def test_external_engines_parse_to_urls():
+    job = parse_job(["--rollout-external", "--rollout-external-engine-addrs", "127.0.0.1:30000", "10.0.0.5:30001"])
+    assert job.rollout.external_engine_urls() == ["http://127.0.0.1:30000", "http://10.0.0.5:30001"]

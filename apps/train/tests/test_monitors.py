@@ -7,11 +7,6 @@ from tidal.train.embedded_model import build_tokenizer
 from tidal.train.monitors import RewardSanity, check_prompt_chat_template
 
 
-class _Prompts:
-    def __init__(self, texts):
-        self.prompts = [type("P", (), {"text": t})() for t in texts]
-
-
 def _samples(rewards):
     return [
         Sample(
@@ -60,22 +55,22 @@ LLAMA = "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_i
 
 
 def test_prompts_rendered_with_another_template_warn_with_both_examples():
-    data = _Prompts(["1+2=", "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"])
+    data = ["1+2=", "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"]
     message = check_prompt_chat_template(data, _tokenizer(LLAMA), apply_chat_template=False)
     assert message is not None
     assert "<|im_start|>" in message and "<|start_header_id|>" in message
 
 
 def test_prompts_rendered_with_the_tokenizers_own_template_are_fine():
-    data = _Prompts(["<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"])
+    data = ["<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"]
     assert check_prompt_chat_template(data, _tokenizer(QWEN), apply_chat_template=False) is None
 
 
 def test_templated_prompts_with_apply_chat_template_warn_about_double_wrapping():
-    data = _Prompts(["<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"])
+    data = ["<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"]
     message = check_prompt_chat_template(data, _tokenizer(QWEN), apply_chat_template=True)
     assert message is not None and "second time" in message
 
 
 def test_raw_prompts_never_warn():
-    assert check_prompt_chat_template(_Prompts(["1+2=", "hello"]), _tokenizer(), apply_chat_template=False) is None
+    assert check_prompt_chat_template(["1+2=", "hello"], _tokenizer(), apply_chat_template=False) is None

@@ -67,3 +67,14 @@ def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) 
     caplog.clear()
     RolloutConfig(over_sampling_batch_size=8, dynamic_sampling_filter_path="pkg.mod:keep")
     assert not caplog.text
+
+
+def test_external_engine_addresses() -> None:
+    cfg = RolloutConfig(rollout_external_engine_addrs=("10.0.0.5:30000", "http://h:1"))
+    assert cfg.external_engine_urls() == ["http://10.0.0.5:30000", "http://h:1"]
+    assert RolloutConfig().external_engine_urls() == []
+    for bad in (("localhost",), ("h:0",), ("h:port",), ("h:1", "h:1")):
+        with pytest.raises(ValueError, match="--rollout-external-engine-addrs"):
+            RolloutConfig(rollout_external_engine_addrs=bad)
+    with pytest.raises(ValueError, match="--rollout-external needs --rollout-external-engine-addrs"):
+        RolloutConfig(rollout_external=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tidal.rollout import CPU_SERVER_ARGS, RolloutError, SGLangEngine
+from tidal.rollout import CPU_SERVER_ARGS, RolloutError, SGLangClient, SGLangEngine
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
@@ -194,3 +194,12 @@ def test_memory_release_and_resume_on_gpu(sglang_server: SGLangEngine) -> None:
     sglang_server.release_memory_occupation()
     sglang_server.resume_memory_occupation()
     assert [out["output_ids"] for out in sglang_server.generate(PROMPTS, greedy)] == before
+
+
+def test_a_plain_client_drives_a_server_it_did_not_start(sglang_server: SGLangEngine, free_port) -> None:
+    # What --rollout-external-engine-addrs uses: no process, only the URL.
+    client = SGLangClient(sglang_server.url)
+    client.wait_healthy(30.0)
+    assert client.generate([[3, 4]], {"max_new_tokens": 2})[0]["output_ids"]
+    with pytest.raises(RolloutError, match=r"not healthy after 1 s: is a server running there\?"):
+        SGLangClient(f"http://127.0.0.1:{free_port()}").wait_healthy(1.0)

@@ -69,7 +69,7 @@ def parse_job(argv: list[str]):
         # from the same precision, so the engines run in the actor's dtype unless --sglang-dtype says otherwise.
         dtype = sections["actor"].get("params_dtype", "float32")
         rollout["sglang_server_args"] = (*rollout["sglang_server_args"], "--dtype", dtype)
-    for key in ("rollout_stop_token_ids", "rollout_stop"):
+    for key in ("rollout_stop_token_ids", "rollout_stop", "rollout_external_engine_addrs"):
         if key in rollout:
             rollout[key] = tuple(rollout[key])
     train = sections["train"]
@@ -116,6 +116,22 @@ def _check_cross_section(train, rollout: dict, placement: dict, ckpt: dict) -> N
         raise ValueError(f"--load-debug-rollout-data {rollout['load_debug_rollout_data']} is not a directory")
     if train.debug_rollout_only and rollout.get("load_debug_rollout_data"):
         raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
+    if rollout.get("rollout_external_engine_addrs"):
+        clash = [
+            flag
+            for flag, given in (
+                ("--debug-train-only", train.debug_train_only),
+                ("--load-debug-rollout-data", rollout.get("load_debug_rollout_data")),
+                ("--use-fault-tolerance", train.use_fault_tolerance),  # tidal cannot restart a server it does not own
+                ("--no-colocate", placement.get("colocate") is False),  # no GPU is reserved for external engines
+            )
+            if given
+        ]
+        if clash:
+            raise ValueError(
+                f"--rollout-external-engine-addrs (SGLang servers run elsewhere) cannot be combined with {clash[0]}: "
+                "drop one of them"
+            )
     gpus = placement.get("actor_num_nodes", 1) * placement.get("actor_num_gpus_per_node", 1)
     model_parallel = train.tensor_model_parallel_size * train.context_parallel_size
     if gpus % model_parallel:

@@ -40,7 +40,15 @@ def start_cluster(job: JobConfig, out: Path, *, with_engines: bool = True, with_
     cluster = Cluster(create_placement(job.placement))
     try:
         starting = []
-        for e in range(job.placement.num_engines if with_engines else 0):
+        for url in job.rollout.external_engine_urls() if with_engines else []:  # run elsewhere: no bundle needed
+            engine = EngineWorker.options(num_cpus=0).remote(
+                job.actor.hf_checkpoint, host="", port=0, nccl_port=0, log_dir=str(out / "logs"),
+                rollout_cfg=job.rollout, external_url=url,
+            )  # fmt: skip
+            cluster.engines.append(engine)
+            starting.append(engine.start.remote())
+        launched = 0 if job.rollout.rollout_external_engine_addrs else job.placement.num_engines
+        for e in range(launched if with_engines else 0):
             ports = PortAllocator(cluster.placement.engine_node_ip(e)).engine_ports()
             engine = EngineWorker.options(**cluster.placement.engine_options(e)).remote(
                 job.actor.hf_checkpoint,
@@ -74,7 +82,7 @@ def start_cluster(job: JobConfig, out: Path, *, with_engines: bool = True, with_
                 )
             ray.get([a.ready.remote() for a in cluster.actors])
         cluster.engine_urls = ray.get(starting)
-        cluster.engine_pids = ray.get([e.pid.remote() for e in cluster.engines])
+        cluster.engine_pids = [pid for pid in ray.get([e.pid.remote() for e in cluster.engines]) if pid is not None]
         if cluster.engines and job.rollout.router_wanted(len(cluster.engines)):
             from tidal.rollout import start_router
 

@@ -53,7 +53,7 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.seed = seed
         self._orders: dict[int, list[int]] = {}
-        texts = [r[input_key] for r in records]
+        texts = self.raw_texts = [r[input_key] for r in records]  # as given, before any chat template
         if apply_chat_template:
             texts = [
                 tokenizer.apply_chat_template(

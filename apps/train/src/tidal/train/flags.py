@@ -83,6 +83,11 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--save-debug-rollout-data", {"help": "folder to write every rollout's samples to (one JSONL per rollout)"}),
         ("--load-debug-rollout-data", {"help": "folder of saved rollouts to train on instead of generating"}),
         ("--sglang-host", {"help": "address the SGLang servers listen on (default 127.0.0.1)"}),
+        ("--rollout-external", {"action": "store_true", "default": None, "help": "use SGLang servers run elsewhere"}),
+        (
+            "--rollout-external-engine-addrs",
+            {"nargs": "+", "metavar": "HOST:PORT", "help": "SGLang servers run elsewhere: none is launched"},
+        ),
         ("--use-router", {"action": _BOOL, "help": "sglang-router in front of the engines (default: if several)"}),
         ("--sglang-router-policy", {"help": "cache_aware, round_robin, random or power_of_two"}),
     ],

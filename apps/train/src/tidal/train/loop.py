@@ -52,14 +52,13 @@ def run(job: JobConfig) -> RunResult:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(job.actor.hf_checkpoint)
     keys = {"input_key": job.train.input_key, "label_key": job.train.label_key, "seed": job.train.seed}
-    raw = PromptDataset(job.train.prompt_data, tokenizer, **keys)
-    check_prompt_chat_template(raw, tokenizer, apply_chat_template=job.rollout.apply_chat_template)
     if job.rollout.apply_chat_template:
         from tidal.rollout import check_chat_template
 
         check_chat_template(tokenizer)  # a missing or broken template stops here, before any process starts
         keys["apply_chat_template"] = True
-    train_data = PromptDataset(job.train.prompt_data, tokenizer, **keys) if job.rollout.apply_chat_template else raw
+    train_data = PromptDataset(job.train.prompt_data, tokenizer, **keys)
+    check_prompt_chat_template(train_data.raw_texts, tokenizer, apply_chat_template=job.rollout.apply_chat_template)
     eval_data = PromptDataset(job.train.eval_prompt_data, tokenizer, **keys)
     replay = job.rollout.load_debug_rollout_data is not None
     with ray_session(job.placement):
@@ -104,6 +103,9 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
     can_eval = bool(cluster.engines)
     if cluster.engines and cluster.actors and version > 0:  # the engines must serve the resumed weights
         result.weights_dir = sync_weights(job, cluster, out, version=version, previous=None)
+    elif cluster.engines and job.rollout.rollout_external_engine_addrs:  # a server run elsewhere may hold any weights
+        logger.info("loading %s into the external SGLang server(s)", job.actor.hf_checkpoint)
+        ray.get([e.update_weights_from_disk.remote(job.actor.hf_checkpoint, "0") for e in cluster.engines])
     if can_eval:
         result.eval_before = evaluate(job, cluster, held_out, reward_fn)
         logger.info("held-out accuracy before RL: %.3f", result.eval_before)

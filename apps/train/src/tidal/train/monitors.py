@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +53,13 @@ def _text(sample) -> str:
     return text if isinstance(text, str) else str(list(sample.response_ids)[:32])
 
 
-def check_prompt_chat_template(dataset, tokenizer, *, apply_chat_template: bool) -> str | None:
+def check_prompt_chat_template(texts: Iterable[str], tokenizer, *, apply_chat_template: bool) -> str | None:
     """Warn when the prompt data already holds a chat template that is not the tokenizer's; returns the warning.
 
     A prompt rendered with another model's template (or rendered twice, with --apply-chat-template on top) trains
     the model on text it never sees at inference: slime's FAQ traces exploding gradient norms to exactly this.
     """
-    example = next((p.text for p in dataset.prompts if _CHAT_MARKERS.search(p.text)), None)
+    example = next((t for t in texts if _CHAT_MARKERS.search(t)), None)
     if example is None:
         return None
     template = getattr(tokenizer, "chat_template", None)

@@ -16,6 +16,8 @@ from typing import Any
 
 import ray
 
+logger = logging.getLogger(__name__)
+
 LOG_FORMAT = "[tidal {role}] %(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -195,9 +197,10 @@ class EngineWorker:
         rollout_cfg,
         env: dict[str, str] | None = None,
         fault_tolerant: bool = False,
+        external_url: str | None = None,
     ) -> None:
-        setup_logging(f"engine {port}")
-        from tidal.rollout import SGLangEngine
+        setup_logging(f"engine {external_url or port}")
+        from tidal.rollout import SGLangClient, SGLangEngine
 
         self.fault_tolerant = fault_tolerant  # --use-fault-tolerance: restart a dead engine, resend its requests
         self.max_concurrency = rollout_cfg.generate_max_concurrency
@@ -209,29 +212,43 @@ class EngineWorker:
         env = dict(env or {})
         if os.environ.get("CUDA_VISIBLE_DEVICES"):
             env.setdefault("CUDA_VISIBLE_DEVICES", os.environ["CUDA_VISIBLE_DEVICES"])
-        self.engine = SGLangEngine(
-            model_path,
-            host=host,
-            port=port,
-            nccl_port=nccl_port,
-            log_dir=Path(log_dir),
-            extra_server_args=rollout_cfg.sglang_server_args,
-            startup_timeout_s=rollout_cfg.sglang_startup_timeout_s,
-            request_timeout_s=rollout_cfg.sglang_request_timeout_s,
-            env=env,
+        self.startup_timeout_s = rollout_cfg.sglang_startup_timeout_s
+        # --rollout-external-engine-addrs: a server someone else runs; tidal only talks to it (never starts,
+        # restarts or stops it).
+        self.external = external_url is not None
+        self.engine = (
+            SGLangClient(external_url, request_timeout_s=rollout_cfg.sglang_request_timeout_s)
+            if self.external
+            else SGLangEngine(
+                model_path,
+                host=host,
+                port=port,
+                nccl_port=nccl_port,
+                log_dir=Path(log_dir),
+                extra_server_args=rollout_cfg.sglang_server_args,
+                startup_timeout_s=rollout_cfg.sglang_startup_timeout_s,
+                request_timeout_s=rollout_cfg.sglang_request_timeout_s,
+                env=env,
+            )
         )
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def start(self) -> str:
-        """Launch the server and wait until it is healthy; returns its URL."""
-        self.engine.start(wait=True)
+        """Launch the server (an external one: nothing to launch) and wait until it is healthy; returns its URL."""
+        if self.external:
+            self.engine.wait_healthy(self.startup_timeout_s)
+            logger.info(
+                "external SGLang server %s serves %s", self.engine.url, self.engine.get_model_info().get("model_path")
+            )
+        else:
+            self.engine.start(wait=True)
         return self.engine.url
 
     def pid(self) -> int | None:
-        """Process id of the server (its process group leader)."""
-        return self.engine.pid
+        """Process id of the server (its process group leader); None for an external server."""
+        return None if self.external else self.engine.pid
 
     def generate_samples(
         self, prompts: list[list[int]], sampling_params: dict[str, Any], labels: list
@@ -261,5 +278,6 @@ class EngineWorker:
         self.engine.flush_cache()
 
     def shutdown(self) -> None:
-        """Stop the server and every process it started."""
-        self.engine.shutdown()
+        """Stop the server and every process it started (an external server is left running)."""
+        if not self.external:
+            self.engine.shutdown()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 # Enough pooled connections for a rollout's concurrent requests (requests' default of 10 would reconnect).
 _POOL_SIZE = 256
+_HEALTH_POLL_S = 0.5
+_PROGRESS_EVERY_S = 30.0
 
 
 class SGLangClient:
@@ -51,6 +55,27 @@ class SGLangClient:
             return self._session.get(f"{self.url}/health", timeout=5.0).status_code == 200
         except requests.RequestException:
             return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll ``/health`` until it answers 200 (a server started elsewhere: its answer is all there is to watch).
+
+        Raises:
+            RolloutError: No healthy answer within ``timeout_s``.
+        """
+        start = time.monotonic()
+        next_report = start + _PROGRESS_EVERY_S
+        while not self.health_ok():
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise RolloutError(
+                    f"{self.describe()} not healthy after {timeout_s:.0f} s: is a server running there? "
+                    "Check the address and that GET /health answers 200"
+                )
+            if now >= next_report:
+                logger.info("waiting for %s: %.0f s / %.0f s", self.describe(), now - start, timeout_s)
+                next_report = now + _PROGRESS_EVERY_S
+            time.sleep(_HEALTH_POLL_S)
+        logger.info("%s healthy after %.1f s", self.describe(), time.monotonic() - start)
 
     def _post(self, endpoint: str, payload: Mapping[str, Any] | None = None) -> requests.Response:
         try:
@@ -123,6 +148,17 @@ class SGLangClient:
                 f"(HTTP {response.status_code}): {body.get('message', body)}"
             )
         return body
+
+    def update_weights_from_disk(self, path: str | os.PathLike[str], *, weight_version: str | None = None) -> None:
+        """Load new weights from an HF checkpoint directory (as the server sees its file system) into the server.
+
+        Raises:
+            RolloutError: The server refused the update; the message is the server's.
+        """
+        payload: dict[str, Any] = {"model_path": str(path)}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        self.call("/update_weights_from_disk", payload, what=f"update_weights_from_disk({path})")
 
     def abort(self, rid: str | None = None) -> None:
         """Abort in-flight requests (all of them, or the one with ``rid``) via ``/abort_request``.

@@ -114,6 +114,11 @@ class RolloutConfig:
     """sglang-router policy: cache_aware, round_robin, random or power_of_two."""
     sglang_router_args: tuple[str, ...] = ()
     """Extra sglang_router.launch_router arguments, already mapped from --sglang-router-* (see sglang_router_args())."""
+    rollout_external: bool = False
+    """slime's switch for external engines; needs ``rollout_external_engine_addrs`` (which alone implies it)."""
+    rollout_external_engine_addrs: tuple[str, ...] = ()
+    """``HOST:PORT`` of SGLang servers started elsewhere: tidal launches no engine, waits until these answer
+    ``/health``, generates on them and loads weights into them, and never restarts or stops them."""
     sglang_startup_timeout_s: float = 600.0
     """Longest wait for an SGLang server to become healthy."""
     sglang_request_timeout_s: float = 600.0
@@ -151,6 +156,33 @@ class RolloutConfig:
             if path is not None and ":" not in path:
                 raise ValueError(f"--{flag} must look like 'pkg.module:fn', got {path!r}")
         self._check_sampling_strategy()
+        self.external_engine_urls()  # raises on a malformed address
+        if self.rollout_external and not self.rollout_external_engine_addrs:
+            raise ValueError(
+                "--rollout-external needs --rollout-external-engine-addrs HOST:PORT [HOST:PORT ...]: the SGLang "
+                "servers to use (drop --rollout-external to let tidal launch its own)"
+            )
+
+    def external_engine_urls(self) -> list[str]:
+        """``http://HOST:PORT`` of each ``--rollout-external-engine-addrs`` entry.
+
+        Raises:
+            ValueError: An entry is not ``HOST:PORT`` with a port in 1..65535, or one appears twice.
+        """
+        urls = []
+        for addr in self.rollout_external_engine_addrs:
+            host, _, port = str(addr).removeprefix("http://").rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(
+                    f"--rollout-external-engine-addrs entries must look like HOST:PORT (e.g. 10.0.0.5:30000), "
+                    f"got {addr!r}"
+                )
+            urls.append(f"http://{host}:{int(port)}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(
+                f"--rollout-external-engine-addrs lists a server twice: {list(self.rollout_external_engine_addrs)}"
+            )
+        return urls
 
     def _check_sampling_strategy(self) -> None:
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:

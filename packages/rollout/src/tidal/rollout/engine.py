@@ -163,11 +163,10 @@ class SGLangEngine(ManagedServer):
         Raises:
             RolloutError: The server refused the update; the message is the server's.
         """
-        payload: dict[str, Any] = {"model_path": str(path)}
+        super().update_weights_from_disk(path, weight_version=weight_version)
+        self._disk_weights = {"model_path": str(path)}
         if weight_version is not None:
-            payload["weight_version"] = weight_version
-        self.call("/update_weights_from_disk", payload, what=f"update_weights_from_disk({path})")
-        self._disk_weights = payload
+            self._disk_weights["weight_version"] = weight_version
 
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Free the engine's weights and KV cache (co-located mode: the trainer needs the GPU memory).
