@@ -33,57 +33,18 @@ FORMATS = {"plain": lambda r: r, "pad": pad_record, "rev": rev_record}
 
 
 def build(spec, fmt, device):
+    """The embedded model exactly as `tidal.train.embedded_model` builds it, warm-started on ``device``."""
     import tidal.train.embedded_model as em
     from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, read_jsonl, shipped_path
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     train = [FORMATS[fmt](r) for r in read_jsonl(shipped_path(TRAIN_FILE))]
     held = [FORMATS[fmt](r) for r in read_jsonl(shipped_path(EVAL_FILE))]
     tok = em.build_tokenizer([r["prompt"] + r["label"] for r in train])
-    torch.manual_seed(spec.seed)
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
-        pad_token_id=tok.eos_token_id,
-    )
-    model = Qwen2ForCausalLM(cfg)
     t0 = time.time()
-    model.to(device)
-    em._warm_start(model, tok, train, spec) if device == "cpu" else warm_start_dev(model, tok, train, spec, device)
-    return model, tok, train, held, time.time() - t0
-
-
-def warm_start_dev(model, tokenizer, records, spec, device):
-    gen = torch.Generator().manual_seed(spec.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.1)
-    prompts = [tokenizer.encode(r["prompt"]) for r in records]
-    answers = [[*tokenizer.encode(r["label"]), tokenizer.eos_token_id] for r in records]
-    model.train()
-    for _ in range(spec.sft_steps):
-        idx = torch.randint(len(records), (spec.sft_batch_size,), generator=gen).tolist()
-        width = max(len(prompts[i]) + len(answers[i]) for i in idx)
-        ids = torch.full((len(idx), width), tokenizer.eos_token_id)
-        labels = torch.full((len(idx), width), -100)
-        for row, i in enumerate(idx):
-            seq = prompts[i] + answers[i]
-            ids[row, : len(seq)] = torch.tensor(seq)
-            labels[row, len(prompts[i]) : len(seq)] = torch.tensor(answers[i])
-        loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+    model = em.new_model(tok, spec).to(device)
+    em.warm_start(model, tok, train, spec)
     model.eval()
+    return model, tok, train, held, time.time() - t0
 
 
 def generate(model, tok, recs, n, temp, device, maxlen=8):
@@ -127,9 +88,9 @@ def digit_reward(tok, resp, label):
 
 
 def evaluate(model, tok, held, device):
-    model.eval()
-    res = generate(model, tok, held, 1, 0.0, device)
-    return sum(reward(tok, r, h["label"]) for (_, r), h in zip(res, held, strict=True)) / len(held)
+    from tidal.train.embedded_model import greedy_accuracy
+
+    return greedy_accuracy(model, tok, held)
 
 
 def grpo(model, tok, train, held, v, device, log):
@@ -175,7 +136,8 @@ def grpo(model, tok, train, held, v, device, log):
 def run_variant(name, v, device, out):
     from tidal.train.embedded_model import EmbeddedModelSpec
 
-    spec = replace(EmbeddedModelSpec(), **v.get("spec", {}))
+    # The recorded grid warm-started for a fixed number of steps: no early stop unless a variant asks for one.
+    spec = replace(EmbeddedModelSpec(), **{"sft_target_accuracy": 1.0, **v.get("spec", {})})
     torch.set_num_threads(1)
     lines = []
 

@@ -112,10 +112,30 @@ def ensure_embedded_model(cache_dir: Path | None = None, spec: EmbeddedModelSpec
 
 def _build(out: Path, spec: EmbeddedModelSpec) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
     records = read_jsonl(shipped_path(TRAIN_FILE))
     tokenizer = build_tokenizer([r["prompt"] + r["label"] for r in records])
+    model = new_model(tokenizer, spec)
+    threads = torch.get_num_threads()
+    # One thread: this model is too small to gain from more, and several threads spin-waiting against other busy
+    # processes slowed the warm start 100x on a loaded 2-core box (0.1 vs 10 steps/s).
+    torch.set_num_threads(1)
+    try:
+        warm_start(model, tokenizer, records, spec)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id).save_pretrained(out)
+    (out / "tidal_embedded.json").write_text(json.dumps(asdict(spec), indent=2))
+
+
+def new_model(tokenizer, spec: EmbeddedModelSpec):
+    """The spec's randomly initialised Qwen2 (seeded) for ``tokenizer``'s vocabulary, with tied embeddings."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(spec.seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -131,24 +151,18 @@ def _build(out: Path, spec: EmbeddedModelSpec) -> None:
         pad_token_id=tokenizer.eos_token_id,
         rope_theta=10000.0,
     )
-    model = Qwen2ForCausalLM(config)
-    threads = torch.get_num_threads()
-    # One thread: this model is too small to gain from more, and several threads spin-waiting against other busy
-    # processes slowed the warm start 100x on a loaded 2-core box (0.1 vs 10 steps/s).
-    torch.set_num_threads(1)
-    try:
-        _warm_start(model, tokenizer, records, spec)
-    finally:
-        torch.set_num_threads(threads)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id).save_pretrained(out)
-    (out / "tidal_embedded.json").write_text(json.dumps(asdict(spec), indent=2))
+    return Qwen2ForCausalLM(config)
 
 
-def _warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -> None:
-    """A few supervised steps on prompt→answer pairs (loss on the answer and EOS only)."""
+def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -> None:
+    """Supervised steps on prompt→answer pairs (loss on the answer and EOS only), on the model's device.
+
+    Stops after ``spec.sft_steps``, or earlier once greedy accuracy on 128 training prompts (checked every
+    ``spec.sft_check_every`` steps) reaches ``spec.sft_target_accuracy``.
+    """
     import torch
+
+    device = next(model.parameters()).device
 
     gen = torch.Generator().manual_seed(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
@@ -167,7 +181,7 @@ def _warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) 
             seq = prompts[i] + answers[i]
             ids[row, : len(seq)] = torch.tensor(seq)
             labels[row, len(prompts[i]) : len(seq)] = torch.tensor(answers[i])
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -205,11 +219,16 @@ def greedy_accuracy(model, tokenizer, records: list[dict]) -> float:
     for row, p in enumerate(prompts):  # left padding: RoPE makes the shift harmless
         ids[row, width - len(p) :] = torch.tensor(p)
         attention[row, width - len(p) :] = 1
+    device = next(model.parameters()).device
     model.eval()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=attention, max_new_tokens=8, do_sample=False, pad_token_id=eos
-        )
+            input_ids=ids.to(device),
+            attention_mask=attention.to(device),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=eos,
+        ).cpu()
     model.train()
     hits = 0
     for row, record in enumerate(records):
