@@ -3,6 +3,7 @@
 When an upgrade fixes the upstream code, the "original fails" half of a test fails and says the patch can go.
 """
 
+import os
 import subprocess
 import sys
 
@@ -97,3 +98,15 @@ def test_patch5_packed_rope_matches_the_per_sequence_loop(dist_env):
     cp = parallel_state.get_context_parallel_group()
     kwargs = {"rotary_interleaved": False, "mla_rotary_interleaved": False, "mscale": 1.0, "cp_group": cp}
     torch.testing.assert_close(compat._packed_rope_thd(t, cu, freqs, **kwargs), original(t, cu, freqs, **kwargs))
+
+
+def test_patch6_megatron_imports_flashinfer_unless_tidal_hides_it():
+    # Fresh interpreter, no guard: megatron-core imports flashinfer (seconds) although tidal-actor uses none of it.
+    code = "import sys, megatron.core.tensor_parallel\nprint(sys.modules.get('flashinfer') is not None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
+    assert out.strip().splitlines()[-1] == "True"
+    if not os.path.exists("/proc/driver/nvidia") and not os.path.exists("/dev/nvidia0"):
+        assert sys.modules["flashinfer"] is None  # installed by tidal.actor's __init__
+        from megatron.core.inference.quantization import mxfp8_tensor
+
+        assert mxfp8_tensor.HAVE_FLASHINFER is False  # megatron's own guard took the ImportError

@@ -7,6 +7,7 @@ command-line validation answers before heavy dependencies are imported.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,11 @@ from typing import TYPE_CHECKING, Any
 # submodule import runs this file first: sglang ships a flash_mla wheel whose import raises OSError without
 # libcuda, which megatron-core does not catch; None makes it an ImportError.
 sys.modules.setdefault("flash_mla", None)
+# Patch 6 of compat.py, here for the same reason: megatron-core imports flashinfer (sglang's dependency) at import
+# time, ~8 s per process, for MoE / inference kernels tidal-actor never calls; every such import is guarded by
+# `except ImportError`. Without an NVIDIA driver those kernels cannot run, so the import is skipped there.
+if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")):
+    sys.modules.setdefault("flashinfer", None)
 
 from tidal.actor.config import ActorConfig  # noqa: E402
 from tidal.actor.errors import ActorError  # noqa: E402

@@ -25,6 +25,9 @@ patch wrong or unnecessary):
    forward (``fused.cached_rope_table``). Since issue 11's third pass the layers of a cp = 1 model take
    ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models it does not cover (q/k norm,
    output gate, YaRN); cp > 1 keeps megatron's original.
+6. ``flashinfer`` hidden on machines without an NVIDIA driver (in the package ``__init__``, before megatron's
+   first import): megatron-core imports it at import time (~8 s per process) for MoE and inference kernels
+   tidal-actor never calls, always under ``except ImportError``; ``None`` in ``sys.modules`` skips it.
 
 Patches 2–4 are applied only when ``torch.cuda.is_available()`` is false.
 """
