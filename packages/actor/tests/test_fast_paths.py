@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tidal.actor import Actor, ActorConfig
+from tidal.actor import Actor, ActorConfig, fused
 from tidal.actor.logprobs import local_log_probs, vocab_parallel_log_probs
 from tidal.batching import pack, unpack
 
@@ -47,9 +47,7 @@ def test_fused_rope_arithmetic_equals_megatron(dtype):
     assert out.dtype == dtype
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     # the positions the patch computes from cu_seqlens: each restarts at its sequence's start
-    torch.testing.assert_close(
-        compat._positions(torch.tensor([0, 5, 8, 23], dtype=torch.int32), 23, t.device), position
-    )
+    torch.testing.assert_close(fused.positions(torch.tensor([0, 5, 8, 23], dtype=torch.int32), 23, t.device), position)
 
 
 def test_keeping_lm_head_logits_gives_the_same_step(dist_env, qwen2_dir):

@@ -117,14 +117,14 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
     cp_group = kwargs.get("cp_group")
     if cp_group is None or cp_group.size() != 1 or args or kwargs.get("multi_latent_attention") is not None:
         return original(t, cu_seqlens, freqs, *args, **kwargs)
+    from tidal.actor.fused import cached_rope_table, positions  # cos/sin once per forward, not per layer
+
     plain = not kwargs.get("rotary_interleaved") and not kwargs.get("mla_rotary_interleaved")
     if _FUSED_ROPE[0] and t.is_cuda and plain and kwargs.get("mscale", 1.0) == 1.0 and freqs.size(-1) == t.size(-1):
-        from tidal.actor.fused import cached_rope_table  # cos/sin once per forward, not per layer
-
         return _compiled_rope()(t, *cached_rope_table(freqs, cu_seqlens, t.size(0), t.dtype))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
-        freqs[_positions(cu_seqlens, t.size(0), t.device)],
+        freqs[positions(cu_seqlens, t.size(0), t.device)],
         rotary_interleaved=kwargs.get("rotary_interleaved", False),
         mla_rotary_interleaved=kwargs.get("mla_rotary_interleaved", False),
         mscale=kwargs.get("mscale", 1.0),
@@ -138,13 +138,6 @@ _FUSED_ROPE = [False]
 def set_fused_rope(enabled: bool) -> None:
     """Rotate q/k with one ``torch.compile``d kernel (CUDA tensors only) instead of ~8 eager ones."""
     _FUSED_ROPE[0] = enabled
-
-
-def _positions(cu_seqlens: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-    """Each of ``n`` packed tokens' position inside its own sequence, computed on the device."""
-    idx = torch.arange(n, device=device)
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    return idx - cu[torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)]
 
 
 def rope_at_positions(t: torch.Tensor, freqs: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
