@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,27 @@ def _children(pid: int) -> set[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         kids |= {int(p) for p in (task / "children").read_text().split()}
     return kids
+
+
+def _leftovers(before: set[int], grace_s: float = 30.0) -> dict[int, str]:
+    """New children of this process still alive after ``grace_s``, with their command lines.
+
+    A finished run's Ray workers notice their raylet is gone and exit within a second or two, re-parented to
+    us meanwhile: polled until none is alive (no fixed sleep), so only a process that really stays is reported.
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = {pid for pid in _children(os.getpid()) - before if _alive(pid)}
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = {}
+    for pid in alive:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+        except OSError:
+            continue  # exited while being read
+    return out
 
 
 def _set_child_subreaper(on: bool) -> None:
@@ -60,7 +82,7 @@ def run(tmp_path_factory):
         proc = subprocess.run(
             [sys.executable, "-m", "tidal.train.cli", *args], capture_output=True, text=True, timeout=1500
         )
-        leftovers = {pid for pid in _children(os.getpid()) - before if _alive(pid)}
+        leftovers = _leftovers(before)
     finally:
         _set_child_subreaper(False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -134,4 +156,4 @@ def test_no_child_process_remains(run):
     _, summary, _, leftovers, _ = run
     assert summary["engine_pids"]
     assert not [pid for pid in summary["engine_pids"] if _alive(pid)]
-    assert not leftovers, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in leftovers]
+    assert not leftovers, leftovers

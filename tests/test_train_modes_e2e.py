@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: siblings are not importable otherwise
-from test_train_e2e import _alive, _children, _set_child_subreaper
+from test_train_e2e import _alive, _children, _leftovers, _set_child_subreaper
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +62,7 @@ def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait(timeout=120)
-        if sig == signal.SIGKILL:  # nothing can clean up after SIGKILL: give Ray's own reapers a moment
-            time.sleep(5)
-        leftovers = {pid for pid in _children(os.getpid()) - before if _alive(pid)}
+        leftovers = _leftovers(before)  # after SIGKILL, Ray's own reapers get the same grace
         _kill_until_none_left(before)  # still subreaper: grandchildren of what we kill come to us too
     finally:
         _set_child_subreaper(False)
@@ -165,7 +163,7 @@ def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, 
     from tidal.rollout import SGLangClient
 
     out, _, _, _, _, leftovers = resumed
-    assert not leftovers, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in leftovers]
+    assert not leftovers, leftovers
     assert SGLangClient(f"http://{external_engine}").health_ok()  # tidal never stops a server it did not start
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "config.yaml").exists()
@@ -211,7 +209,7 @@ def test_train_only_trains_on_the_saved_rollouts(debug_runs):
     summary = json.loads((root / "train" / "summary.json").read_text())
     assert summary["engine_pids"] == []
     assert (root / "train" / "ckpt" / "latest_checkpointed_iteration.txt").exists()
-    assert not leftovers
+    assert not leftovers, leftovers
 
 
 def test_ctrl_c_during_start_up_stops_everything(tmp_path):
@@ -223,4 +221,4 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path):
                                   kill_when=engine_launched, sig=signal.SIGINT, timeout=600)  # fmt: skip
     assert code == 130, log[-4000:]
     assert "interrupted" in log
-    assert not leftovers, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in leftovers]
+    assert not leftovers, leftovers

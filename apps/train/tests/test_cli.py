@@ -77,6 +77,14 @@ def test_default_job_is_valid_and_consistent():
     assert job.rollout.sglang_server_args[-2:] == ("--dtype", job.actor.params_dtype)
 
 
+def test_memory_flags_reach_the_actor():
+    job = parse_job(["--params-dtype", "bfloat16", "--fp32-main-params", "--optimizer-cpu-offload"])
+    assert job.actor.fp32_main_params and job.actor.optimizer_cpu_offload
+    assert not parse_job([]).actor.optimizer_cpu_offload
+    with pytest.raises(ValueError, match="--fp32-main-params"):
+        parse_job(["--fp32-main-params"])  # float32 parameters have no main copies
+
+
 def test_sglang_flags_pass_through():
     job = parse_job(["--sglang-mem-fraction-static", "0.5", "--sglang-dtype", "bfloat16"])
     assert job.rollout.sglang_server_args == ("--mem-fraction-static", "0.5", "--dtype", "bfloat16")

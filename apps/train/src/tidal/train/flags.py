@@ -123,6 +123,18 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
             {"action": "store_true", "default": None, "help": "do not stop on a NaN/inf loss or gradient"},
         ),
         ("--params-dtype", {"help": "float32 or bfloat16"}),
+        (
+            "--fp32-main-params",
+            {"action": "store_true", "default": None, "help": "with bfloat16 params: fp32 main weights for Adam"},
+        ),
+        (
+            "--optimizer-cpu-offload",
+            {"action": "store_true", "default": None, "help": "Adam moments in host memory, update on the CPU"},
+        ),
+        (
+            "--recompute-activations",
+            {"action": "store_true", "default": None, "help": "recompute each layer in backward (less memory)"},
+        ),
     ],
 }
 

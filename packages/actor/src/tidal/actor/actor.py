@@ -24,6 +24,7 @@ from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss
 from tidal.actor.main_params import MainParams
+from tidal.actor.offload import CPUOffloadAdamW
 from tidal.batching import PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,12 @@ class Actor:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # With --fp32-main-params the optimizer owns fp32 copies of the (bf16) model parameters.
         self.main_params = MainParams(self.params) if cfg.fp32_main_params else None
-        self.optimizer = torch.optim.AdamW(
-            self.main_params.main if self.main_params else self.params,
-            fused=self.device.type == "cuda",
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-        )
+        adam = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+        adam["weight_decay"] = cfg.weight_decay
+        if cfg.optimizer_cpu_offload:
+            self.optimizer = CPUOffloadAdamW(self._optimizer_params(), **adam)
+        else:
+            self.optimizer = torch.optim.AdamW(self._optimizer_params(), fused=self.device.type == "cuda", **adam)
         self.loss_settings = LossSettings(
             eps_clip=cfg.eps_clip,
             eps_clip_high=cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high,
@@ -277,6 +276,9 @@ class Actor:
     def _ensure_optimizer_state(self) -> None:
         """Give AdamW its zero state before the first step (same update as lazy init) so it can be checkpointed."""
         if self.optimizer.state:
+            return
+        if isinstance(self.optimizer, CPUOffloadAdamW):
+            self.optimizer.init_state()
             return
         for p in self._optimizer_params():
             self.optimizer.state[p] = {
