@@ -24,7 +24,7 @@ def test_apply_is_idempotent():
     before = (torch.cuda.current_device, dict(compat.ORIGINALS))
     assert compat.apply_cpu_compat() is True
     assert (torch.cuda.current_device, compat.ORIGINALS) == before
-    assert len(compat.ORIGINALS) == 8
+    assert len(compat.ORIGINALS) == 10
 
 
 def test_patch1_flash_mla_import_raises_oserror_unguarded():
@@ -110,3 +110,54 @@ def test_patch6_megatron_imports_flashinfer_unless_tidal_hides_it():
         from megatron.core.inference.quantization import mxfp8_tensor
 
         assert mxfp8_tensor.HAVE_FLASHINFER is False  # megatron's own guard took the ImportError
+
+
+def _tiny_config(**kwargs):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True, **kwargs)
+
+
+def test_patch7_pipeline_schedule_allocates_on_cuda(dist_env):
+    from megatron.core.pipeline_parallel import schedules
+
+    original = compat.ORIGINALS[
+        "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
+    ]
+    assert schedules.forward_backward_pipelining_without_interleaving is not original
+
+    class OneStage(torch.nn.Linear):
+        config = _tiny_config()
+
+        def set_input_tensor(self, _tensor):  # a single stage receives nothing
+            pass
+
+    model = OneStage(2, 2)
+
+    def forward_step(data_iterator, module):
+        x = next(data_iterator)
+        return module(x), lambda out: (out.sum(), torch.tensor(1, dtype=torch.int), out.detach())
+
+    kwargs = dict(forward_step_func=forward_step, model=model, num_microbatches=1, seq_length=1, micro_batch_size=1)
+    with pytest.raises(CUDA_ERRORS):  # `torch.zeros(..., device="cuda")` before the first micro-batch
+        original(data_iterator=iter([torch.ones(1, 2)]), forward_only=True, **kwargs)
+    out = schedules.forward_backward_pipelining_without_interleaving(
+        data_iterator=iter([torch.ones(1, 2)]), forward_only=False, **kwargs
+    )
+    torch.testing.assert_close(out[0], model(torch.ones(1, 2)).detach())
+    assert model.weight.grad is not None  # one stage: forward and backward ran
+
+
+def test_patch8_p2p_communicator_synchronizes_cuda(dist_env, monkeypatch):
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    comm = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=_tiny_config())
+    assert comm._communicate_shapes(None, None, False, False) == ([0, 0, 0], [0, 0, 0])
+    nothing = dict(tensor_send_next=None, tensor_send_prev=None, recv_prev=False, recv_next=False, tensor_shape=None)
+    assert comm._communicate(**nothing)[:2] == (None, None)
+    monkeypatch.setattr(torch.cuda, "synchronize", compat.ORIGINALS["torch.cuda.synchronize"])
+    with pytest.raises(CUDA_ERRORS):  # after the shape exchange, even with nothing to exchange
+        comm._communicate_shapes(None, None, False, False)
+    with pytest.raises(CUDA_ERRORS):  # after batched send/receive (batch_p2p_sync, the default)
+        comm._communicate(**nothing)

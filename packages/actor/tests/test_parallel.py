@@ -80,18 +80,3 @@ def test_multi_process_matches_single(tmp_path, request, hf_reference, single, w
         assert single["metrics"]["train/grad_norm"] > 0.5
         torch.testing.assert_close(r["log_probs_after"], single["log_probs_after"], atol=2e-4, rtol=0)
     assert not torch.allclose(single["log_probs_after"], single["log_probs"], atol=1e-3)
-
-
-@pytest.mark.parametrize("size", [2, 0])
-def test_pipeline_parallelism_is_refused_with_the_flag_and_what_to_use(size):
-    """PP is not wired into the Actor (README, "Pipeline parallelism"): refused before any process group is made."""
-    import torch.distributed as dist
-    from tidal.actor import init_distributed
-
-    was_initialized = dist.is_initialized()
-    expected = "must be >= 1, got 0" if size == 0 else "2 is not supported by tidal-actor.*--tensor-model-parallel-size"
-    with pytest.raises(ValueError, match=f"--pipeline-model-parallel-size {expected}"):
-        init_distributed(
-            rank=0, world_size=2, master_addr="127.0.0.1", master_port=_free_port(), pipeline_model_parallel_size=size
-        )
-    assert dist.is_initialized() == was_initialized

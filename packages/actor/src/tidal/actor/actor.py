@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,13 @@ from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss
 from tidal.actor.main_params import MainParams
 from tidal.actor.offload import CPUOffloadAdamW
+from tidal.actor.pipeline import (
+    PipelineStage,
+    all_reduce_tied_embedding_grad,
+    broadcast_from_stage,
+    broadcast_object_from_last_stage,
+    run_schedule,
+)
 from tidal.batching import PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -33,13 +41,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Actor:
-    """One rank's share of the policy model (TP shard, DP replica) with its optimizer.
+    """One rank's share of the policy model (TP shard, pipeline stage, DP replica) with its optimizer.
 
     Call ``init_distributed`` in this process first. Every rank of the actor group must make the
     same calls in the same order (they hold collectives).
 
     Optimizer: ``torch.optim.AdamW`` on this rank's parameters, gradients summed over the DP group
-    and clipped by the TP-global norm; the same code on CPU (gloo) and GPU (NCCL).
+    and clipped by the norm over TP x PP; the same code on CPU (gloo) and GPU (NCCL). With pipeline
+    parallelism (``pipeline``) micro-batches go through Megatron's 1F1B schedule; results are the same on every rank.
     """
 
     def __init__(self, cfg: ActorConfig) -> None:
@@ -55,6 +64,7 @@ class Actor:
         self._recompute_lm_head = cfg.recompute_lm_head
         self._exporters: dict[tuple, HFExporter] = {}
         self.spec = read_hf_config(cfg.hf_checkpoint)
+        self.stage = PipelineStage.current(self.spec.num_layers)
         config = to_transformer_config(
             self.spec,
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -62,13 +72,20 @@ class Actor:
             use_cpu_initialization=self.device.type == "cpu",
             fused_swiglu=self._fused,
             context_parallel_size=context_parallel_size(),
+            pipeline_model_parallel_size=self.stage.size,
         )
         # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
-        self.model = build_gpt_model(self.spec, config).to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
-        load_hf_weights(self.model, self.spec, cfg.hf_checkpoint)
+        model = build_gpt_model(self.spec, config, self.stage)
+        self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
+        load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage)
         if cfg.recompute_activations:
             enable_layer_recompute(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # with tied embeddings split over stages, the first stage's embedding and the last stage's output weight
+        self._tied_index = None
+        if self.spec.tie_word_embeddings and self.stage.size > 1 and (self.stage.first or self.stage.last):
+            tied = self.model.shared_embedding_or_output_weight()
+            self._tied_index = next(i for i, p in enumerate(self.params) if p is tied)
         # With --fp32-main-params the optimizer owns fp32 copies of the (bf16) model parameters.
         self.main_params = MainParams(self.params) if cfg.fp32_main_params else None
         adam = {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
@@ -100,7 +117,10 @@ class Actor:
         )
 
     def _forward(self, batch: PackedBatch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs (and entropy) of ``batch`` in tidal's convention, on the model's device."""
+        """Per-token log-probs (and entropy) of ``batch`` in tidal's convention, on the model's device.
+
+        On a pipeline stage other than the last: its output hidden states (what the schedule sends on).
+        """
         tokens = batch.tokens.to(self.device)
         cu = batch.cu_seqlens.to(device=self.device, dtype=torch.int32)
         params = PackedSeqParams(
@@ -132,13 +152,16 @@ class Actor:
             )
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            lp, ent = self.model(
+            out = self.model(
                 tokens.unsqueeze(0),
                 position_ids.unsqueeze(0),
                 None,
                 packed_seq_params=params,
                 output_processor=head,
             )
+        if not self.stage.last:
+            return out
+        lp, ent = out
         if cp is not None:
             lp = gather_rows(lp, batch, cp.shard)
             ent = gather_rows(ent, batch, cp.shard) if ent is not None else None
@@ -154,8 +177,15 @@ class Actor:
             0 at each sequence's first token (and meaningless on the padding tail).
         """
         self.model.eval()
-        lp, _ = self._forward(batch, with_entropy=False)
-        return lp.float().cpu()
+        if self.stage.size == 1:
+            lp, _ = self._forward(batch, with_entropy=False)
+            return lp.float().cpu()
+        # the last stage computes them through the schedule, then every stage receives them
+        forward = functools.partial(self._forward, with_entropy=False)
+        out = run_schedule(self.model, [batch], forward, _keep_log_probs, forward_only=True)
+        lp = out[0] if self.stage.last else torch.empty(batch.num_tokens, dtype=torch.float32, device=self.device)
+        broadcast_from_stage(lp, self.stage.size - 1)
+        return lp.cpu()
 
     def _lr(self) -> float:
         warmup = self.cfg.lr_warmup_steps
@@ -187,17 +217,28 @@ class Actor:
         num_loss_tokens = self._num_loss_tokens(micro_batches)
         self._zero_grad()
         totals: dict[str, torch.Tensor] = {}
-        for mb in micro_batches:
-            lp, ent = self._forward(mb, with_entropy=True)
+
+        def loss_of(mb: PackedBatch, output: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
             fields = {k: v.to(self.device) for k, v in mb.token_fields.items()}
             loss, sums = actor_loss(
-                lp, ent, fields, mb.loss_mask.to(self.device), self.loss_settings, num_loss_tokens=num_loss_tokens
+                *output, fields, mb.loss_mask.to(self.device), self.loss_settings, num_loss_tokens=num_loss_tokens
             )
-            loss.backward()
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value.float()
+            return loss
+
+        forward = functools.partial(self._forward, with_entropy=True)
+        if self.stage.size == 1:
+            for mb in micro_batches:
+                loss_of(mb, forward(mb)).backward()
+        else:  # the loss on the last stage; metrics come from there (_metrics)
+            run_schedule(
+                self.model, micro_batches, forward, lambda mb, out: (loss_of(mb, out), _ONE, None), forward_only=False
+            )
         params = self._optimizer_params()
         all_reduce_gradients(params)
+        if self._tied_index is not None:
+            all_reduce_tied_embedding_grad(params[self._tied_index].grad)
         grad_norm = clip_gradients(params, self.cfg.clip_grad)
         lr = self._lr()
         skipped = not math.isfinite(grad_norm)
@@ -232,11 +273,15 @@ class Actor:
     def _metrics(
         self, totals: dict[str, torch.Tensor], *, grad_norm: float, lr: float, num_loss_tokens: float, skipped: bool
     ) -> dict[str, float]:
-        keys = sorted(totals)
-        stacked = torch.stack([totals[k] for k in keys])
-        if parallel_state.get_data_parallel_world_size() > 1:
-            dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
-        metrics = {f"train/{k}": float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
+        metrics = {}
+        if self.stage.last:  # the only stage that computed the loss
+            keys = sorted(totals)
+            stacked = torch.stack([totals[k] for k in keys])
+            if parallel_state.get_data_parallel_world_size() > 1:
+                dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
+            metrics = {f"train/{k}": float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
+        if self.stage.size > 1:
+            metrics = broadcast_object_from_last_stage(metrics)
         metrics |= {
             "train/grad_norm": grad_norm,
             "train/lr": lr,
@@ -246,14 +291,15 @@ class Actor:
         return metrics
 
     def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF names and tensors on CPU (TP shards gathered; every TP rank must iterate).
+        """Full HF names and tensors on CPU (TP shards gathered, pipeline stages broadcast; every rank must iterate).
 
         The checkpoint path: tensors as the optimizer holds them (with ``fp32_main_params``, the fp32 main copies).
         """
+        params = None
         if self.main_params:
             names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-            return named_hf_tensors(self.model, self.spec, params=dict(zip(names, self.main_params.main, strict=True)))
-        return named_hf_tensors(self.model, self.spec)
+            params = dict(zip(names, self.main_params.main, strict=True))
+        return named_hf_tensors(self.model, self.spec, params=params, stage=self.stage)
 
     def hf_tensor_buckets(
         self, *, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 512 * 2**20, reuse_buffers: bool = False
@@ -261,15 +307,16 @@ class Actor:
         """The weight-sync path: HF tensors cast to ``dtype`` on this rank's device, packed into flat buckets.
 
         Each ``HFTensorBucket`` holds at most ``bucket_bytes`` (a larger single tensor gets its own); iterating
-        one yields ``(hf_name, tensor)`` views into its ``flat`` buffer. TP shards are gathered (every TP rank
-        must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype``. With ``reuse_buffers`` the buffers are
-        kept and refilled by the next call (consume a bucket before asking for the next export).
+        one yields ``(hf_name, tensor)`` views into its ``flat`` buffer. TP shards are gathered and pipeline stages
+        broadcast (every rank must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype``. With
+        ``reuse_buffers`` the buffers are kept and refilled by the next call (consume a bucket before asking for
+        the next export).
         """
         key = (dtype, bucket_bytes, reuse_buffers)
         if key not in self._exporters:
             params = dict(self.model.named_parameters())
             self._exporters[key] = HFExporter(
-                params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers
+                params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers, stage=self.stage
             )
         return self._exporters[key].buckets()
 
@@ -332,6 +379,14 @@ class Actor:
                     for i, main in mains.items():
                         self.main_params.main[i].copy_(main)
                 self.main_params.copy_to_model()
+
+
+_ONE = torch.ones((), dtype=torch.int)  # the "token count" handed to Megatron's schedule (it does not rescale)
+
+
+def _keep_log_probs(_mb: PackedBatch, output: tuple[torch.Tensor, torch.Tensor | None]) -> tuple:
+    """The schedule's loss function in the log-prob pass: no loss, keep the log-probs."""
+    return torch.zeros(()), _ONE, output[0].float().contiguous()
 
 
 def _loss_weight(mb: PackedBatch) -> float:

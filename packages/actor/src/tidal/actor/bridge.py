@@ -8,6 +8,8 @@ Layout facts (megatron-core 0.19, local spec):
 * ``linear_fc1`` is column-parallel with the gated unit stacked per rank: ``[gate_r; up_r]``.
 * ``linear_proj`` and ``linear_fc2`` are row-parallel (split on the input dim); the embedding and
   LM head are vocab-parallel (split on dim 0); norms are replicated.
+* With pipeline parallelism a stage's module names its layers from 0 (``pipeline.PipelineStage.local_name``);
+  the mappings here use global layer indices. Export broadcasts each HF tensor from its owning stage.
 
 HF safetensors are read with ``safetensors.safe_open`` directly (random access by name, one tensor
 at a time) because QKV and gate/up merging needs several HF tensors per Megatron parameter.
@@ -25,12 +27,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
 from tidal.actor.cp_attention import ContextParallelCoreAttention
 from tidal.actor.fused import PackedSelfAttention
 from tidal.actor.hf_config import HFModelSpec
+from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 from tidal.actor.rope_scaling import apply_rope_scaling
 from tidal.actor.vocab_padding import install_padded_logits_mask, pad_vocab_rows, padded_vocab_size
 from torch.utils.checkpoint import checkpoint
@@ -41,8 +45,9 @@ logger = logging.getLogger(__name__)
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def build_gpt_model(spec: HFModelSpec, config: TransformerConfig) -> GPTModel:
-    """A GPTModel with Megatron's local layer spec and tidal's packed core attention."""
+def build_gpt_model(spec: HFModelSpec, config: TransformerConfig, stage: PipelineStage | None = None) -> GPTModel:
+    """A GPTModel with Megatron's local layer spec and tidal's packed core attention (``stage``'s share of it)."""
+    stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     core_attention = PackedCoreAttention if config.context_parallel_size == 1 else ContextParallelCoreAttention
     layer_spec.submodules.self_attention.submodules.core_attention = core_attention
@@ -53,13 +58,14 @@ def build_gpt_model(spec: HFModelSpec, config: TransformerConfig) -> GPTModel:
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=stage.first,
+        post_process=stage.last,
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        pg_collection=_process_groups(),
     )
     apply_rope_scaling(
         model,
@@ -68,8 +74,21 @@ def build_gpt_model(spec: HFModelSpec, config: TransformerConfig) -> GPTModel:
         scaling=spec.rope_scaling,
         max_position_embeddings=spec.max_position_embeddings,
     )
-    install_padded_logits_mask(model, spec.vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    if stage.last:
+        install_padded_logits_mask(model, spec.vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank())
     return model
+
+
+def _process_groups() -> ProcessGroupCollection:
+    """Megatron's default process groups without the embedding group.
+
+    tidal loads the last stage's tied output weight from the HF embedding itself, so GPTModel's start-up all-reduce
+    of it (``weight.data.cuda()`` first, which fails without a GPU) is not needed; the per-step gradient sum uses
+    ``parallel_state``'s embedding group directly (``pipeline.all_reduce_tied_embedding_grad``).
+    """
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.embd = None
+    return groups
 
 
 def enable_layer_recompute(model: GPTModel) -> None:
@@ -130,6 +149,18 @@ def weight_mappings(spec: HFModelSpec) -> list[_Mapping]:
     maps.append(_Mapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
     if not spec.tie_word_embeddings:
         maps.append(_Mapping("output_layer.weight", ("lm_head.weight",), "column"))
+    return maps
+
+
+def stage_mappings(spec: HFModelSpec, stage: PipelineStage) -> list[tuple[_Mapping, str]]:
+    """The mappings of the parameters ``stage`` holds, with their names in its module (for loading).
+
+    With tied embeddings the last stage (when it is not also the first) holds a copy of the word embedding as its
+    output weight, loaded from the same HF tensor (and not exported: the first stage exports it).
+    """
+    maps = [(m, stage.local_name(m.megatron)) for m in weight_mappings(spec) if stage.owner(m.megatron) == stage.rank]
+    if spec.tie_word_embeddings and stage.last and not stage.first:
+        maps.append((_Mapping("output_layer.weight", ("model.embed_tokens.weight",), "column"), "output_layer.weight"))
     return maps
 
 
@@ -239,8 +270,8 @@ def _check_hf_names(spec: HFModelSpec, available: set[str]) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path) -> None:
-    """Copy an HF checkpoint's weights into this rank's shards of ``model``.
+def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path, stage: PipelineStage | None = None) -> None:
+    """Copy an HF checkpoint's weights into this rank's shards of ``model`` (``stage``'s layers, embedding, head).
 
     Raises:
         ValueError: a tensor is missing, unexpected or has the wrong shape (the message names it).
@@ -251,7 +282,8 @@ def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path) -> N
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
     params = dict(model.named_parameters())
-    for m in weight_mappings(spec):
+    stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
+    for m, local_name in stage_mappings(spec, stage):
         full = []
         for name in m.hf:
             tensor = reader.get(name)
@@ -260,36 +292,55 @@ def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path) -> N
                     f"HF tensor {name} has shape {tuple(tensor.shape)}, expected {shapes[name]} from config.json"
                 )
             full.append(tensor)
-        param = params.pop(m.megatron, None)
+        param = params.pop(local_name, None)
         if param is None:
-            raise ValueError(f"Megatron model has no parameter {m.megatron} (for HF {', '.join(m.hf)})")
+            raise ValueError(f"Megatron model has no parameter {local_name} (for HF {', '.join(m.hf)})")
         local = _to_local(m, full, spec, rank, size)
         if local.shape != param.shape:
-            raise ValueError(f"{m.megatron}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
+            raise ValueError(f"{local_name}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
         param.copy_(local)
     if params:
         raise ValueError(f"Megatron parameters with no HF source: {sorted(params)}")
-    logger.info("loaded %d HF tensors from %s (tp rank %d/%d)", len(shapes), hf_dir, rank, size)
+    logger.info("loaded HF tensors from %s (tp rank %d/%d, pp stage %d/%d)", hf_dir, rank, size, stage.rank, stage.size)
 
 
 @torch.no_grad()
 def named_hf_tensors(
-    model: GPTModel, spec: HFModelSpec, *, params: dict[str, torch.Tensor] | None = None
+    model: GPTModel,
+    spec: HFModelSpec,
+    *,
+    params: dict[str, torch.Tensor] | None = None,
+    stage: PipelineStage | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor on CPU)`` for every HF tensor, gathering TP shards.
+    """Yield ``(hf_name, full tensor on CPU)`` for every HF tensor of the whole model, gathering TP shards.
 
-    Every TP rank must iterate (the gather is collective); every rank receives the full tensors.
-    ``params`` (Megatron name -> tensor) replaces the model's parameters, e.g. the fp32 main copies.
+    Every TP rank must iterate (the gather is collective); every rank receives the full tensors. With pipeline
+    stages every rank of the pipeline must iterate too: each tensor is broadcast from the stage that holds it.
+    ``params`` (Megatron name in this stage's module -> tensor) replaces the model's parameters, e.g. the fp32 main
+    copies.
     """
     size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     params = dict(model.named_parameters()) if params is None else params
+    stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
+    shapes = expected_hf_shapes(spec)
+    some = next(iter(params.values()))
     for m in weight_mappings(spec):
-        local = params[m.megatron].detach()
+        owner = stage.owner(m.megatron)
+        if owner != stage.rank:  # another stage's: receive it
+            for name in m.hf:
+                tensor = torch.empty(shapes[name], dtype=some.dtype, device=some.device)
+                broadcast_from_stage(tensor, owner)
+                yield name, tensor.to("cpu")
+            continue
+        local = params[stage.local_name(m.megatron)].detach()
         if m.kind == "replicated" or size == 1:
             gathered = [local]
         else:
             gathered = [torch.empty_like(local) for _ in range(size)]
             dist.all_gather(gathered, local.contiguous(), group=group)
         for name, tensor in zip(m.hf, _to_hf(m, gathered, spec), strict=True):
+            if stage.size > 1:
+                tensor = tensor.contiguous()
+                broadcast_from_stage(tensor, owner)
             yield name, tensor.to("cpu").contiguous()

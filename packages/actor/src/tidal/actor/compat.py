@@ -28,8 +28,14 @@ patch wrong or unnecessary):
 6. ``flashinfer`` hidden on machines without an NVIDIA driver (in the package ``__init__``, before megatron's
    first import): megatron-core imports it at import time (~8 s per process) for MoE and inference kernels
    tidal-actor never calls, always under ``except ImportError``; ``None`` in ``sys.modules`` skips it.
+7. Megatron's 1F1B pipeline schedule (``forward_backward_pipelining_without_interleaving``, the one tidal's
+   pipeline parallelism drives) allocates ``torch.zeros([], dtype=torch.int, device="cuda")``; it is wrapped to
+   run under a ``TorchFunctionMode`` that turns a ``device="cuda"`` argument into the CPU.
+8. ``torch.cuda.synchronize`` is a no-op (CPU work is synchronous): megatron's ``P2PCommunicator`` calls it
+   unconditionally after exchanging tensor shapes (``_communicate_shapes``, which ``variable_seq_lengths`` needs)
+   and after every batched send/receive (``batch_p2p_sync``, the default).
 
-Patches 2–4 are applied only when ``torch.cuda.is_available()`` is false.
+Patches 2–4, 7 and 8 are applied only when ``torch.cuda.is_available()`` is false.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
@@ -166,14 +173,46 @@ def _patch_packed_rope() -> None:
         _replace(rope_utils, "_apply_rotary_pos_emb_thd", _packed_rope_thd)
 
 
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Patch 7: every torch function called with ``device="cuda"`` (or a CUDA ``torch.device``) gets the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _patch_pipeline_schedule() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.forward_backward_pipelining_without_interleaving
+
+    @functools.wraps(original)
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        with _CudaDeviceToCpu():
+            return original(*args, **kwargs)
+
+    _replace(schedules, "forward_backward_pipelining_without_interleaving", on_cpu)
+
+
+def _cpu_synchronize(device: object = None) -> None:
+    del device  # patch 8: CPU work is synchronous, there is nothing to wait for
+
+
+def _patch_synchronize() -> None:
+    _replace(torch.cuda, "synchronize", _cpu_synchronize)
+
+
 def apply_cpu_compat() -> bool:
     """Apply the compatibility patches this process needs; idempotent.
 
     Call it in every process before megatron-core builds a model. Patches 1 and 5 are always
-    applied; patches 2–4 only when no CUDA device is available.
+    applied; patches 2–4, 7 and 8 only when no CUDA device is available.
 
     Returns:
-        True when the CPU patches (2–4) are in effect, False on a CUDA machine.
+        True when the CPU patches (2–4, 7, 8) are in effect, False on a CUDA machine.
     """
     global _applied
     apply_flash_mla_guard()
@@ -184,6 +223,11 @@ def apply_cpu_compat() -> bool:
         _patch_rng()
         _patch_current_device()
         _patch_causal_mask()
+        _patch_pipeline_schedule()
+        _patch_synchronize()
         _applied = True
-        logger.info("applied megatron-core CPU compatibility patches (rng, current_device, causal mask)")
+        logger.info(
+            "applied megatron-core CPU compatibility patches (rng, current_device, causal mask, pipeline schedule, "
+            "synchronize)"
+        )
     return True

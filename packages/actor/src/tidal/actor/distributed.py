@@ -1,8 +1,9 @@
-"""Process-group set-up and the collective pieces of an optimizer step (DP all-reduce, TP-aware clipping).
+"""Process-group set-up and the collective pieces of an optimizer step (DP all-reduce, TP x PP-aware clipping).
 
 One code path on CPU and GPU: torch.distributed (gloo on CPU, NCCL on GPU), Megatron's
-``parallel_state`` for the TP/DP groups, a flat DP all-reduce of gradients and a gradient norm
-that counts TP-duplicated parameters (norms, biases of row-parallel layers) once.
+``parallel_state`` for the TP/PP/CP/DP groups, a flat DP all-reduce of gradients and a gradient norm
+over TP x PP that counts TP-duplicated parameters (norms, biases of row-parallel layers) and the last
+pipeline stage's copy of a tied embedding once.
 """
 
 from __future__ import annotations
@@ -40,20 +41,24 @@ def init_distributed(
 
     Uses NCCL when CUDA is available (binding this process to ``LOCAL_RANK`` or ``rank % devices``),
     gloo otherwise; applies the CPU compatibility patches first. Idempotent for the process group
-    (an already initialised default group is reused).
+    (an already initialised default group is reused). Megatron's rank order: TP fastest, then CP, DP, PP
+    (with TP=2 x PP=2, ranks 0-1 are stage 0 and ranks 2-3 stage 1). With ``pipeline_model_parallel_size`` P > 1
+    the ``Actor`` holds one stage (1/P of the layers; the HF layer count must divide by P) and runs micro-batches
+    through Megatron's 1F1B schedule (package README, "Pipeline parallelism").
 
     Raises:
-        ValueError: the world size is not a multiple of TP x CP, CP < 1, or a pipeline-parallel size other
-            than 1 (not supported yet: see the package README, "Pipeline parallelism").
+        ValueError: the world size is not a multiple of TP x CP x PP, CP or PP < 1, or PP > 1 together with CP > 1
+            (not supported).
     """
-    check_pipeline_model_parallel_size(pipeline_model_parallel_size)
+    check_pipeline_model_parallel_size(pipeline_model_parallel_size, context_parallel_size=context_parallel_size)
     apply_cpu_compat()
     if context_parallel_size < 1:
         raise ValueError(f"--context-parallel-size must be >= 1, got {context_parallel_size}")
-    if world_size % (tensor_model_parallel_size * context_parallel_size):
+    if world_size % (tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size):
         raise ValueError(
             f"world size {world_size} is not a multiple of --tensor-model-parallel-size {tensor_model_parallel_size}"
             f" x --context-parallel-size {context_parallel_size}"
+            f" x --pipeline-model-parallel-size {pipeline_model_parallel_size}"
         )
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
@@ -74,37 +79,36 @@ def init_distributed(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
     )
     model_parallel_cuda_manual_seed(seed)
     logger.info(
-        "rank %d/%d joined (%s): tp=%d cp=%d dp=%d",
+        "rank %d/%d joined (%s): tp=%d cp=%d pp=%d dp=%d",
         rank,
         world_size,
         backend,
         tensor_model_parallel_size,
         context_parallel_size,
+        pipeline_model_parallel_size,
         parallel_state.get_data_parallel_world_size(),
     )
 
 
-def check_pipeline_model_parallel_size(size: int) -> None:
-    """Refuse pipeline parallelism, naming the flag and what to use instead.
-
-    Megatron's 1F1B schedule itself runs here (PP=2 over gloo gave PP=1's log-probs and gradients exactly), but
-    the Actor does not drive it yet: see the package README, "Pipeline parallelism".
+def check_pipeline_model_parallel_size(size: int, *, context_parallel_size: int = 1) -> None:
+    """Check the pipeline-parallel size on its own and against context parallelism, naming the flags.
 
     Raises:
-        ValueError: ``size`` is not 1.
+        ValueError: ``size`` < 1, or ``size`` > 1 with ``context_parallel_size`` > 1.
     """
-    if size == 1:
-        return
     if size < 1:
         raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {size}")
-    raise ValueError(
-        f"--pipeline-model-parallel-size {size} is not supported by tidal-actor (pipeline parallelism is not wired "
-        "into the Actor's train step, log-probs and weight export yet); use --pipeline-model-parallel-size 1 and "
-        "split the model with --tensor-model-parallel-size (and long sequences with --context-parallel-size)"
-    )
+    if size > 1 and context_parallel_size > 1:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {size} with --context-parallel-size {context_parallel_size} is not "
+            "supported by tidal-actor (pipeline stages are not wired to the context-parallel shards and gathers); "
+            "use one of them, e.g. --context-parallel-size 1, or --pipeline-model-parallel-size 1 with "
+            "--tensor-model-parallel-size for the model's size"
+        )
 
 
 def data_parallel_rank_and_size() -> tuple[int, int]:
@@ -141,18 +145,24 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of the model's gradients across TP ranks; scales them to ``max_norm`` if > 0.
+    """Global L2 norm of the model's gradients across TP x PP ranks; scales them to ``max_norm`` if > 0.
 
     TP-sharded parameters contribute their local shard on every rank; replicated ones only on
-    TP rank 0, so each weight is counted once. Returns the norm before clipping (``inf``/``nan``
-    when a gradient is not finite; nothing is scaled then).
+    TP rank 0, so each weight is counted once; each pipeline stage counts its own layers, and the last
+    stage's copy of a tied embedding (Megatron marks it ``shared``) is left to the first stage's. Every
+    rank of the model-parallel group gets the same norm, so a non-finite one skips the step everywhere.
+    Returns the norm before clipping (``inf``/``nan`` when a gradient is not finite; nothing is scaled then).
     """
-    grads = [p.grad for p in params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    grads = [
+        p.grad
+        for p in params
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)
+    ]
     device = params[0].device
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         sq += g.detach().float().square().sum()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+    if parallel_state.get_model_parallel_group().size() > 1:  # TP x PP
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
     norm = math.sqrt(sq.item())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:

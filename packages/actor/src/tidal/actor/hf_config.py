@@ -123,15 +123,23 @@ def to_transformer_config(
     use_cpu_initialization: bool = False,
     fused_swiglu: bool = False,
     context_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` equivalent to the HF model (no dropout, no TE).
 
     ``fused_swiglu`` turns on megatron's SwiGLU fusion (``torch.compile``d; saves only the MLP's fc1 output for
     backward instead of three tensors); every other fusion stays off.
 
+    With ``pipeline_model_parallel_size`` > 1 the settings Megatron's 1F1B schedule needs for packed micro-batches of
+    varying length: ``variable_seq_lengths`` (stages exchange each activation's shape first), which megatron-core
+    0.19 refuses with the default MoE token dispatcher "allgather" even for a dense model, so "alltoall" (no effect
+    without MoE); ``pipeline_dtype`` (the activations' dtype between stages: the parameters'); and
+    ``calculate_per_token_loss`` (tidal's loss is already normalised by the step's loss-token count, so the schedule
+    must not divide it by the number of micro-batches again).
+
     Raises:
         ValueError: heads or groups not divisible by the tensor-parallel size (the vocabulary is padded instead,
-            see ``vocab_padding``).
+            see ``vocab_padding``), or layers not divisible by the pipeline-parallel size.
     """
     tp = tensor_model_parallel_size
     for name, value in (
@@ -141,6 +149,20 @@ def to_transformer_config(
     ):
         if value % tp:
             raise ValueError(f"HF {name}={value} is not divisible by --tensor-model-parallel-size {tp}")
+    pp = pipeline_model_parallel_size
+    if spec.num_layers % pp:
+        raise ValueError(
+            f"HF num_hidden_layers={spec.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+            "choose a pipeline size that divides the layer count"
+        )
+    pipeline = {}
+    if pp > 1:
+        pipeline = dict(
+            variable_seq_lengths=True,
+            moe_token_dispatcher_type="alltoall",
+            pipeline_dtype=params_dtype,
+            calculate_per_token_loss=True,
+        )
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -164,7 +186,7 @@ def to_transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
         context_parallel_size=context_parallel_size,
         sequence_parallel=False,
         params_dtype=params_dtype,
@@ -172,4 +194,5 @@ def to_transformer_config(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=False,
+        **pipeline,
     )

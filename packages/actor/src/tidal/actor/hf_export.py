@@ -5,11 +5,15 @@ the engine's dtype on the GPU, in few large buffers (one NCCL broadcast or one I
 HF tensor of a bucket is copied straight from a view of the Megatron parameter (q/k/v and gate/up are strided
 views, no intermediate concatenation) into its slice of the bucket's flat buffer, with one ``_foreach_copy_`` per
 bucket, which casts on the fly. With TP > 1 the shards are all-gathered first (collective: every TP rank iterates).
+With pipeline stages every rank still yields the whole model: a bucket's layout follows from the HF shapes alone,
+each stage fills the slices of the tensors it holds, and each stage's run of slices is broadcast from it over the
+pipeline group (every rank of the pipeline iterates).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tidal.actor.bridge import _Mapping, _to_hf, expected_hf_shapes, weight_mappings
 from tidal.actor.hf_config import HFModelSpec
+from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +53,39 @@ def _hf_views(m: _Mapping, local: torch.Tensor, spec: HFModelSpec) -> list[torch
     return [local]
 
 
-def _sources(params: dict[str, torch.Tensor], spec: HFModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, source)`` for every HF tensor: views of the parameters (TP = 1) or gathered copies."""
+def _sources(
+    params: dict[str, torch.Tensor], spec: HFModelSpec, stage: PipelineStage
+) -> Iterator[tuple[str, int, torch.Tensor | None]]:
+    """``(hf_name, owner stage, source)`` for every HF tensor.
+
+    The source is a view of the parameter (TP = 1) or a gathered copy; None for the tensors another stage holds.
+    """
     size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     for m in weight_mappings(spec):
-        local = params[m.megatron].detach()
+        owner = stage.owner(m.megatron)
+        if owner != stage.rank:
+            yield from ((name, owner, None) for name in m.hf)
+            continue
+        local = params[stage.local_name(m.megatron)].detach()
         if m.kind == "replicated" or size == 1:
             tensors = _hf_views(m, local, spec)
         else:
             gathered = [torch.empty_like(local) for _ in range(size)]
             dist.all_gather(gathered, local.contiguous(), group=group)
             tensors = _to_hf(m, gathered, spec)
-        yield from zip(m.hf, tensors, strict=True)
+        yield from ((name, owner, t) for name, t in zip(m.hf, tensors, strict=True))
 
 
 @dataclass(slots=True)
 class _Plan:
-    """One bucket's sources (views of the parameters), and its buffer once ``reuse_buffers`` allocated it."""
+    """One bucket's sources (views of the parameters; None: another stage's), and its buffer once allocated."""
 
     names: tuple[str, ...]
-    sources: list[torch.Tensor]
+    sources: list[torch.Tensor | None]
     numel: int
+    segments: tuple[tuple[int, int, int], ...] = ()
+    """``(start, end, owner stage)`` of each run of the flat buffer filled by one stage (pipeline parallelism)."""
     bucket: HFTensorBucket | None = None
     dsts: list[torch.Tensor] | None = None
 
@@ -86,6 +102,7 @@ class HFExporter:
         reuse_buffers: keep each bucket's buffer and refill it on the next export (no allocation and no per-tensor
             Python work: one ``_foreach_copy_`` per bucket); a consumer must be done with a bucket before the
             next export. Otherwise every export allocates new buffers, which the consumer may keep.
+        stage: this rank's pipeline stage (``params`` named as in its module); None for the whole model.
     """
 
     def __init__(
@@ -96,56 +113,89 @@ class HFExporter:
         dtype: torch.dtype = torch.bfloat16,
         bucket_bytes: int = 512 * 2**20,
         reuse_buffers: bool = False,
+        stage: PipelineStage | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.spec, self.dtype, self.reuse = params, spec, dtype, reuse_buffers
+        self.stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
+        self.device = next(iter(params.values())).device
         self.bucket_bytes = bucket_bytes
         self.shapes = expected_hf_shapes(spec)
         self._plans = None
         if parallel_state.get_tensor_model_parallel_world_size() == 1:
-            self._plans = [
-                _Plan(tuple(n for n, _ in g), [t for _, t in g], sum(t.numel() for _, t in g)) for g in self._groups()
-            ]
+            self._plans = list(self._groups())
 
-    def _groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _numel(self, name: str) -> int:
+        return math.prod(self.shapes[name])
+
+    def _groups(self) -> Iterator[_Plan]:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        pending: list[tuple[str, torch.Tensor]] = []
+        pending: list[tuple[str, int, torch.Tensor | None]] = []
         pending_numel = 0
-        for name, src in _sources(self.params, self.spec):
-            if pending and (pending_numel + src.numel()) * itemsize > self.bucket_bytes:
-                yield pending
+        for name, owner, src in _sources(self.params, self.spec, self.stage):
+            if pending and (pending_numel + self._numel(name)) * itemsize > self.bucket_bytes:
+                yield self._plan(pending)
                 pending, pending_numel = [], 0
-            pending.append((name, src))
-            pending_numel += src.numel()
+            pending.append((name, owner, src))
+            pending_numel += self._numel(name)
         if pending:
-            yield pending
+            yield self._plan(pending)
+
+    def _plan(self, group: list[tuple[str, int, torch.Tensor | None]]) -> _Plan:
+        segments: list[tuple[int, int, int]] = []
+        offset = 0
+        for name, owner, _ in group:
+            end = offset + self._numel(name)
+            if segments and segments[-1][2] == owner:
+                segments[-1] = (segments[-1][0], end, owner)
+            else:
+                segments.append((offset, end, owner))
+            offset = end
+        return _Plan(
+            tuple(n for n, _, _ in group),
+            [t for _, _, t in group],
+            offset,
+            tuple(segments) if self.stage.size > 1 else (),
+        )
 
     def buckets(self) -> Iterator[HFTensorBucket]:
-        """Every HF tensor, cast to ``dtype``, in HF order (TP > 1: all-gathers; every TP rank must iterate)."""
-        if self._plans is None:
-            for group in self._groups():
-                yield self._fill(
-                    _Plan(tuple(n for n, _ in group), [t for _, t in group], sum(t.numel() for _, t in group))
-                )
-            return
-        for plan in self._plans:
+        """Every HF tensor, cast to ``dtype``, in HF order.
+
+        Collective with TP > 1 (all-gathers: every TP rank must iterate) and with pipeline stages (broadcasts:
+        every rank of the pipeline must iterate).
+        """
+        for plan in self._plans if self._plans is not None else self._groups():
             yield self._fill(plan)
 
     @torch.no_grad()
     def _fill(self, plan: _Plan) -> HFTensorBucket:
         if plan.bucket is not None:
-            torch._foreach_copy_(plan.dsts, plan.sources)
+            self._copy(plan.dsts, plan.sources, plan.segments, plan.bucket.flat)
             return plan.bucket
-        flat = torch.empty(plan.numel, dtype=self.dtype, device=plan.sources[0].device)
+        flat = torch.empty(plan.numel, dtype=self.dtype, device=self.device)
         dsts, views, offset = [], [], 0
         for name, src in zip(plan.names, plan.sources, strict=True):
-            part = flat[offset : offset + src.numel()]
-            dsts.append(part.view(src.shape))
+            part = flat[offset : offset + self._numel(name)]
+            dsts.append(part.view(src.shape) if src is not None else None)
             views.append(part.view(self.shapes[name]))
-            offset += src.numel()
-        torch._foreach_copy_(dsts, plan.sources)
+            offset += self._numel(name)
+        self._copy(dsts, plan.sources, plan.segments, flat)
         bucket = HFTensorBucket(flat=flat, names=plan.names, tensors=tuple(views))
         if self.reuse:
             plan.bucket, plan.dsts = bucket, dsts
         return bucket
+
+    def _copy(
+        self,
+        dsts: list[torch.Tensor | None],
+        sources: list[torch.Tensor | None],
+        segments: tuple[tuple[int, int, int], ...],
+        flat: torch.Tensor,
+    ) -> None:
+        """This stage's tensors into their slices (one multi-tensor copy), then each stage's run from its owner."""
+        pairs = [(d, s) for d, s in zip(dsts, sources, strict=True) if s is not None]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        for start, end, owner in segments:
+            broadcast_from_stage(flat[start:end], owner)
