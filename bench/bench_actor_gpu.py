@@ -51,6 +51,7 @@ from bench_batching import lognormal_mix  # the RL-shaped length mix of the batc
 torch.set_num_threads(os.cpu_count() or 1)  # bench_batching pins one thread for its own timings
 
 PEAK_FLOPS = 989e12
+DUMP = lambda: None  # noqa: E731  (main sets it: write the report so far, so a killed run keeps what it measured)
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 
@@ -64,6 +65,17 @@ QWEN2_1_5B = dict(
     max_position_embeddings=32768,
     rope_theta=1e6,
     tie_word_embeddings=True,
+)
+QWEN2_7B = dict(  # Qwen2-7B's shape: the memory-headroom case of issue 11
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
 )
 TINY = dict(
     vocab_size=512,
@@ -174,8 +186,30 @@ def actor_config(args, ckpt: Path):
         log_probs_chunk_size=args.chunk,
         fused_kernels=not args.no_fused,
         recompute_lm_head=not args.keep_lm_head,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
         **precision,
     )
+
+
+def offload_check(report: dict) -> None:
+    """CPUOffloadAdamW against torch's fused AdamW on this device: three steps of the same random parameters."""
+    from tidal.actor.offload import CPUOffloadAdamW
+
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [(4096, 1000), (777,), (3, 5000)]
+    ref = [torch.nn.Parameter(torch.randn(s, device=DEV, generator=gen)) for s in shapes]
+    off = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.98), "eps": 1e-8, "weight_decay": 0.1}
+    opts = [torch.optim.AdamW(ref, fused=CUDA, **hyper), CPUOffloadAdamW(off, staging_bytes=2**20, **hyper)]
+    for _ in range(3):
+        grads = [torch.randn(s, device=DEV, generator=gen) for s in shapes]
+        for params, opt in zip((ref, off), opts, strict=True):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    diff = max(float((a - b).abs().max()) for a, b in zip(ref, off, strict=True))
+    report["offload_adamw_vs_fused_adamw_max_abs_diff"] = diff
+    log(f"CPUOffloadAdamW vs fused AdamW on {DEV}: max abs diff {diff}")
 
 
 def logprob_transient_estimate(cfg: dict, tokens: int, chunk: int, fused: bool) -> float:
@@ -233,6 +267,23 @@ def smoke_fused(report: dict, args) -> None:
         args.no_fused = True
 
 
+def time_optimizer_steps(actor) -> list[float]:
+    """Wrap ``actor.optimizer.step`` to record its wall time (the offloaded update runs on the CPU)."""
+    step_times: list[float] = []
+    optimizer_step = actor.optimizer.step
+
+    def timed_optimizer_step(*a, **kw):
+        sync()
+        start = time.perf_counter()
+        out = optimizer_step(*a, **kw)
+        sync()
+        step_times.append(time.perf_counter() - start)
+        return out
+
+    actor.optimizer.step = timed_optimizer_step
+    return step_times
+
+
 def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
     from tidal.actor import Actor
     from tidal.actor.bridge import enable_layer_recompute
@@ -242,9 +293,14 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
     if CUDA and not args.no_fused:  # a torch.compile / Triton failure must not cost the run: fall back to eager
         smoke_fused(report, args)
     cfg = actor_config(args, ckpt)
+    if cfg.optimizer_cpu_offload:
+        offload_check(report)
+    t0 = time.perf_counter()
     actor = Actor(cfg)
+    report["actor_build_s"] = time.perf_counter() - t0
     keys = ("params_dtype", "fp32_main_params", "bf16", "fused_kernels", "recompute_lm_head", "log_probs_chunk_size")
-    report["actor_config"] = {k: getattr(cfg, k) for k in keys}
+    report["actor_config"] = {k: getattr(cfg, k) for k in (*keys, "optimizer_cpu_offload")}
+    step_times = time_optimizer_steps(actor)
     real = int(lengths.sum())
     resident = allocated_gib()
     report["actor_resident_gib_after_build"] = resident
@@ -275,6 +331,7 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
             "times_s": times,
         }
         log(f"{tag}: {report[tag]}")
+        DUMP()
 
     measure_logprob("tidal_logprob")
     old = [None] * len(tokens)
@@ -309,8 +366,10 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
             "mfu": flops["train"] / t / PEAK_FLOPS,
             "peak_gib": peak_gib(),
             "times_s": times,
+            "optimizer_step_s": statistics.median(step_times[-len(times) :]) if step_times else None,
         }
         log(f"{tag}: {report[tag]}")
+        DUMP()
         return True
 
     fits = [m for m in args.max_tokens_train if train(m, f"tidal_train_{m}")]
@@ -579,6 +638,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths, for debugging on CPU")
+    p.add_argument("--model", choices=["1.5b", "7b"], default="1.5b", help="Qwen2 shape of the random model")
+    p.add_argument("--optimizer-cpu-offload", action="store_true", help="AdamW moments in host memory")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
@@ -605,7 +666,8 @@ def main() -> None:
     import transformers
 
     report["transformers"] = transformers.__version__
-    dump = lambda: Path(args.out, "actor_bench.json").write_text(json.dumps(report, indent=2))  # noqa: E731
+    global DUMP
+    DUMP = dump = lambda: Path(args.out, "actor_bench.json").write_text(json.dumps(report, indent=2))
 
     from tidal.actor import init_distributed
 
@@ -613,7 +675,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
-    cfg = TINY if args.tiny else QWEN2_1_5B
+    cfg = TINY if args.tiny else {"1.5b": QWEN2_1_5B, "7b": QWEN2_7B}[args.model]
     args.model_cfg = cfg
     work = make_workload(args.samples, args.seed, cfg["vocab_size"], 0.05 if args.tiny else 1.0)
     lengths = work["lengths"]
