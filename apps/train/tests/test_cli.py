@@ -26,6 +26,12 @@ BAD = [
     (["--debug-train-only"], "--load-debug-rollout-data"),
     (["--debug-rollout-only", "--debug-train-only"], "--debug-rollout-only"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),  # 1 actor GPU
+    (
+        ["--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+        "--context-parallel-size",
+    ),
     (["--advantage-estimator", "magic"], "--advantage-estimator"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c"),
     (["--use-kl-loss"], "--kl-loss-coef"),
@@ -111,3 +117,13 @@ def test_use_wandb_without_wandb_says_how_to_install_it():
 def test_external_engines_parse_to_urls():
     job = parse_job(["--rollout-external", "--rollout-external-engine-addrs", "127.0.0.1:30000", "10.0.0.5:30001"])
     assert job.rollout.external_engine_urls() == ["http://127.0.0.1:30000", "http://10.0.0.5:30001"]
+
+
+def test_pipeline_stages_must_divide_the_layers(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_hidden_layers": 3}')
+    argv = ["--hf-checkpoint", str(tmp_path), "--prompt-data", __file__, "--rollout-batch-size", "4"]
+    argv += ["--actor-num-gpus-per-node", "4"]
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 does not divide the model's 3 layers"):
+        parse_job([*argv, "--pipeline-model-parallel-size", "2"])
+    job = parse_job([*argv, "--pipeline-model-parallel-size", "3", "--actor-num-gpus-per-node", "3"])
+    assert job.train.pipeline_model_parallel_size == 3

@@ -162,6 +162,30 @@ def test_startup_timeout_raises_and_kills_the_server(tiny_model_dir: Path, tmp_p
     assert not [p for p, _, g in _procs() if g == pgid]
 
 
+def _cpu_seconds(pids: set[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_cpu_server_does_not_spin(sglang_server: SGLangEngine) -> None:
+    if not sglang_server.cpu:
+        pytest.skip("--sleep-on-idle is a CPU default")
+    # without --sleep-on-idle the scheduler's busy loop took ~65% of a core here while no request came
+    sglang_server.generate([[3, 4]], {"max_new_tokens": 2})
+    pids = {sglang_server.pid, *_descendants(sglang_server.pid)}
+    start_cpu, start = _cpu_seconds(pids), time.monotonic()
+    time.sleep(3.0)  # measuring idleness: nothing to wait for
+    used = (_cpu_seconds(pids) - start_cpu) / (time.monotonic() - start)
+    assert used < 0.2, f"the idle server used {used:.0%} of a core"
+
+
 @pytest.mark.stops_sglang_server
 def test_shutdown_leaves_no_process(sglang_server: SGLangEngine) -> None:
     pid = sglang_server.pid

@@ -6,6 +6,7 @@ with one line naming the flag.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -94,7 +95,7 @@ def parse_job(argv: list[str]):
         raise ValueError(f"--hf-checkpoint {hf} has no config.json; point it at a Hugging Face model directory")
     ckpt = sections["ckpt"]
     ckpt.setdefault("save", str(Path(train_cfg.output_dir) / "ckpt"))
-    _check_cross_section(train_cfg, rollout, placement, ckpt)
+    _check_cross_section(train_cfg, rollout, placement, ckpt, hf)
     return JobConfig(
         train=train_cfg,
         placement=PlacementConfig(**placement),
@@ -105,7 +106,7 @@ def parse_job(argv: list[str]):
     )
 
 
-def _check_cross_section(train, rollout: dict, placement: dict, ckpt: dict) -> None:
+def _check_cross_section(train, rollout: dict, placement: dict, ckpt: dict, hf: str) -> None:
     """Checks that span packages; each package's own config checks the rest when it is built."""
     if train.debug_train_only and not rollout.get("load_debug_rollout_data"):
         raise ValueError(
@@ -133,13 +134,25 @@ def _check_cross_section(train, rollout: dict, placement: dict, ckpt: dict) -> N
                 "drop one of them"
             )
     gpus = placement.get("actor_num_nodes", 1) * placement.get("actor_num_gpus_per_node", 1)
-    model_parallel = train.tensor_model_parallel_size * train.context_parallel_size
+    pp = train.pipeline_model_parallel_size
+    model_parallel = train.tensor_model_parallel_size * train.context_parallel_size * pp
     if gpus % model_parallel:
         raise ValueError(
             f"--tensor-model-parallel-size {train.tensor_model_parallel_size} x --context-parallel-size "
-            f"{train.context_parallel_size} = {model_parallel} does not divide the {gpus} actor GPU(s) "
-            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+            f"{train.context_parallel_size} x --pipeline-model-parallel-size {pp} = {model_parallel} does not divide "
+            f"the {gpus} actor GPU(s) (--actor-num-nodes x --actor-num-gpus-per-node)"
         )
+    if pp > 1:
+        from tidal.actor.distributed import check_pipeline_model_parallel_size
+
+        check_pipeline_model_parallel_size(pp, context_parallel_size=train.context_parallel_size)
+        config = Path(hf) / "config.json"  # the embedded model may not be built yet: the actor checks it then
+        layers = json.loads(config.read_text()).get("num_hidden_layers", 0) if config.is_file() else 0
+        if layers % pp:
+            raise ValueError(
+                f"--pipeline-model-parallel-size {pp} does not divide the model's {layers} layers "
+                f"(num_hidden_layers in {Path(hf) / 'config.json'}); pick a divisor of {layers}"
+            )
     if ckpt.get("load"):
         from tidal.ckpt import CheckpointError, resolve_checkpoint
 

@@ -77,6 +77,7 @@ def start_cluster(job: JobConfig, out: Path, *, with_engines: bool = True, with_
                         seed=job.train.seed,
                         tensor_model_parallel_size=job.train.tensor_model_parallel_size,
                         context_parallel_size=job.train.context_parallel_size,
+                        pipeline_model_parallel_size=job.train.pipeline_model_parallel_size,
                         ref_load=job.ckpt.ref_load,
                     )
                 )

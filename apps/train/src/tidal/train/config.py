@@ -44,6 +44,8 @@ class TrainConfig:
     """Tensor-parallel size of the actor (--tensor-model-parallel-size)."""
     context_parallel_size: int = 1
     """Context-parallel size of the actor (--context-parallel-size)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages of the actor, Megatron's 1F1B schedule (--pipeline-model-parallel-size)."""
     update_weights_interval: int = 1
     """Hand the actor's weights to the engines every this many rollouts (--update-weights-interval)."""
     update_weight_buffer_size: int = 512 * 1024**2
@@ -72,6 +74,7 @@ class TrainConfig:
             ("--num-eval-prompts", self.num_eval_prompts, 1),
             ("--tensor-model-parallel-size", self.tensor_model_parallel_size, 1),
             ("--context-parallel-size", self.context_parallel_size, 1),
+            ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, 1),
             ("--update-weights-interval", self.update_weights_interval, 1),
             ("--reward-sanity-rollouts", self.reward_sanity_rollouts, 0),
             ("--update-weight-buffer-size", self.update_weight_buffer_size, 1),

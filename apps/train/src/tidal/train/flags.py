@@ -28,6 +28,7 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--seed", {"type": int, "help": "seed of data order and initialisation"}),
         ("--tensor-model-parallel-size", {"type": int, "help": "actor tensor-parallel size"}),
         ("--context-parallel-size", {"type": int, "help": "actor context-parallel size"}),
+        ("--pipeline-model-parallel-size", {"type": int, "help": "actor pipeline stages (1F1B schedule)"}),
         ("--update-weight-buffer-size", {"type": int, "help": "bytes per weight-sync shard/bucket"}),
         ("--update-weights-interval", {"type": int, "help": "sync weights to the engines every N rollouts"}),
         ("--save-hf", {"help": "also write an HF checkpoint at every save; {rollout_id} in the path is filled in"}),

@@ -64,6 +64,7 @@ class ActorWorker:
         seed: int,
         tensor_model_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
         ref_load: str | None = None,
     ) -> None:
         setup_logging(f"actor r{rank}")
@@ -78,8 +79,9 @@ class ActorWorker:
             seed=seed,
             tensor_model_parallel_size=tensor_model_parallel_size,
             context_parallel_size=context_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
         )
-        self.dp_size = world_size // (tensor_model_parallel_size * context_parallel_size)
+        self.dp_size = world_size // (tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size)
         self.rank = rank
         self.world_size = world_size
         self.batching_cfg = batching_cfg
