@@ -10,25 +10,15 @@ torch.saves all three to OUT_FILE. ``pp_part`` at world size 1 is the single-pro
 import sys
 
 import torch
+from cp_worker import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
 from tidal.actor import Actor, ActorConfig, init_distributed
-from tidal.batching import pack, unpack
+from tidal.batching import pack
 from tidal.ckpt import load_checkpoint, save_checkpoint
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77], [9, 8, 7, 6, 5]]
 # adam_eps=1 makes Adam's first update ~ lr * grad (not ~ lr * sign(grad), which flips on rounding noise)
 CFG = dict(lr=1.0, adam_eps=1.0, clip_grad=0.5, entropy_coef=0.01, log_probs_chunk_size=7)
-
-
-def rl_batch(actor, seqs, advantages, **kw):
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in seqs]
-    plain = pack(seqs, loss_masks=masks)
-    old = unpack(actor.compute_log_probs(plain), plain)
-    fields = {
-        "old_log_probs": [o.tolist() for o in old],
-        "advantages": [[a] * len(s) for a, s in zip(advantages, seqs, strict=True)],
-    }
-    return pack(seqs, loss_masks=masks, token_fields=fields, **kw)
 
 
 def exports(actor, hf_dir: str) -> dict:
