@@ -17,6 +17,7 @@ at a time) because QKV and gate/up merging needs several HF tensors per Megatron
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
 from tidal.actor.cp_attention import ContextParallelCoreAttention
-from tidal.actor.fused import PackedSelfAttention
+from tidal.actor.fused import FusedRMSNorm, FusedSwiGLUMLP, PackedSelfAttention
 from tidal.actor.hf_config import HFModelSpec
 from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 from tidal.actor.rope_scaling import apply_rope_scaling
@@ -53,6 +54,11 @@ def build_gpt_model(spec: HFModelSpec, config: TransformerConfig, stage: Pipelin
     layer_spec.submodules.self_attention.submodules.core_attention = core_attention
     if config.context_parallel_size == 1:  # q/k/v split + RoPE in one pass (tidal.actor.fused)
         layer_spec.submodules.self_attention.module = PackedSelfAttention
+    # megatron's MLP with SwiGLU as Triton kernels (fused_kernels); the spec's mlp is a partial of MLP.as_mlp_submodule
+    mlp = layer_spec.submodules.mlp
+    layer_spec.submodules.mlp = functools.partial(FusedSwiGLUMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    layer_spec.submodules.input_layernorm = FusedRMSNorm  # torch's RMSNorm; Triton kernels with fused_kernels
+    layer_spec.submodules.pre_mlp_layernorm = FusedRMSNorm
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

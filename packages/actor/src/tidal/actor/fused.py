@@ -26,13 +26,16 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from tidal.actor.attention import _varlen_attn_supports_gqa
 
 logger = logging.getLogger(__name__)
 
-# set_fused_kernels(True): split_rope_qkv runs as Triton kernels (CUDA tensors only; rope_kernel.py).
+# set_fused_kernels(True): split_rope_qkv, SwiGLU and the layers' RMSNorm run as Triton kernels (CUDA tensors only;
+# rope_kernel.py, swiglu_kernel.py, norm_kernel.py).
 _FUSED = [False]
 # The last table: (freqs, cu_seqlens, tokens, dtype, inference mode) -> (cos, sin). Strong references keep the
 # keys alive, so an identity match cannot be a recycled object.
@@ -40,7 +43,7 @@ _TABLE: list[tuple[Any, ...] | None] = [None]
 
 
 def set_fused_kernels(enabled: bool) -> None:
-    """Run ``split_rope_qkv`` as Triton kernels for CUDA tensors (the Actor's ``fused_kernels``)."""
+    """Run ``split_rope_qkv``, SwiGLU and RMSNorm as Triton kernels for CUDA tensors (the Actor's ``fused_kernels``)."""
     _FUSED[0] = enabled
 
 
@@ -184,3 +187,51 @@ class PackedSelfAttention(SelfAttention):
         cos, sin = cos.to(mixed.dtype), sin.to(mixed.dtype)
         q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, expand)
         return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+
+
+class FusedSwiGLUMLP(MLP):
+    """Megatron's ``MLP`` whose SwiGLU runs as Triton kernels (``swiglu_kernel.swiglu``) with ``fused_kernels``.
+
+    For CUDA input of a gated SiLU MLP (no clamp, no per-token scale); anything else takes megatron's own forward.
+    Constructed exactly like ``MLP`` (the layer spec passes the same arguments).
+    """
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs: Any):
+        """``MLP.forward``; fc1, the Triton SwiGLU, fc2 on CUDA with fused kernels."""
+        cfg = self.config
+        if not (
+            _FUSED[0]
+            and hidden_states.is_cuda
+            and per_token_scale is None
+            and cfg.gated_linear_unit
+            and cfg.activation_func is F.silu
+            and cfg.activation_func_clamp_value is None
+            and not cfg.use_te_activation_func
+            and not cfg.activation_func_fp8_input_store
+        ):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        from tidal.actor.swiglu_kernel import swiglu
+
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        return self.linear_fc2(swiglu(intermediate))
+
+
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built like megatron's ``WrappedTorchNorm``, run as Triton kernels with ``fused_kernels``.
+
+    On CUDA with ``set_fused_kernels(True)`` it calls ``norm_kernel.rms_norm``; otherwise torch's own RMSNorm. The
+    parameter is ``weight``, as in torch's.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of ``x`` over its last dim."""
+        if _FUSED[0] and x.is_cuda and self.weight is not None and self.eps is not None and x.size(-1) <= 16384:
+            from tidal.actor.norm_kernel import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
+        return super().forward(x)

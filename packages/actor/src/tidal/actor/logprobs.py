@@ -16,13 +16,12 @@ independent of the number of tokens (versus ``T * V / tp * 4`` for full logits).
 
 With TP = 1 the log-softmax needs no cross-rank reductions: ``local_log_probs`` reads the (bf16) logits once into
 an fp32 log-softmax (one kernel) instead of materialising fp32 logits, shifted logits and their exponentials
-(~6 full passes over ``[chunk, V]``); with ``fused=True`` (CUDA) it is ``torch.compile``d, which fuses log-softmax,
-gather and entropy into reductions over the logits.
+(~6 full passes over ``[chunk, V]``); with ``fused=True`` on CUDA it is two Triton kernels instead
+(``logsumexp_kernel.fused_log_probs``: one row reduction forward, one elementwise pass backward).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -113,11 +112,6 @@ def local_log_probs(
     return lp, -(src.exp() * src).sum(dim=-1)
 
 
-@functools.cache
-def _compiled_local_log_probs():
-    return torch.compile(local_log_probs)
-
-
 def chunked_log_probs(
     hidden: torch.Tensor,
     output_layer: torch.nn.Module,
@@ -142,7 +136,7 @@ def chunked_log_probs(
         temperature: logits are divided by it first (the sampling temperature of the rollout).
         with_entropy: also return the per-row entropy.
         entropy_grad: let gradients flow through the entropy (False when it is only a metric).
-        fused: with TP = 1, run the log-softmax through ``torch.compile`` (CUDA).
+        fused: with TP = 1 on CUDA, run the log-softmax as Triton kernels (``fused_log_probs``).
         recompute: with autograd on, rebuild each chunk's logits in backward (else keep them: faster, but
             ~2 bytes x rows x V / tp more memory).
 
@@ -150,19 +144,17 @@ def chunked_log_probs(
         ``(log_probs [N], entropy [N] or None)``, float32.
     """
     tp1 = parallel_state.get_tensor_model_parallel_world_size() == 1
-    local = _compiled_local_log_probs() if fused else local_log_probs
-    # the log-prob pass (no autograd, no entropy) on CUDA: one Triton row reduction per chunk (logsumexp_kernel.py)
-    lse_kernel = fused and tp1 and not with_entropy and not torch.is_grad_enabled()
 
     def one_chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, _ = output_layer(h, weight=output_weight)
-        if lse_kernel and logits.is_cuda:
-            from tidal.actor.logsumexp_kernel import target_log_probs
+        if fused and tp1 and logits.is_cuda:  # one Triton reduction forward, one elementwise pass backward
+            from tidal.actor.logsumexp_kernel import fused_log_probs
 
-            lp = target_log_probs(logits.squeeze(1), t, temperature)
-            return lp, torch.zeros_like(lp)
+            return fused_log_probs(
+                logits.squeeze(1), t, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+            )
         if tp1:
-            return local(
+            return local_log_probs(
                 logits.squeeze(1), t, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
             )
         logits = logits.squeeze(1).float()

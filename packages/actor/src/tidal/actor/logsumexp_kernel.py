@@ -1,10 +1,18 @@
-"""Triton kernel for the log-prob pass's LM-head reduction at TP = 1: ``log_softmax(logits)[target]`` per row.
+"""Triton kernels for the LM head's log-softmax at TP = 1: log-prob of the target (and entropy), forward and backward.
 
-``torch.compile`` of ``local_log_probs`` reads a ``[4096, 151936]`` bf16 chunk at ~1.1 TB/s on the H200 (its online
-softmax keeps a max and a sum per lane: two exponentials per element). Here each program streams one row in blocks,
-keeps one running max and sum (one exponential per element plus a rescale per block) and writes
-``logit[target] - logsumexp(row)`` in fp32. Used without autograd and without entropy (the log-prob pass);
-everything else keeps ``local_log_probs``. Tested on CPU against it under ``TRITON_INTERPRET=1``.
+``torch.compile`` of ``local_log_probs`` reads a ``[4096, 151936]`` bf16 chunk at ~1.1 TB/s on the H200 in the
+log-prob pass (its online softmax keeps a max and a sum per lane: two exponentials per element), and in training
+its forward (log-softmax + entropy) and backward (log-softmax backward, plus a separate scatter of the gathered
+gradient into a zeroed fp32 ``[N, V]``) took ~0.11 s of a 2.1 s step (issue 11's third-pass profile).
+
+Here the forward streams each row once in blocks, keeping a running max ``m``, ``s = sum exp(x - m)`` and (for the
+entropy) ``t = sum exp(x - m) * x``, and writes ``lp = x[target] - lse``, ``H = lse - t / s`` and ``lse``. The
+backward is elementwise over ``[N, V]`` from the saved ``lse`` and ``H``:
+
+    d lp / d x_j = [j == target] - p_j          d H / d x_j = -p_j * (log p_j + H)          p_j = exp(x_j - lse)
+
+(divided by the temperature), written straight in the logits' dtype. Arithmetic in fp32. Tested on CPU against
+``local_log_probs`` (values and gradients) under Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -17,37 +25,110 @@ _BLOCK = 4096
 
 
 @triton.jit
-def _target_log_prob(logits, targets, out, V, stride, temperature, BLOCK: tl.constexpr):
+def _log_prob_fwd(logits, targets, lp, ent, lse, V, stride, temperature, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = logits + row.to(tl.int64) * stride
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
     s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    t = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temperature
+        mask = cols < V
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temperature
         m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        scale = tl.exp(m - m_new)
+        e = tl.exp(x - m_new)
+        s = s * scale + tl.sum(e, 0)
+        if WITH_ENT:
+            t = t * scale + tl.sum(tl.where(mask, e * x, 0.0), 0)
         m = m_new
+    log_z = m + tl.log(s)
     target = tl.load(base + tl.load(targets + row)).to(tl.float32) / temperature
-    tl.store(out + row, target - (m + tl.log(s)))
+    tl.store(lp + row, target - log_z)
+    if WITH_ENT:
+        tl.store(ent + row, log_z - t / s)
+        tl.store(lse + row, log_z)
 
 
-def target_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets)`` for ``logits [N, V]`` (no autograd).
+@triton.jit
+def _log_prob_bwd(
+    logits, targets, lse, ent, grad_lp, grad_ent, grad, V, stride, grad_stride, temperature,
+    ENT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    x = tl.load(logits + row.to(tl.int64) * stride + cols, mask=mask, other=0.0).to(tl.float32) / temperature
+    log_z = tl.load(lse + row)
+    g_lp = tl.load(grad_lp + row)
+    log_p = x - log_z
+    p = tl.exp(log_p)
+    g = tl.where(cols == tl.load(targets + row), g_lp, 0.0) - g_lp * p
+    if ENT_GRAD:
+        g -= tl.load(grad_ent + row) * p * (log_p + tl.load(ent + row))
+    g = g / temperature
+    tl.store(grad + row.to(tl.int64) * grad_stride + cols, g.to(grad.dtype.element_ty), mask=mask)
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, entropy_grad):
+        n, vocab = logits.shape
+        targets = targets.contiguous()
+        lp = torch.empty(n, device=logits.device, dtype=torch.float32)
+        keep = with_entropy or logits.requires_grad  # the backward needs lse (the forward then writes both)
+        ent = torch.empty_like(lp) if keep else torch.zeros_like(lp)
+        lse = torch.empty_like(lp) if keep else lp
+        if n:
+            _log_prob_fwd[(n,)](
+                logits, targets, lp, ent, lse, vocab, logits.stride(0), float(temperature),
+                WITH_ENT=keep, BLOCK=_BLOCK, num_warps=8,
+            )  # fmt: skip
+        ctx.temperature = float(temperature)
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(logits, targets, lse, ent)
+        if not with_entropy:
+            ent = torch.zeros_like(lp)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        logits, targets, lse, ent = ctx.saved_tensors
+        n, vocab = logits.shape
+        grad = torch.empty((n, vocab), device=logits.device, dtype=logits.dtype)
+        ent_grad = ctx.entropy_grad and grad_ent is not None
+        if grad_lp is None:
+            grad_lp = torch.zeros(n, device=logits.device, dtype=torch.float32)
+        if n:
+            _log_prob_bwd[(n, triton.cdiv(vocab, _BLOCK))](
+                logits, targets, lse, ent, grad_lp.float().contiguous(),
+                grad_ent.float().contiguous() if ent_grad else grad_lp, grad, vocab, logits.stride(0),
+                grad.stride(0), ctx.temperature, ENT_GRAD=ent_grad, BLOCK=_BLOCK, num_warps=8,
+            )  # fmt: skip
+        return grad, None, None, None, None
+
+
+def fused_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``local_log_probs`` as Triton kernels: log-prob of ``targets`` (and entropy) under ``softmax(logits / T)``.
 
     Args:
-        logits: ``[N, V]`` (bf16/fp16/fp32), last dim contiguous.
+        logits: ``[N, V]`` (bf16/fp16/fp32), last dim contiguous; differentiable.
         targets: int64 ``[N]`` column of each row to read.
         temperature: the logits are divided by it first.
+        with_entropy: also compute the entropy (else the second output is zeros).
+        entropy_grad: let gradients flow through the entropy (False: it is a metric only).
 
     Returns:
-        float32 ``[N]``.
+        ``(log_probs [N], entropy [N])`` float32.
     """
-    assert logits.dim() == 2 and logits.stride(-1) == 1 and not torch.is_grad_enabled()
-    n, vocab = logits.shape
-    out = torch.empty(n, device=logits.device, dtype=torch.float32)
-    if n:
-        _target_log_prob[(n,)](
-            logits, targets.contiguous(), out, vocab, logits.stride(0), float(temperature), BLOCK=_BLOCK, num_warps=8
-        )
-    return out
+    assert logits.dim() == 2 and logits.stride(-1) == 1
+    return _FusedLogProbs.apply(logits, targets, temperature, with_entropy, entropy_grad)
