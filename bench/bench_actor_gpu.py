@@ -227,43 +227,76 @@ def allocated_gib() -> float:
     return torch.cuda.memory_allocated() / 2**30 if CUDA else float("nan")
 
 
+def _max_diff(results: list[list[torch.Tensor]]) -> float:
+    return max(float((a.detach().float() - b.detach().float()).abs().max()) for a, b in zip(*results, strict=True))
+
+
+def _against_eager(fns, inputs: list[torch.Tensor], grad_of, differentiable: int | None = None) -> float:
+    """Max abs difference of outputs and input gradients between ``fns[0]`` (eager) and ``fns[1]`` (Triton), on
+    the same ``inputs`` (the first ``differentiable`` of them get gradients; all by default)."""
+    res = []
+    n = len(inputs) if differentiable is None else differentiable
+    for fn in fns:
+        leaves = [t.clone().requires_grad_(i < n) for i, t in enumerate(inputs)]
+        out = fn(*leaves)
+        out = out if isinstance(out, tuple) else (out,)
+        grad_of(out).backward()
+        res.append([*out, *(t.grad for t in leaves[:n])])
+    return _max_diff(res)
+
+
 def smoke_fused(report: dict, args) -> None:
-    """Run each fused kernel once (and the Triton split + RoPE against eager); on failure run unfused."""
+    """Run each Triton kernel once against the eager function it replaces; on failure run unfused."""
     try:
-        from tidal.actor.logprobs import _compiled_local_log_probs
-
-        x = torch.randn(64, 1000, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        lp, ent = _compiled_local_log_probs()(x, torch.randint(0, 1000, (64,), device=DEV), with_entropy=True)
-        (lp.sum() + ent.sum()).backward()
         from tidal.actor.fused import split_rope_qkv
-        from tidal.actor.rope_kernel import split_rope_qkv_triton
-
-        # the Triton q/k/v split + RoPE against the eager function on the device (fp32: exact up to fma)
-        diffs = {}
-        for dt in (torch.float32, torch.bfloat16):
-            res = []
-            for fn in (split_rope_qkv, split_rope_qkv_triton):
-                gen = torch.Generator(device=DEV).manual_seed(0)
-                mixed = torch.randn(3000, 2, 1024, device=DEV, generator=gen).to(dt).requires_grad_()
-                bias = torch.randn(2048, device=DEV, generator=gen).to(dt).requires_grad_()
-                cos, sin = (torch.randn(3000, 1, 128, device=DEV, generator=gen).to(dt) for _ in range(2))
-                out = fn(mixed, bias, cos, sin, 6, True)  # k/v expanded, as on torch 2.11
-                sum((o.float() * (i + 1)).sum() for i, o in enumerate(out)).backward()
-                res.append([*out, mixed.grad, bias.grad])
-            diffs[str(dt)] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(*res, strict=True))
-        report["split_rope_triton_vs_eager_max_abs_diff"] = diffs
         from tidal.actor.logprobs import local_log_probs
-        from tidal.actor.logsumexp_kernel import target_log_probs
+        from tidal.actor.logsumexp_kernel import fused_log_probs
+        from tidal.actor.norm_kernel import rms_norm
+        from tidal.actor.rope_kernel import split_rope_qkv_triton
+        from tidal.actor.swiglu_kernel import swiglu
 
-        with torch.no_grad():  # the Triton log-prob reduction against the eager log-softmax
-            x = torch.randn(256, 151936, device=DEV).mul(4).to(torch.bfloat16)
-            t = torch.randint(0, 151936, (256,), device=DEV)
-            diff = float((target_log_probs(x, t) - local_log_probs(x, t)[0]).abs().max())
-        report["target_log_probs_triton_vs_eager_max_abs_diff"] = diff
-        log(f"target_log_probs triton vs eager: {diff}")
-        log(f"split_rope triton vs eager: {diffs}")
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        diffs = {}
+        for dt in (torch.float32, torch.bfloat16):  # the q/k/v split + RoPE (fp32: exact up to fma)
+            diffs[f"split_rope_{dt}"] = _against_eager(
+                [lambda m, b, c, s, fn=fn: fn(m, b, c, s, 6, True) for fn in (split_rope_qkv, split_rope_qkv_triton)],
+                [
+                    torch.randn(*shape, device=DEV, generator=gen).to(dt)
+                    for shape in ((3000, 2, 1024), (2048,), (3000, 1, 128), (3000, 1, 128))
+                ],
+                lambda out: sum((o.float() * (i + 1)).sum() for i, o in enumerate(out)),
+                differentiable=2,  # the projection and its bias; cos/sin are tables
+            )
+        x = torch.randn(256, 151936, device=DEV, generator=gen).mul(4).to(torch.bfloat16)
+        t = torch.randint(0, 151936, (256,), device=DEV, generator=gen)
+        w_lp, w_ent = torch.randn(256, device=DEV, generator=gen), torch.randn(256, device=DEV, generator=gen)
+        diffs["log_probs_entropy_and_grads_bf16"] = _against_eager(
+            [lambda a, fn=fn: fn(a, t, with_entropy=True) for fn in (local_log_probs, fused_log_probs)],
+            [x],
+            lambda out: (out[0] * w_lp).sum() + (out[1] * w_ent).sum(),
+        )
+        with torch.no_grad():
+            diffs["log_probs_no_grad_bf16"] = float((fused_log_probs(x, t)[0] - local_log_probs(x, t)[0]).abs().max())
+        y = torch.randn(4096, 2 * 8960, device=DEV, generator=gen).to(torch.bfloat16)
+        g = torch.randn(4096, 8960, device=DEV, generator=gen).to(torch.bfloat16)
+
+        def eager_swiglu(a):
+            a1, a2 = torch.chunk(a, 2, -1)
+            return torch.nn.functional.silu(a1) * a2
+
+        diffs["swiglu_bf16"] = _against_eager([eager_swiglu, swiglu], [y], lambda out: (out[0] * g).sum())
+        h = torch.randn(8192, 1536, device=DEV, generator=gen).to(torch.bfloat16)
+        w = (1 + torch.randn(1536, device=DEV, generator=gen) / 4).to(torch.bfloat16)
+        gh = torch.randn(8192, 1536, device=DEV, generator=gen).to(torch.bfloat16)
+        diffs["rms_norm_bf16"] = _against_eager(
+            [lambda a, b: torch.nn.functional.rms_norm(a, (1536,), b, 1e-6), lambda a, b: rms_norm(a, b, 1e-6)],
+            [h, w],
+            lambda out: (out[0].float() * gh.float()).sum(),
+        )
+        report["triton_vs_eager_max_abs_diff"] = diffs
+        log(f"Triton kernels vs eager (max abs diff of outputs and gradients): {diffs}")
     except Exception as e:
-        report.setdefault("errors", []).append(f"torch.compile smoke test failed, running unfused: {e!r}"[:500])
+        report.setdefault("errors", []).append(f"Triton smoke test failed, running unfused: {e!r}"[:500])
         args.no_fused = True
 
 

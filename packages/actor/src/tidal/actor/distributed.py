@@ -160,14 +160,13 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
     ]
     device = params[0].device
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.detach().float().square().sum()
+    if grads:  # one multi-tensor kernel for all per-tensor norms (not a squared copy of each gradient)
+        norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
+        sq = torch.stack(norms).square().sum()
     if parallel_state.get_model_parallel_group().size() > 1:  # TP x PP
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
     norm = math.sqrt(sq.item())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], scale)
     return norm
