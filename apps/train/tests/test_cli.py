@@ -87,6 +87,7 @@ def test_memory_flags_reach_the_actor():
     job = parse_job(["--params-dtype", "bfloat16", "--fp32-main-params", "--optimizer-cpu-offload"])
     assert job.actor.fp32_main_params and job.actor.optimizer_cpu_offload
     assert not parse_job([]).actor.optimizer_cpu_offload
+    assert parse_job([]).actor.recompute_lm_head and not parse_job(["--no-recompute-lm-head"]).actor.recompute_lm_head
     with pytest.raises(ValueError, match="--fp32-main-params"):
         parse_job(["--fp32-main-params"])  # float32 parameters have no main copies
 

@@ -136,6 +136,15 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
             "--recompute-activations",
             {"action": "store_true", "default": None, "help": "recompute each layer in backward (less memory)"},
         ),
+        (
+            "--no-recompute-lm-head",
+            {
+                "action": "store_false",
+                "dest": "recompute_lm_head",
+                "default": None,
+                "help": "keep the LM head's logits for backward (faster; ~2 bytes x tokens x vocab more memory)",
+            },
+        ),
     ],
 }
 

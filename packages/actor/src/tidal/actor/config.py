@@ -26,11 +26,11 @@ class ActorConfig:
     """Keep AdamW's moments in host memory and run the update on the CPU (``offload.CPUOffloadAdamW``): 8 bytes
     per parameter less GPU memory for a slower step (``--optimizer-cpu-offload``)."""
     fused_kernels: bool = True
-    """On CUDA, fuse SwiGLU and the LM head's log-softmax/entropy with ``torch.compile`` (``--fused-kernels``)."""
+    """On CUDA, run q/k/v split + RoPE, SwiGLU, RMSNorm and the LM head's log-softmax/entropy as Triton kernels."""
     recompute_lm_head: bool = True
     """Recompute each LM-head chunk's logits in backward (memory: one chunk) instead of keeping them (faster;
     memory ~2 bytes x tokens x vocab / tp per micro-batch: 10 GB at 32k tokens, 152k vocab)
-    (``--recompute-lm-head``)."""
+    (``--no-recompute-lm-head`` turns it off)."""
     recompute_activations: bool = False
     """Recompute each transformer layer in backward instead of storing its activations (``--recompute-activations``)."""
     lr: float = 1e-6
