@@ -15,7 +15,7 @@ from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_p
 from megatron.core.packed_seq_params import PackedSeqParams
 from tidal.actor import fused
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
-from tidal.actor.compat import apply_cpu_compat, set_fused_rope
+from tidal.actor.compat import apply_cpu_compat
 from tidal.actor.config import ActorConfig
 from tidal.actor.context_parallel import context_parallel_size, gather_rows, shard_inputs
 from tidal.actor.distributed import all_reduce_gradients, clip_gradients
@@ -59,7 +59,6 @@ class Actor:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
         self._fused = cfg.fused_kernels and self.device.type == "cuda"
-        set_fused_rope(self._fused)
         fused.set_fused_kernels(self._fused)
         self._recompute_lm_head = cfg.recompute_lm_head
         self._exporters: dict[tuple, HFExporter] = {}

@@ -20,7 +20,7 @@ patch wrong or unnecessary):
    sequence, per layer, for q and k). The replacement gathers each token's frequencies by its
    position inside its sequence (computed on the device from ``cu_seqlens``) and rotates all tokens
    at once: the same arithmetic, one pass, no host sync. Context parallelism (cp > 1) keeps the
-   original. With ``set_fused_rope(True)`` (the Actor's ``fused_kernels`` on CUDA) the rotation is
+   original. With ``fused.set_fused_kernels(True)`` (the Actor's ``fused_kernels`` on CUDA) the rotation is
    ``fused.rope_with_table`` through ``torch.compile`` (one kernel instead of ~8) on cos/sin tables built once per
    forward (``fused.cached_rope_table``). Since issue 11's third pass the layers of a cp = 1 model take
    ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models it does not cover (q/k norm,
@@ -124,10 +124,16 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
     cp_group = kwargs.get("cp_group")
     if cp_group is None or cp_group.size() != 1 or args or kwargs.get("multi_latent_attention") is not None:
         return original(t, cu_seqlens, freqs, *args, **kwargs)
-    from tidal.actor.fused import cached_rope_table, positions  # cos/sin once per forward, not per layer
+    from tidal.actor.fused import cached_rope_table, fused_kernels_enabled, positions  # cos/sin once per forward
 
     plain = not kwargs.get("rotary_interleaved") and not kwargs.get("mla_rotary_interleaved")
-    if _FUSED_ROPE[0] and t.is_cuda and plain and kwargs.get("mscale", 1.0) == 1.0 and freqs.size(-1) == t.size(-1):
+    if (
+        fused_kernels_enabled()
+        and t.is_cuda
+        and plain
+        and kwargs.get("mscale", 1.0) == 1.0
+        and freqs.size(-1) == t.size(-1)
+    ):
         return _compiled_rope()(t, *cached_rope_table(freqs, cu_seqlens, t.size(0), t.dtype))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
@@ -136,15 +142,6 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
         mla_rotary_interleaved=kwargs.get("mla_rotary_interleaved", False),
         mscale=kwargs.get("mscale", 1.0),
     ).squeeze(1)
-
-
-# set_fused_rope(True) (the Actor, with fused_kernels on CUDA) runs patch 5's rotation through torch.compile.
-_FUSED_ROPE = [False]
-
-
-def set_fused_rope(enabled: bool) -> None:
-    """Rotate q/k with one ``torch.compile``d kernel (CUDA tensors only) instead of ~8 eager ones."""
-    _FUSED_ROPE[0] = enabled
 
 
 def rope_at_positions(t: torch.Tensor, freqs: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

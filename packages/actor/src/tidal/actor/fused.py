@@ -43,8 +43,16 @@ _TABLE: list[tuple[Any, ...] | None] = [None]
 
 
 def set_fused_kernels(enabled: bool) -> None:
-    """Run ``split_rope_qkv``, SwiGLU and RMSNorm as Triton kernels for CUDA tensors (the Actor's ``fused_kernels``)."""
+    """Fuse the CUDA kernels of the model (the Actor's ``fused_kernels``).
+
+    ``split_rope_qkv``, SwiGLU and RMSNorm run as Triton kernels, ``compat`` patch 5's RoPE through torch.compile.
+    """
     _FUSED[0] = enabled
+
+
+def fused_kernels_enabled() -> bool:
+    """Whether ``set_fused_kernels(True)`` is in effect."""
+    return _FUSED[0]
 
 
 def positions(cu_seqlens: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
