@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -289,11 +288,6 @@ def test_megatron_save_still_needs_the_cpu_shim(ranks, tmp_path):
 
     def body(rank, world, out):
         out.mkdir()
-        # In the full suite this rank is forked from a process where tidal-actor's CPU patches made
-        # torch.cuda.synchronize a no-op (its patch 8); measure megatron itself (this process only).
-        actor_compat = sys.modules.get("tidal.actor.compat")
-        if actor_compat is not None and "torch.cuda.synchronize" in actor_compat.ORIGINALS:
-            torch.cuda.synchronize = actor_compat.ORIGINALS["torch.cuda.synchronize"]
         try:
             with in_process_results_queue():
                 dist_checkpointing.save(_state(rank, world), str(out))

@@ -31,9 +31,10 @@ patch wrong or unnecessary):
 7. Megatron's 1F1B pipeline schedule (``forward_backward_pipelining_without_interleaving``, the one tidal's
    pipeline parallelism drives) allocates ``torch.zeros([], dtype=torch.int, device="cuda")``; it is wrapped to
    run under a ``TorchFunctionMode`` that turns a ``device="cuda"`` argument into the CPU.
-8. ``torch.cuda.synchronize`` is a no-op (CPU work is synchronous): megatron's ``P2PCommunicator`` calls it
-   unconditionally after exchanging tensor shapes (``_communicate_shapes``, which ``variable_seq_lengths`` needs)
-   and after every batched send/receive (``batch_p2p_sync``, the default).
+8. ``torch.cuda.synchronize`` is a no-op (CPU work is synchronous) inside megatron's ``P2PCommunicator``
+   methods that call it unconditionally: after exchanging tensor shapes (``_communicate_shapes``, which
+   ``variable_seq_lengths`` needs) and after every batched send/receive (``_communicate``, ``batch_p2p_sync``, the
+   default). Both are wrapped; ``torch.cuda.synchronize`` itself is left alone everywhere else.
 
 Patches 2–4, 7 and 8 are applied only when ``torch.cuda.is_available()`` is false.
 """
@@ -199,7 +200,22 @@ def _cpu_synchronize(device: object = None) -> None:
 
 
 def _patch_synchronize() -> None:
-    _replace(torch.cuda, "synchronize", _cpu_synchronize)
+    """Patch 8, scoped: ``torch.cuda.synchronize`` is a no-op only while megatron's p2p methods run."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    for name in ("_communicate_shapes", "_communicate"):
+        original = getattr(P2PCommunicator, name)
+
+        @functools.wraps(original)
+        def without_cuda_sync(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            synchronize = torch.cuda.synchronize
+            torch.cuda.synchronize = _cpu_synchronize
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                torch.cuda.synchronize = synchronize
+
+        _replace(P2PCommunicator, name, without_cuda_sync)
 
 
 def apply_cpu_compat() -> bool:
