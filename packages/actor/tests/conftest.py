@@ -1,4 +1,5 @@
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,15 @@ def _hf_token_log_probs(hf_dir: Path, sequences: list[list[int]]) -> tuple[list[
 def hf_reference():
     """``fn(hf_dir, sequences) -> (logits per sequence, tidal-convention log-probs per sequence)`` from transformers."""
     return _hf_token_log_probs
+
+
+@pytest.fixture(scope="session")
+def rl_batch():
+    """``rl_batch(actor, seqs, advantages=(1.0, -1.0, 0.5), **pack_kw)`` from ``rl_batches.py`` (shared with the
+    worker scripts)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from rl_batches import rl_batch
+    finally:
+        sys.path.pop(0)
+    return rl_batch

@@ -12,8 +12,9 @@ import sys
 
 import torch
 from megatron.core import parallel_state
+from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from tidal.actor import Actor, ActorConfig, init_distributed
-from tidal.batching import pack, unpack
+from tidal.batching import pack
 
 # lengths 7, 3 (shorter than 2 * cp), 11, 5, 16: every zigzag case (padding inside chunks, empty chunks)
 SEQS = [
@@ -26,17 +27,6 @@ SEQS = [
 # adam_eps=1 makes Adam's first update ~ lr * grad (not ~ lr * sign(grad), which flips on rounding noise)
 CP_CFG = dict(lr=1.0, adam_eps=1.0, clip_grad=0.5, entropy_coef=0.01, log_probs_chunk_size=7)
 VOCAB_SEQS = [[130, 5, 129, 64, 128, 3], [1, 130, 2, 127, 126, 0, 128]]
-
-
-def rl_batch(actor, seqs, advantages, **kw):
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in seqs]
-    plain = pack(seqs, loss_masks=masks)
-    old = unpack(actor.compute_log_probs(plain), plain)
-    fields = {
-        "old_log_probs": [o.tolist() for o in old],
-        "advantages": [[a] * len(s) for a, s in zip(advantages, seqs, strict=True)],
-    }
-    return pack(seqs, loss_masks=masks, token_fields=fields, **kw)
 
 
 def cp_part(rank: int, world: int, port: int, cp: int, hf_dir: str, tp: int = 1) -> dict:

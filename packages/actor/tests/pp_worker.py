@@ -10,7 +10,7 @@ torch.saves all three to OUT_FILE. ``pp_part`` at world size 1 is the single-pro
 import sys
 
 import torch
-from cp_worker import rl_batch  # same folder: on sys.path as a script and when the tests import it
+from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
 from tidal.actor import Actor, ActorConfig, init_distributed
 from tidal.batching import pack

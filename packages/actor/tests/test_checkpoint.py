@@ -2,24 +2,16 @@
 
 import torch
 from tidal.actor import Actor, ActorConfig
-from tidal.batching import pack, unpack
+from tidal.batching import pack
 from tidal.ckpt import load_checkpoint, save_checkpoint
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3, 4], [120, 0, 33, 33, 8, 90]]
 
 
-def batch_for(actor):
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
-    plain = pack(SEQS, loss_masks=masks)
-    old = [o.tolist() for o in unpack(actor.compute_log_probs(plain), plain)]
-    adv = [[a] * len(s) for a, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
-    return pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})
-
-
-def test_save_load_resumes_identically(dist_env, qwen2_dir, tmp_path):
+def test_save_load_resumes_identically(dist_env, qwen2_dir, tmp_path, rl_batch):
     cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, lr_warmup_steps=3)
     a = Actor(cfg)
-    a.train_step([batch_for(a)])
+    a.train_step([rl_batch(a, SEQS)])
     save_checkpoint(tmp_path / "ckpt", 1, a.sharded_state_dict())
 
     b = Actor(cfg)  # fresh weights from HF, fresh optimizer
@@ -31,16 +23,16 @@ def test_save_load_resumes_identically(dist_env, qwen2_dir, tmp_path):
         assert torch.equal(pa, pb), name
 
     # the next step (Adam moments, step count and warm-up lr included) is identical
-    ma, mb = a.train_step([batch_for(a)]), b.train_step([batch_for(b)])
+    ma, mb = a.train_step([rl_batch(a, SEQS)]), b.train_step([rl_batch(b, SEQS)])
     assert ma["train/lr"] == mb["train/lr"] == 2 * 1e-2 / 3
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=0, rtol=0, msg=name)
 
 
-def test_model_only_load(dist_env, qwen2_dir, tmp_path):
+def test_model_only_load(dist_env, qwen2_dir, tmp_path, rl_batch):
     cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2)
     a = Actor(cfg)
-    a.train_step([batch_for(a)])
+    a.train_step([rl_batch(a, SEQS)])
     save_checkpoint(tmp_path / "ckpt", 3, a.sharded_state_dict(with_optimizer=False))
     b = Actor(cfg)
     state, _ = load_checkpoint(tmp_path / "ckpt", b.sharded_state_dict(with_optimizer=False))
@@ -49,10 +41,10 @@ def test_model_only_load(dist_env, qwen2_dir, tmp_path):
     torch.testing.assert_close(a.compute_log_probs(pack(SEQS)), b.compute_log_probs(pack(SEQS)), atol=0, rtol=0)
 
 
-def test_fp32_main_params_resume_identically(dist_env, qwen2_dir, tmp_path):
+def test_fp32_main_params_resume_identically(dist_env, qwen2_dir, tmp_path, rl_batch):
     cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-5, params_dtype="bfloat16", fp32_main_params=True)
     a = Actor(cfg)
-    a.train_step([batch_for(a)])
+    a.train_step([rl_batch(a, SEQS)])
     save_checkpoint(tmp_path / "ckpt", 1, a.sharded_state_dict())
     b = Actor(cfg)
     state, _ = load_checkpoint(tmp_path / "ckpt", b.sharded_state_dict())
@@ -60,7 +52,7 @@ def test_fp32_main_params_resume_identically(dist_env, qwen2_dir, tmp_path):
     # the fp32 main weights (not just their bf16 rounding) come back
     for ma, mb in zip(a.main_params.main, b.main_params.main, strict=True):
         assert torch.equal(ma, mb)
-    a.train_step([batch_for(a)]), b.train_step([batch_for(b)])
+    a.train_step([rl_batch(a, SEQS)]), b.train_step([rl_batch(b, SEQS)])
     for ma, mb in zip(a.main_params.main, b.main_params.main, strict=True):
         assert torch.equal(ma, mb)
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tidal.actor import Actor, ActorConfig, fused
 from tidal.actor.logprobs import local_log_probs, vocab_parallel_log_probs
-from tidal.batching import pack, unpack
+from tidal.batching import pack
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3, 4], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77]]
 
@@ -50,30 +50,22 @@ def test_fused_rope_arithmetic_equals_megatron(dtype):
     torch.testing.assert_close(fused.positions(torch.tensor([0, 5, 8, 23], dtype=torch.int32), 23, t.device), position)
 
 
-def test_keeping_lm_head_logits_gives_the_same_step(dist_env, qwen2_dir):
+def test_keeping_lm_head_logits_gives_the_same_step(dist_env, qwen2_dir, rl_batch):
     cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0, log_probs_chunk_size=5)
     a, b = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg, recompute_lm_head=False))
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
-    plain = pack(SEQS, loss_masks=masks)
-    old = [o.tolist() for o in unpack(a.compute_log_probs(plain), plain)]
-    adv = [[x] * len(s) for x, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
-    batch = pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})
+    batch = rl_batch(a, SEQS)
     ma, mb = a.train_step([batch]), b.train_step([batch])
     assert ma["train/grad_norm"] == pytest.approx(mb["train/grad_norm"], rel=1e-6)
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)
 
 
-def test_reused_export_buffers_are_refilled(dist_env, qwen2_dir):
+def test_reused_export_buffers_are_refilled(dist_env, qwen2_dir, rl_batch):
     actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, params_dtype="bfloat16", fp32_main_params=True))
     first = [
         (b.flat.data_ptr(), b.flat.clone()) for b in actor.hf_tensor_buckets(bucket_bytes=2**16, reuse_buffers=True)
     ]
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
-    plain = pack(SEQS, loss_masks=masks)
-    old = [o.tolist() for o in unpack(actor.compute_log_probs(plain), plain)]
-    adv = [[x] * len(s) for x, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
-    actor.train_step([pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})])
+    actor.train_step([rl_batch(actor, SEQS)])
     second = list(actor.hf_tensor_buckets(bucket_bytes=2**16, reuse_buffers=True))
     assert [b.flat.data_ptr() for b in second] == [p for p, _ in first]  # the same buffers, refilled
     assert any(not torch.equal(b.flat, old_flat) for b, (_, old_flat) in zip(second, first, strict=True))
@@ -137,7 +129,7 @@ def test_split_rope_qkv_equals_megatron_split_and_rope(dtype):
     )
 
 
-def test_packed_self_attention_equals_megatron_self_attention(dist_env, qwen2_dir, monkeypatch):
+def test_packed_self_attention_equals_megatron_self_attention(dist_env, qwen2_dir, monkeypatch, rl_batch):
     from megatron.core.transformer.attention import SelfAttention
     from tidal.actor import fused
 
@@ -150,14 +142,11 @@ def test_packed_self_attention_equals_megatron_self_attention(dist_env, qwen2_di
     assert len(layers) == sum(isinstance(m, fused.PackedSelfAttention) for m in a.model.modules()) > 0
     for m in layers:
         m.__class__ = SelfAttention  # megatron's own split + per-layer RoPE (compat patch 5)
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
-    plain = pack(SEQS, loss_masks=masks)
+    plain = pack(SEQS)
     lp_a, lp_b = a.compute_log_probs(plain), b.compute_log_probs(plain)
     assert len(calls) == len(layers)  # the fused path ran once per layer in a, never in b
     torch.testing.assert_close(lp_a, lp_b, atol=1e-6, rtol=0)
-    old = [o.tolist() for o in unpack(lp_a, plain)]
-    adv = [[x] * len(s) for x, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
-    batch = pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})
+    batch = rl_batch(a, SEQS)
     ma, mb = a.train_step([batch]), b.train_step([batch])
     assert ma["train/grad_norm"] == pytest.approx(mb["train/grad_norm"], rel=1e-6)
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):

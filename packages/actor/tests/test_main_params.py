@@ -3,18 +3,9 @@
 import pytest
 import torch
 from tidal.actor import Actor, ActorConfig
-from tidal.batching import pack, unpack
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3, 4], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77], [9, 8, 7, 6, 5]]
 MIXED = dict(params_dtype="bfloat16", fp32_main_params=True)
-
-
-def rl_batch(actor, seqs, advantages):
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in seqs]
-    plain = pack(seqs, loss_masks=masks)
-    old = [o.tolist() for o in unpack(actor.compute_log_probs(plain), plain)]
-    adv = [[a] * len(s) for a, s in zip(advantages, seqs, strict=True)]
-    return pack(seqs, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})
 
 
 ADV = [1.0, -1.0, 0.5, -0.5]
@@ -26,7 +17,7 @@ def _mains(actor):
     return [p.detach().clone() for p in actor.params]
 
 
-def test_same_update_as_fp32(dist_env, qwen2_dir):
+def test_same_update_as_fp32(dist_env, qwen2_dir, rl_batch):
     # adam_eps=1 makes the first update ~ lr * grad, so it compares gradients, not their signs
     cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1e-2, adam_eps=1.0, clip_grad=0.0)
     ref, mixed = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg, **MIXED))
@@ -46,7 +37,7 @@ def test_same_update_as_fp32(dist_env, qwen2_dir):
         assert torch.equal(p, m.to(torch.bfloat16))
 
 
-def test_small_updates_survive_in_main_params(dist_env, qwen2_dir):
+def test_small_updates_survive_in_main_params(dist_env, qwen2_dir, rl_batch):
     # lr 1e-5 is ~100x below bf16's resolution at these weights (~0.1): bf16 weights alone would not move
     mixed = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-5, clip_grad=0.0, **MIXED))
     before = _mains(mixed)
@@ -56,7 +47,7 @@ def test_small_updates_survive_in_main_params(dist_env, qwen2_dir):
     assert (moved > 0).float().mean() > 0.5
 
 
-def test_fp32_gradient_accumulation(dist_env, qwen2_dir):
+def test_fp32_gradient_accumulation(dist_env, qwen2_dir, rl_batch):
     cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, clip_grad=0.0, **MIXED)
     one, two = Actor(cfg), Actor(cfg)
     one.train_step([rl_batch(one, SEQS, ADV)])
@@ -68,7 +59,7 @@ def test_fp32_gradient_accumulation(dist_env, qwen2_dir):
     assert all(p.grad is None for p in two.params)  # bf16 gradients are folded in and freed
 
 
-def test_export_is_main_params_and_buckets_match(dist_env, qwen2_dir):
+def test_export_is_main_params_and_buckets_match(dist_env, qwen2_dir, rl_batch):
     mixed = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, **MIXED))
     mixed.train_step([rl_batch(mixed, SEQS, ADV)])
     exported = dict(mixed.named_hf_tensors())

@@ -66,16 +66,6 @@ def test_refuses_a_state_dict_of_another_model():
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3, 4], [120, 0, 33, 33, 8, 90]]
 
 
-def _batch(actor):
-    from tidal.batching import pack, unpack
-
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
-    plain = pack(SEQS, loss_masks=masks)
-    old = [o.tolist() for o in unpack(actor.compute_log_probs(plain), plain)]
-    adv = [[a] * len(s) for a, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
-    return pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})
-
-
 def _actor_cfg(qwen2_dir, **kw):
     from tidal.actor import ActorConfig
 
@@ -88,14 +78,14 @@ def _assert_same_mains(a, b):
         torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_actor_with_offloaded_optimizer_trains_like_on_device_adam(dist_env, qwen2_dir, tmp_path):
+def test_actor_with_offloaded_optimizer_trains_like_on_device_adam(dist_env, qwen2_dir, tmp_path, rl_batch):
     from tidal.actor import Actor
     from tidal.ckpt import load_checkpoint, save_checkpoint
 
     off, ref = Actor(_actor_cfg(qwen2_dir, optimizer_cpu_offload=True)), Actor(_actor_cfg(qwen2_dir))
     assert isinstance(off.optimizer, CPUOffloadAdamW)
     for _ in range(2):
-        m_off, m_ref = off.train_step([_batch(off)]), ref.train_step([_batch(ref)])
+        m_off, m_ref = off.train_step([rl_batch(off, SEQS)]), ref.train_step([rl_batch(ref, SEQS)])
         assert m_off["train/grad_norm"] == pytest.approx(m_ref["train/grad_norm"], rel=1e-5)
     _assert_same_mains(off, ref)
     assert all(st["exp_avg"].device.type == "cpu" for st in off.optimizer.state.values())
@@ -108,6 +98,6 @@ def test_actor_with_offloaded_optimizer_trains_like_on_device_adam(dist_env, qwe
         actor.load_state_dict(state)
         assert actor.num_steps == 2
     for actor in (off, *resumed):
-        actor.train_step([_batch(actor)])
+        actor.train_step([rl_batch(actor, SEQS)])
     for actor in resumed:
         _assert_same_mains(off, actor)

@@ -3,36 +3,32 @@
 import pytest
 import torch
 from tidal.actor import Actor, ActorConfig, ReferenceModel
-from tidal.batching import pack, unpack
+from tidal.batching import pack
 from tidal.ckpt import save_checkpoint
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3, 4], [120, 0, 33, 33, 8, 90]]
 
 
-def trained_actor(hf_dir):
+def trained_actor(hf_dir, rl_batch):
     actor = Actor(ActorConfig(hf_checkpoint=str(hf_dir), lr=1e-2))
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in SEQS]
-    plain = pack(SEQS, loss_masks=masks)
-    old = [o.tolist() for o in unpack(actor.compute_log_probs(plain), plain)]
-    adv = [[a] * len(s) for a, s in zip([1.0, -1.0, 0.5], SEQS, strict=True)]
-    actor.train_step([pack(SEQS, loss_masks=masks, token_fields={"old_log_probs": old, "advantages": adv})])
+    actor.train_step([rl_batch(actor, SEQS)])
     return actor
 
 
-def test_reference_is_frozen_and_keeps_the_initial_policy(dist_env, qwen2_dir, hf_reference):
+def test_reference_is_frozen_and_keeps_the_initial_policy(dist_env, qwen2_dir, hf_reference, rl_batch):
     ref = ReferenceModel(ActorConfig(hf_checkpoint=str(qwen2_dir)))
     assert ref.offloaded and all(not p.requires_grad for p in ref.model.parameters())
     before = ref.compute_log_probs(pack(SEQS))
     _, expected = hf_reference(qwen2_dir, SEQS)
     torch.testing.assert_close(before, torch.cat(expected), atol=1e-4, rtol=0)
     assert ref.offloaded  # offloaded again after use
-    actor = trained_actor(qwen2_dir)  # training another model leaves the reference alone
+    actor = trained_actor(qwen2_dir, rl_batch)  # training another model leaves the reference alone
     assert not torch.allclose(actor.compute_log_probs(pack(SEQS)), before, atol=1e-3)
     torch.testing.assert_close(ref.compute_log_probs(pack(SEQS)), before, atol=0, rtol=0)
 
 
-def test_reference_from_megatron_checkpoint(dist_env, qwen2_dir, tmp_path):
-    actor = trained_actor(qwen2_dir)
+def test_reference_from_megatron_checkpoint(dist_env, qwen2_dir, tmp_path, rl_batch):
+    actor = trained_actor(qwen2_dir, rl_batch)
     save_checkpoint(tmp_path / "ckpt", 1, actor.sharded_state_dict(with_optimizer=False))
     ref = ReferenceModel(ActorConfig(hf_checkpoint=str(qwen2_dir)), load_dir=tmp_path / "ckpt", offload=False)
     assert not ref.offloaded

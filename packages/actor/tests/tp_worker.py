@@ -8,23 +8,13 @@ step on this rank's share of the micro-batches, and torch.saves what it saw to O
 import sys
 
 import torch
+from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
 from tidal.actor import Actor, ActorConfig, init_distributed
-from tidal.batching import pack, unpack
+from tidal.batching import pack
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77], [9, 8, 7, 6, 5]]
 CFG = dict(lr=1e-2, clip_grad=0.5, entropy_coef=0.01, log_probs_chunk_size=7)
-
-
-def rl_batch(actor, seqs, advantages):
-    masks = [[0, 0] + [1] * (len(s) - 2) for s in seqs]
-    plain = pack(seqs, loss_masks=masks)
-    old = unpack(actor.compute_log_probs(plain), plain)
-    fields = {
-        "old_log_probs": [o.tolist() for o in old],
-        "advantages": [[a] * len(s) for a, s in zip(advantages, seqs, strict=True)],
-    }
-    return pack(seqs, loss_masks=masks, token_fields=fields, pad_to_multiple_of=4)
 
 
 def run(rank: int, world: int, port: int, tp: int, hf_dir: str) -> dict:
@@ -45,7 +35,7 @@ def run(rank: int, world: int, port: int, tp: int, hf_dir: str) -> dict:
     )
     advantages = [1.0, -1.0, 0.5, -0.5]
     dp, dp_rank = world // tp, rank // tp
-    mbs = [rl_batch(actor, [s], [a]) for s, a in zip(SEQS, advantages, strict=True)]
+    mbs = [rl_batch(actor, [s], [a], pad_to_multiple_of=4) for s, a in zip(SEQS, advantages, strict=True)]
     result["metrics"] = actor.train_step(mbs[dp_rank::dp])
     result["log_probs_after"] = actor.compute_log_probs(probe)
     return result
