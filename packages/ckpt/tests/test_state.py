@@ -11,6 +11,11 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from tidal.ckpt import CheckpointError, TrainerState, load_checkpoint, save_checkpoint
 
 BATCH = 4
+# two unfinished groups of one sample each, as tidal.rollout.sample_records writes them (plain JSON types)
+CARRY = [
+    [{"prompt_ids": [1, 2], "response_ids": [7], "response_log_probs": [-0.5], "finish_reason": "abort", "label": "4"}],
+    [{"prompt_ids": [3], "response_ids": [], "response_log_probs": [], "finish_reason": "abort", "label": None}],
+]
 
 
 def _model(value: float) -> dict:
@@ -32,7 +37,9 @@ def test_trainer_state_round_trips_and_the_resumed_run_draws_the_same_next_batch
     def body(rank, world, save_dir):
         random.seed(11), np.random.seed(12), torch.manual_seed(13)
         _ = random.random(), np.random.rand(5), torch.rand(7)  # mid-run: the streams have moved on
-        saved = TrainerState.capture(rollout_id=41, weight_version=42, data_epoch=3, data_offset=96, data_seed=7)
+        saved = TrainerState.capture(
+            rollout_id=41, weight_version=42, data_epoch=3, data_offset=96, data_seed=7, rollout_carry=CARRY
+        )
         save_checkpoint(save_dir, saved.rollout_id, _model(1.0), common_state=saved.to_dict())
         uninterrupted = _next_batch(saved)
         random.seed(0), np.random.seed(0), torch.manual_seed(0)  # a fresh process resumes
@@ -48,6 +55,13 @@ def test_trainer_state_round_trips_and_the_resumed_run_draws_the_same_next_batch
     assert torch.equal(resumed.rng_state["numpy"][1], saved.rng_state["numpy"][1])
     assert torch.equal(resumed.rng_state["torch"], saved.rng_state["torch"])
     assert after_resume == uninterrupted
+    assert resumed.rollout_carry == CARRY  # partial rollout's unfinished groups survive the checkpoint
+
+
+def test_trainer_state_refuses_a_carry_that_is_not_plain_data():
+    state = TrainerState(rollout_id=1, weight_version=1, rollout_carry=[[{"label": object()}]])
+    with pytest.raises(CheckpointError, match=r"carry-over is not plain data.*JSON values"):
+        state.to_dict()  # before anything is written, not at load time
 
 
 def test_trainer_state_without_rng_or_fields():

@@ -12,6 +12,8 @@ from tidal.rollout import (
     load_rollout_data,
     numeric_match,
     rollout_data_path,
+    sample_records,
+    samples_from_records,
     save_rollout_data,
     score_samples,
 )
@@ -33,6 +35,8 @@ def test_saved_rollouts_replay_exactly(sglang_server: SGLangEngine, tmp_path: Pa
     assert [s.response_log_probs for s in replayed] == [s.response_log_probs for s in samples]
     assert replayed[1].loss_mask == samples[1].loss_mask
     assert load_rollout_data(out, 1) == samples[:2]
+    records = sample_records(samples)  # what a checkpoint keeps of partial rollout's carry-over
+    assert samples_from_records(records) == samples and all(isinstance(r["response_ids"], list) for r in records)
     assert sorted(p.name for p in out.iterdir()) == ["rollout_000000.jsonl", "rollout_000001.jsonl"]
 
 

@@ -31,6 +31,29 @@ class DriverRollouts:
 
             self.group_filter = resolve_group_filter(rollout.dynamic_sampling_filter_path)
 
+    def carry_state(self) -> list[list[dict[str, Any]]] | None:
+        """Partial rollout's unfinished groups as plain data for the checkpoint (None when nothing is carried)."""
+        if not self.carry:
+            return None
+        from tidal.rollout import sample_records
+
+        return [sample_records(group) for group in self.carry]
+
+    def restore_carry(self, state: list[list[dict[str, Any]]] | None) -> None:
+        """Resume with the groups ``carry_state`` saved: the next rollout continues them first, as without a stop."""
+        if not state:
+            return
+        if not self.job.rollout.partial_rollout:
+            logger.warning(
+                "the checkpoint carries %d unfinished partial-rollout group(s) but --partial-rollout is off: dropped",
+                len(state),
+            )
+            return
+        from tidal.rollout import samples_from_records
+
+        self.carry = [samples_from_records(group) for group in state]
+        logger.info("resumed %d unfinished partial-rollout group(s) from the checkpoint", len(self.carry))
+
     def generate(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
         """Scored samples of ``rollout_batch_size`` finished groups, and the strategy's metrics."""
         from tidal.rollout import generate_partial_rollout

@@ -70,23 +70,23 @@ def run(job: JobConfig) -> RunResult:
             stop_cluster(cluster)
 
 
-def _resume(job: JobConfig, cluster: Cluster, metrics_log: MetricsLog) -> tuple[int, int]:
-    """Load ``--load`` into every actor rank; returns ``(first rollout id, weight version)``."""
-    start, version = job.train.start_rollout_id or 0, 0
+def _resume(job: JobConfig, cluster: Cluster, metrics_log: MetricsLog) -> tuple[int, int, list | None]:
+    """Load ``--load`` into every actor rank; returns ``(first rollout id, weight version, rollout carry-over)``."""
+    start, version, carry = job.train.start_rollout_id or 0, 0, None
     if job.ckpt.load and cluster.actors:
         from tidal.ckpt import TrainerState
 
         common = ray.get([a.load_checkpoint.remote(job.ckpt) for a in cluster.actors])[0]
         state = TrainerState.from_dict(common)
         start = state.rollout_id + 1 if job.train.start_rollout_id is None else job.train.start_rollout_id
-        version = state.weight_version
+        version, carry = state.weight_version, state.rollout_carry
         if state.rng_state is not None and not job.ckpt.no_load_rng:
             state.restore_rng()
         logger.info("resumed from %s: rollout %d done; going on at rollout %d", job.ckpt.load, state.rollout_id, start)
     dropped = metrics_log.truncate(start)
     if dropped:
         logger.info("metrics.jsonl: dropped %d record(s) of rollouts >= %d (they run again)", dropped, start)
-    return start, version
+    return start, version, carry
 
 
 def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -> RunResult:
@@ -96,7 +96,7 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
     metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
     result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None)
     result.engine_pids = cluster.engine_pids
-    start, version = _resume(job, cluster, metrics_log)
+    start, version, carry = _resume(job, cluster, metrics_log)
     result.start_rollout_id = start
     result.history = metrics_log.read()
     held_out = eval_data.head(job.train.num_eval_prompts)
@@ -111,6 +111,7 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
         logger.info("held-out accuracy before RL: %.3f", result.eval_before)
     sanity = RewardSanity(job.train.reward_sanity_rollouts)
     rollouts = DriverRollouts(job, cluster, train_data, reward_fn, tokenizer=eval_data.tokenizer)
+    rollouts.restore_carry(carry)  # partial rollout's unfinished groups at the checkpoint: nothing is dropped
     loop_start = time.monotonic()
     for rollout_id in range(start, job.train.num_rollout):
         tick = time.monotonic()
@@ -152,7 +153,7 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
         metrics_log.write(record)  # before the checkpoint: a checkpoint's rollout always has its record
         result.history.append(record)
         if cluster.actors and (last or (job.ckpt.save_interval and (rollout_id + 1) % job.ckpt.save_interval == 0)):
-            _save(job, cluster, rollout_id, version)
+            _save(job, cluster, rollout_id, version, carry=rollouts.carry_state())
         write_curves(out / "curves.png", result.history, eval_before=result.eval_before)
         done = rollout_id + 1 - start
         eta = (time.monotonic() - loop_start) / done * (job.train.num_rollout - rollout_id - 1)
@@ -166,11 +167,13 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
     return result
 
 
-def _save(job: JobConfig, cluster: Cluster, rollout_id: int, version: int) -> None:
-    """Megatron checkpoint (with the trainer's state) and, with --save-hf, an HF copy of the weights."""
+def _save(job: JobConfig, cluster: Cluster, rollout_id: int, version: int, *, carry: list | None = None) -> None:
+    """Megatron checkpoint (with the trainer's state and the rollout carry-over) and, with --save-hf, an HF copy."""
     from tidal.ckpt import TrainerState
 
-    state = TrainerState.capture(rollout_id=rollout_id, weight_version=version, data_seed=job.train.seed)
+    state = TrainerState.capture(
+        rollout_id=rollout_id, weight_version=version, data_seed=job.train.seed, rollout_carry=carry
+    )
     ray.get([a.save_checkpoint.remote(job.ckpt, rollout_id + 1, state.to_dict()) for a in cluster.actors])
     if job.train.save_hf:
         target = job.train.save_hf.replace("{rollout_id}", str(rollout_id))

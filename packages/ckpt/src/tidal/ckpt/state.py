@@ -9,6 +9,7 @@ rank, so they are a ``ShardedObject`` with one shard per global rank: loading th
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -41,12 +42,22 @@ class TrainerState:
     """Seed of the dataset shuffle."""
     rng_state: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
     """Python, numpy and torch CPU RNG states of the process that owns this state (the driver), or None."""
+    rollout_carry: list[Any] | None = dataclasses.field(default=None, repr=False)
+    """What the rollout side carries from one rollout to the next (partial rollout's unfinished groups), as plain
+    lists/dicts of JSON types; opaque here. None: nothing carried."""
 
     @classmethod
     def capture(
-        cls, *, rollout_id: int, weight_version: int, data_epoch: int = 0, data_offset: int = 0, data_seed: int = 0
+        cls,
+        *,
+        rollout_id: int,
+        weight_version: int,
+        data_epoch: int = 0,
+        data_offset: int = 0,
+        data_seed: int = 0,
+        rollout_carry: list[Any] | None = None,
     ) -> TrainerState:
-        """The given counters plus this process's python/numpy/torch RNG states, taken now."""
+        """The given counters (and rollout carry-over) plus this process's python/numpy/torch RNG states, taken now."""
         return cls(
             rollout_id=rollout_id,
             weight_version=weight_version,
@@ -54,6 +65,7 @@ class TrainerState:
             data_offset=data_offset,
             data_seed=data_seed,
             rng_state=_host_rng_state(),
+            rollout_carry=rollout_carry,
         )
 
     def restore_rng(self) -> None:
@@ -66,7 +78,18 @@ class TrainerState:
         restore_rng_state(self.rng_state)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict for ``save_checkpoint(common_state=...)`` (loadable with ``weights_only=True``)."""
+        """Plain dict for ``save_checkpoint(common_state=...)`` (loadable with ``weights_only=True``).
+
+        Raises:
+            CheckpointError: ``rollout_carry`` is not plain JSON data (it could be saved but not loaded back).
+        """
+        try:
+            json.dumps(self.rollout_carry)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"the rollout carry-over is not plain data and would not load back from the checkpoint: {e}; "
+                "labels of partial-rollout samples must be JSON values (str, number, list, dict, None)"
+            ) from e
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
@@ -80,8 +103,9 @@ class TrainerState:
                 f"checkpoint common state lacks trainer field(s) {missing} (it has {sorted(state)}); it was not "
                 f"written by tidal's trainer. Load it with --hf-checkpoint or a fresh --save directory instead."
             )
-        values: dict[str, Any] = {name: int(state[name]) for name in names if name in state and name != "rng_state"}
-        return cls(**values, rng_state=state.get("rng_state"))
+        opaque = ("rng_state", "rollout_carry")
+        values: dict[str, Any] = {name: int(state[name]) for name in names if name in state and name not in opaque}
+        return cls(**values, rng_state=state.get("rng_state"), rollout_carry=state.get("rollout_carry"))
 
 
 def _host_rng_state() -> dict[str, Any]:

@@ -15,7 +15,13 @@ from tidal.rollout.errors import EngineUnavailableError, RolloutError
 if TYPE_CHECKING:
     from tidal.rollout.client import SGLangClient
     from tidal.rollout.custom_generate import GenerateFn, MultiTurn, load_generate_fn
-    from tidal.rollout.debug_data import load_rollout_data, rollout_data_path, save_rollout_data
+    from tidal.rollout.debug_data import (
+        load_rollout_data,
+        rollout_data_path,
+        sample_records,
+        samples_from_records,
+        save_rollout_data,
+    )
     from tidal.rollout.dynamic_sampling import (
         BUILTIN_GROUP_FILTERS,
         DynamicSamplingResult,
@@ -77,6 +83,8 @@ _LAZY = {
     "load_rollout_data": "debug_data",
     "rollout_data_path": "debug_data",
     "save_rollout_data": "debug_data",
+    "sample_records": "debug_data",
+    "samples_from_records": "debug_data",
     "BUILTIN_GROUP_FILTERS": "dynamic_sampling",
     "DynamicSamplingResult": "dynamic_sampling",
     "GroupFilter": "dynamic_sampling",
@@ -165,7 +173,9 @@ __all__ = [
     "reward_variance",
     "rollout_data_path",
     "rollout_metrics",
+    "sample_records",
     "sample_with_dynamic_filter",
+    "samples_from_records",
     "save_rollout_data",
     "score_samples",
     "sglang_router_args",

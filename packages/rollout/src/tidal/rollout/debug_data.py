@@ -42,6 +42,17 @@ def _record(sample: Sample) -> dict[str, Any]:
     return record
 
 
+def sample_records(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """Every field of each sample as plain data (lists, not tuples): what a checkpoint or a JSONL line stores."""
+    return [_record(sample) for sample in samples]
+
+
+def samples_from_records(records: Sequence[dict[str, Any]]) -> list[Sample]:
+    """The samples :func:`sample_records` described, equal to the originals (unknown keys are ignored)."""
+    names = {field.name for field in dataclasses.fields(Sample)}
+    return [Sample(**{k: v for k, v in record.items() if k in names}) for record in records]
+
+
 def save_rollout_data(path: str | os.PathLike[str], rollout_id: int, samples: Sequence[Sample]) -> Path:
     """Write one rollout's samples (tokens, log-probs, masks, rewards, labels, weight versions) atomically.
 
@@ -96,8 +107,7 @@ def load_rollout_data(path: str | os.PathLike[str], rollout_id: int) -> list[Sam
         raise ValueError(
             f"--load-debug-rollout-data: {file} declares {header.get('num_samples')} samples but holds {len(records)}"
         )
-    names = {field.name for field in dataclasses.fields(Sample)}
     try:
-        return [Sample(**{k: v for k, v in record.items() if k in names}) for record in records]
+        return samples_from_records(records)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--load-debug-rollout-data: {file} holds a malformed sample: {e}") from e
