@@ -13,9 +13,9 @@ bench_batching.py (``lognormal_mix``, fixed seed, same samples for every contend
   (b) HF transformers, SDPA, padded micro-batches (arrival order, micro-batch size 2 to train, 8 for log-probs);
   (c) HF transformers on packed rows (the same plan as (a)) with ``position_ids`` and a varlen attention function.
 tidal-actor (default ``--precision bf16-main``): bf16 parameters with fp32 main copies and fp32 AdamW state, no
-autocast, fused SwiGLU and log-softmax (``torch.compile``); ``--precision autocast`` is the earlier setting (fp32
-weights under bf16 autocast). HF contenders: fp32 weights and AdamW state, bf16 autocast. All: the same PPO-clip loss
-over response tokens.
+autocast, Triton kernels for q/k/v split + RoPE, SwiGLU, RMSNorm and the LM head's log-softmax (``fused_kernels``);
+``--precision autocast`` is the earlier setting (fp32 weights under bf16 autocast). HF contenders: fp32 weights and
+AdamW state, bf16 autocast. All: the same PPO-clip loss over response tokens.
 
 Figures (median over ``--steps`` repeats after one warm-up): real tokens/s of one optimizer step over the whole
 batch, of a log-prob pass over the whole batch, MFU, peak memory, and the time to export every weight as
@@ -688,7 +688,7 @@ def main() -> None:
     p.add_argument("--max-tokens-train", type=int, nargs="*", default=[16384, 32768])
     p.add_argument("--max-tokens-recompute", type=int, nargs="*", default=[])
     p.add_argument("--precision", choices=["bf16-main", "autocast"], default="bf16-main")
-    p.add_argument("--no-fused", action="store_true", help="fused_kernels=False (no torch.compile)")
+    p.add_argument("--no-fused", action="store_true", help="fused_kernels=False (no Triton kernels)")
     p.add_argument("--ab-fused", action="store_true", help="also time the actor with fused kernels off")
     p.add_argument("--keep-lm-head", action="store_true", help="recompute_lm_head=False (keep the chunks' logits)")
     p.add_argument("--ab-lm-head", action="store_true", help="also time training with the other LM-head setting")
