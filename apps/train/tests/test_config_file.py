@@ -75,7 +75,17 @@ def test_bad_config_file_names_the_file_and_the_key(tmp_path, text, needle):
     assert str(path) in str(info.value)
 
 
-def test_effective_config_reloads_to_the_same_job(tmp_path):
-    job = parse_job([*FLAGS, "--output-dir", str(tmp_path / "run")])
+@pytest.mark.parametrize("extra", [[], ["--no-recompute-lm-head"]])
+def test_effective_config_reloads_to_the_same_job(tmp_path, extra):
+    job = parse_job([*FLAGS, *extra, "--output-dir", str(tmp_path / "run")])
+    assert job.actor.recompute_lm_head is not bool(extra)
     written = write_effective_config(job, tmp_path / "run")
     assert parse_job(["--config", str(written)]) == job
+
+
+def test_a_negative_flag_in_a_config_file_means_what_it_says(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("no-recompute-lm-head: true\n")
+    assert not parse_job(["--config", str(path)]).actor.recompute_lm_head
+    path.write_text("no-recompute-lm-head: false\n")
+    assert parse_job(["--config", str(path)]).actor.recompute_lm_head

@@ -69,7 +69,7 @@ def config_to_argv(data: dict[str, Any], *, source: str) -> list[str]:
             raise ValueError(f"--config {source}: unknown option {raw_key!r}; see `train --help` for the names")
         flag = kind["flag"]
         action = kind.get("action")
-        if action == "store_true":
+        if action in ("store_true", "store_false"):  # the key is the flag: `no-recompute-lm-head: true` passes it
             if not isinstance(value, bool):
                 raise ValueError(f"--config {source}: {raw_key} must be true or false, got {value!r}")
             argv += [flag] if value else []
@@ -123,6 +123,9 @@ def effective_options(job) -> dict[str, Any]:
                 continue
             value = getattr(cfg, name)
             if value is None or (isinstance(value, tuple | list | dict) and not value):
+                continue
+            if kw.get("action") == "store_false":  # --no-recompute-lm-head: the option is the negation of the field
+                options[flag[2:]] = not value
                 continue
             if name == "ray_env":
                 value = [f"{k}={v}" for k, v in value.items()]
