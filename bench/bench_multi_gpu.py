@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from bench_actor_gpu import CUDA, PEAK_FLOPS, QWEN2_1_5B, TINY, make_workload, model_flops, save_checkpoint
@@ -49,8 +50,6 @@ def workload(args, cfg: dict) -> dict:
         gen = torch.Generator().manual_seed(args.seed)
         tokens = [torch.randint(0, cfg["vocab_size"], (length,), generator=gen) for _ in range(n)]
         masks = [torch.cat([torch.zeros(length // 2), torch.ones(length - length // 2)]) for _ in range(n)]
-        import numpy as np
-
         return {"lengths": np.full(n, length), "tokens": tokens, "loss_masks": masks, "advantages": torch.randn(n)}
     return make_workload(args.samples, args.seed, cfg["vocab_size"], 0.05 if args.tiny else 1.0)
 

@@ -118,17 +118,12 @@ def fused_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``local_log_probs`` as Triton kernels: log-prob of ``targets`` (and entropy) under ``softmax(logits / T)``.
+    """``logprobs.local_log_probs`` as Triton kernels, with the same arguments and results.
 
-    Args:
-        logits: ``[N, V]`` (bf16/fp16/fp32), last dim contiguous; differentiable.
-        targets: int64 ``[N]`` column of each row to read.
-        temperature: the logits are divided by it first.
-        with_entropy: also compute the entropy (else the second output is zeros).
-        entropy_grad: let gradients flow through the entropy (False: it is a metric only).
+    Float32 ``[N]`` log-probs of ``targets`` under ``softmax(logits / temperature)`` and the entropy (zeros without
+    ``with_entropy``).
 
-    Returns:
-        ``(log_probs [N], entropy [N])`` float32.
+    ``logits`` must be ``[N, V]`` with a contiguous last dim (bf16/fp16/fp32); the gradient comes back in its dtype.
     """
     assert logits.dim() == 2 and logits.stride(-1) == 1
     return _FusedLogProbs.apply(logits, targets, temperature, with_entropy, entropy_grad)
