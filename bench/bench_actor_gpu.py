@@ -77,6 +77,39 @@ QWEN2_7B = dict(  # Qwen2-7B's shape: the memory-headroom case of issue 11
     rope_theta=1e6,
     tie_word_embeddings=False,
 )
+QWEN3_1_7B = dict(  # Qwen3-1.7B's shape (issue 24): qk-norm, head_dim 128, GQA 16/8
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
+LLAMA_3_2_3B = dict(  # Llama-3.2-3B's shape (issue 24): llama3 rope scaling, GQA 24/8, tied
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=28,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=5e5,
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    tie_word_embeddings=True,
+)
+MODELS = {"1.5b": None, "7b": None, "qwen3-1.7b": QWEN3_1_7B, "llama-3.2-3b": LLAMA_3_2_3B}
 TINY = dict(
     vocab_size=512,
     hidden_size=64,
@@ -126,10 +159,17 @@ def timed_median(fn, steps: int) -> tuple[float, list[float]]:
 # ----------------------------------------------------------------------------------------------- workload
 
 
-def make_workload(n: int, seed: int, vocab: int, scale: float) -> dict:
-    """Lengths from lognormal_mix, random tokens, prompt/response loss masks, per-sample advantages."""
+def long_mix(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Issue 24's long RL mix: responses log-normal around 2k (mean >= 2k), one of 12.5k; prompts 50-500."""
+    response = np.clip(rng.lognormal(np.log(1700), 0.8, n), 10, 12288).astype(np.int64)
+    response[0] = 12288
+    return response + rng.integers(50, 501, n)
+
+
+def make_workload(n: int, seed: int, vocab: int, scale: float, mix: str = "rl") -> dict:
+    """Lengths from lognormal_mix (or long_mix), random tokens, prompt/response loss masks, per-sample advantages."""
     rng = np.random.default_rng(seed)
-    lengths = lognormal_mix(rng, n)
+    lengths = (long_mix if mix == "long" else lognormal_mix)(rng, n)
     if scale != 1.0:
         lengths = np.maximum((lengths * scale).astype(np.int64), 8)
     prompts = np.minimum(rng.integers(50, 501, n) if scale == 1.0 else np.full(n, 4), lengths - 1)
@@ -642,9 +682,11 @@ def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
         report["hf_packed_vs_tidal_logprob_mean_abs_diff"] = float((lp[: ref.numel()] - ref).abs().mean())
         log(f"hf packed vs tidal log-probs: {report['hf_packed_vs_tidal_logprob_max_abs_diff']}")
     model.config._attn_implementation = "sdpa"
-    for mbs in args.hf_train_mbs:
+    for mbs in [] if args.no_hf_padded else args.hf_train_mbs:
         measure(f"hf_padded_train_mbs{mbs}", lambda mbs=mbs: padded_step(mbs), flops["train"])
-    measure(f"hf_padded_logprob_mbs{args.hf_logprob_mbs}", lambda: padded_logprobs(args.hf_logprob_mbs), flops["fwd"])
+    if not args.no_hf_padded:
+        fn = lambda: padded_logprobs(args.hf_logprob_mbs)  # noqa: E731
+        measure(f"hf_padded_logprob_mbs{args.hf_logprob_mbs}", fn, flops["fwd"])
     model.config._attn_implementation = "tidal_varlen"
     rows = packed_rows(args.hf_packed_train_tokens)
     measure(f"hf_packed_train_{args.hf_packed_train_tokens}", lambda: packed_step(rows), flops["train"])
@@ -655,12 +697,19 @@ def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
 
 
 def save_checkpoint(cfg_kwargs: dict, out: Path) -> tuple[int, int, int]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    classes = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }
+    kwargs = dict(cfg_kwargs)
+    config_cls, model_cls = classes[kwargs.pop("model_type", "qwen2")]
     torch.manual_seed(0)
-    cfg = Qwen2Config(**cfg_kwargs)
+    cfg = config_cls(**kwargs)
     with torch.device(DEV):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = model_cls(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.02)
@@ -670,7 +719,8 @@ def save_checkpoint(cfg_kwargs: dict, out: Path) -> tuple[int, int, int]:
     n_matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)  # linears + (tied) LM head
     del model
     gc.collect()
-    d_attn = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    d_attn = cfg.num_attention_heads * head_dim
     return n_matmul, cfg.num_hidden_layers, d_attn
 
 
@@ -678,7 +728,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths, for debugging on CPU")
-    p.add_argument("--model", choices=["1.5b", "7b"], default="1.5b", help="Qwen2 shape of the random model")
+    p.add_argument("--model", choices=list(MODELS), default="1.5b", help="shape of the random model (1.5b, 7b: Qwen2)")
+    p.add_argument("--mix", choices=["rl", "long"], default="rl", help="length mix: rl (lognormal_mix) or long")
+    p.add_argument("--no-hf-padded", action="store_true", help="skip the padded HF contenders (packed HF only)")
     p.add_argument("--optimizer-cpu-offload", action="store_true", help="AdamW moments in host memory")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -715,9 +767,9 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
-    cfg = TINY if args.tiny else {"1.5b": QWEN2_1_5B, "7b": QWEN2_7B}[args.model]
+    cfg = TINY if args.tiny else (MODELS[args.model] or {"1.5b": QWEN2_1_5B, "7b": QWEN2_7B}[args.model])
     args.model_cfg = cfg
-    work = make_workload(args.samples, args.seed, cfg["vocab_size"], 0.05 if args.tiny else 1.0)
+    work = make_workload(args.samples, args.seed, cfg["vocab_size"], 0.05 if args.tiny else 1.0, args.mix)
     lengths = work["lengths"]
     report["workload"] = {
         "samples": int(lengths.size),

@@ -90,12 +90,15 @@ def test_rope_table_equals_rope_at_positions(dtype):
     t, freqs = _rope_inputs(dtype)
     cu = torch.tensor([0, 5, 8, 23], dtype=torch.int32)
     position = fused.positions(cu, 23, t.device)
-    out = fused.rope_with_table(t, *fused.rope_table(freqs, position, dtype))
-    torch.testing.assert_close(out, compat.rope_at_positions(t, freqs, position), atol=0, rtol=0)
+    out = fused.rope_with_table(t, *fused.rope_table(freqs, position))
+    # fp32 arithmetic on an fp32 table, rounded once: megatron's rotation of the upcast input
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, compat.rope_at_positions(t.float(), freqs, position).to(dtype), atol=0, rtol=0)
     # built once per (freqs, cu_seqlens) pair: every layer of a forward reuses it, a new micro-batch rebuilds it
-    first = fused.cached_rope_table(freqs, cu, 23, dtype)
-    assert fused.cached_rope_table(freqs, cu, 23, dtype) is first
-    again = fused.cached_rope_table(freqs, cu.clone(), 23, dtype)
+    first = fused.cached_rope_table(freqs, cu, 23)
+    assert first[0].dtype == torch.float32
+    assert fused.cached_rope_table(freqs, cu, 23) is first
+    again = fused.cached_rope_table(freqs, cu.clone(), 23)
     assert again is not first
     torch.testing.assert_close(again, first, atol=0, rtol=0)
 
@@ -111,12 +114,13 @@ def test_split_rope_qkv_equals_megatron_split_and_rope(dtype):
     _, freqs = _rope_inputs(dtype, tokens, dim=dim)
     position = fused.positions(torch.tensor([0, 9, 23], dtype=torch.int32), tokens, mixed.device)
     bias = torch.randn(groups * (per_group + 2) * dim, generator=gen).to(dtype).requires_grad_()
-    q, k, v = fused.split_rope_qkv(mixed, bias, *fused.rope_table(freqs, position, dtype), per_group)
+    q, k, v = fused.split_rope_qkv(mixed, bias, *fused.rope_table(freqs, position), per_group)
     # megatron: add the bias ([T, 1, hp] + [hp]), split the interleaved projection, reshape q, rotate q and k
     biased = (mixed.reshape(tokens, 1, -1) + bias).view(tokens, groups, -1)
     rq, rk, rv = torch.split(biased, [per_group * dim, dim, dim], dim=-1)
     rq = rq.reshape(tokens, groups * per_group, dim)
-    rope = lambda x: rope_utils._apply_rotary_pos_emb_bshd(x.unsqueeze(1), freqs[position]).squeeze(1)  # noqa: E731
+    # megatron's rotation of the upcast values, rounded once (fused.rope_with_table's arithmetic)
+    rope = lambda x: rope_utils._apply_rotary_pos_emb_bshd(x.float().unsqueeze(1), freqs[position]).squeeze(1).to(dtype)  # noqa: E731
     for out, ref in ((q, rope(rq)), (k, rope(rk)), (v, rv)):
         assert out.is_contiguous()
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
@@ -124,7 +128,7 @@ def test_split_rope_qkv_equals_megatron_split_and_rope(dtype):
     g_fused = torch.autograd.grad((q, k, v), (mixed, bias), grads)
     g_ref = torch.autograd.grad((rope(rq), rope(rk), rv), (mixed, bias), grads)
     torch.testing.assert_close(g_fused, g_ref, atol=0, rtol=0)
-    assert fused.split_rope_qkv(mixed, None, *fused.rope_table(freqs, position, dtype), per_group)[2].equal(
+    assert fused.split_rope_qkv(mixed, None, *fused.rope_table(freqs, position), per_group)[2].equal(
         torch.split(mixed, [per_group * dim, dim, dim], dim=-1)[2]
     )
 

@@ -26,7 +26,7 @@ CHECK = textwrap.dedent(
         inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
         ang = torch.outer(torch.arange(64).float(), inv)
         freqs = torch.cat([ang, ang], -1)[:, None, None, :]
-        cos, sin = rope_table(freqs, positions(torch.tensor([0, 20, 45]), tokens, mixed.device), dtype)
+        cos, sin = rope_table(freqs, positions(torch.tensor([0, 20, 45]), tokens, mixed.device))
         kv = groups * r if expand else groups
         shapes = ((tokens, groups * r, dim), (tokens, kv, dim), (tokens, kv, dim))
         grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]

@@ -83,17 +83,22 @@ def packed_causal_attention(
         return varlen_attn(
             query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **kwargs
         )
+    gqa = num_heads != num_groups
+    if query.is_cuda and gqa:  # SDPA's enable_gqa sends fp32 to the math kernel: a [heads, T, T] matrix at 32k
+        key = key.repeat_interleave(num_heads // num_groups, dim=1)
+        value = value.repeat_interleave(num_heads // num_groups, dim=1)
+        gqa = False
     outputs = []
     bounds = cu_seqlens.tolist()
     for start, end in itertools.pairwise(bounds):
         if end == start:
             continue
-        # [len, h, d] -> [h, len, d] for SDPA
-        q = query[start:end].transpose(0, 1)
-        k = key[start:end].transpose(0, 1)
-        v = value[start:end].transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_groups)
-        outputs.append(out.transpose(0, 1))
+        # [len, h, d] -> [1, h, len, d] for SDPA (3-D input takes the math kernel on CUDA: a [h, len, len] matrix)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        k = key[start:end].transpose(0, 1).unsqueeze(0)
+        v = value[start:end].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs, dim=0)
 
 

@@ -20,11 +20,12 @@ patch wrong or unnecessary):
    sequence, per layer, for q and k). The replacement gathers each token's frequencies by its
    position inside its sequence (computed on the device from ``cu_seqlens``) and rotates all tokens
    at once: the same arithmetic, one pass, no host sync. Context parallelism (cp > 1) keeps the
-   original. With ``fused.set_fused_kernels(True)`` (the Actor's ``fused_kernels`` on CUDA) the rotation is
-   ``fused.rope_with_table`` through ``torch.compile`` (one kernel instead of ~8) on cos/sin tables built once per
-   forward (``fused.cached_rope_table``). Since issue 11's third pass the layers of a cp = 1 model take
-   ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models it does not cover (q/k norm,
-   output gate, YaRN); cp > 1 keeps megatron's original.
+   original. The rotation is ``fused.rope_with_table`` on fp32 cos/sin tables built once per forward
+   (``fused.cached_rope_table``), in fp32 and rounded once (megatron rounds the table and each op to the input's
+   dtype: in bf16 1.6x the rounding floor, issue 24); with ``fused.set_fused_kernels(True)`` (the Actor's
+   ``fused_kernels`` on CUDA) through ``torch.compile`` (one kernel instead of ~8). Since issue 11's third pass the
+   layers of a cp = 1 model take ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models it
+   does not cover (q/k norm, output gate, YaRN); cp > 1 keeps megatron's original.
 6. ``flashinfer`` hidden on machines without an NVIDIA driver (in the package ``__init__``, before megatron's
    first import): megatron-core imports it at import time (~8 s per process) for MoE and inference kernels
    tidal-actor never calls, always under ``except ImportError``; ``None`` in ``sys.modules`` skips it.
@@ -128,14 +129,12 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
     from tidal.actor.fused import cached_rope_table, fused_kernels_enabled, positions  # cos/sin once per forward
 
     plain = not kwargs.get("rotary_interleaved") and not kwargs.get("mla_rotary_interleaved")
-    if (
-        fused_kernels_enabled()
-        and t.is_cuda
-        and plain
-        and kwargs.get("mscale", 1.0) == 1.0
-        and freqs.size(-1) == t.size(-1)
-    ):
-        return _compiled_rope()(t, *cached_rope_table(freqs, cu_seqlens, t.size(0), t.dtype))
+    if plain and kwargs.get("mscale", 1.0) == 1.0 and freqs.size(-1) == t.size(-1):
+        # fp32 table and arithmetic, rounded once (issue 24); compiled into one kernel on CUDA with fused kernels
+        from tidal.actor.fused import rope_with_table
+
+        fn = _compiled_rope() if fused_kernels_enabled() and t.is_cuda else rope_with_table
+        return fn(t, *cached_rope_table(freqs, cu_seqlens, t.size(0)))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
         freqs[positions(cu_seqlens, t.size(0), t.device)],

@@ -14,8 +14,10 @@ attention kernel needs it), with the rotation's cos/sin tables (``rope_table``) 
 shared by every layer (``cached_rope_table``). Megatron then skips its own RoPE (it receives no ``rotary_pos_emb``).
 Any other input takes megatron's own path unchanged.
 
-The arithmetic is megatron's ``_apply_rotary_pos_emb_bshd`` (``t * cos + rotate_half(t) * sin``, cos/sin cast to
-``t``'s dtype), tested equal on CPU. With ``set_fused_kernels(True)`` (the Actor's ``fused_kernels`` on CUDA)
+The arithmetic is megatron's ``_apply_rotary_pos_emb_bshd`` (``t * cos + rotate_half(t) * sin``) on fp32 values
+with an fp32 cos/sin table, rounded once to ``t``'s dtype (megatron casts the table to ``t``'s dtype and rounds
+after each op: in bf16 1.6x the rounding floor, issue 24); equal to megatron's on fp32 input, tested on CPU.
+With ``set_fused_kernels(True)`` (the Actor's ``fused_kernels`` on CUDA)
 ``split_rope_qkv`` runs as two Triton kernels (``rope_kernel.py``: one forward, one backward, plus the bias
 gradient's sum); on CPU, and for a head dim that is not a power of two, it runs eagerly.
 """
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 # set_fused_kernels(True): split_rope_qkv, SwiGLU and the layers' RMSNorm run as Triton kernels (CUDA tensors only;
 # rope_kernel.py, swiglu_kernel.py, norm_kernel.py).
 _FUSED = [False]
-# The last table: (freqs, cu_seqlens, tokens, dtype, inference mode) -> (cos, sin). Strong references keep the
+# The last table: (freqs, cu_seqlens, tokens, inference mode) -> (cos, sin). Strong references keep the
 # keys alive, so an identity match cannot be a recycled object.
 _TABLE: list[tuple[Any, ...] | None] = [None]
 
@@ -62,36 +64,42 @@ def positions(cu_seqlens: torch.Tensor, n: int, device: torch.device) -> torch.T
     return idx - cu[torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)]
 
 
-def rope_table(freqs: torch.Tensor, position: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cos and sin ``[T, 1, dim]`` in ``dtype`` at ``position [T]`` from megatron's ``freqs [max_len, 1, 1, dim]``."""
-    f = freqs[position].reshape(position.numel(), 1, freqs.size(-1))
-    return f.cos().to(dtype), f.sin().to(dtype)
+def rope_table(freqs: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin ``[T, 1, dim]`` in fp32 at ``position [T]`` from megatron's fp32 ``freqs [max_len, 1, 1, dim]``.
+
+    Always fp32, also for bf16 activations: a table rounded to bf16 (as megatron's and HF's are) puts up to 2**-9 of
+    relative error into every rotation (issue 24: with bf16 ops, 1.6x the floor of one rounding).
+    """
+    f = freqs[position].reshape(position.numel(), 1, freqs.size(-1)).float()
+    return f.cos(), f.sin()
 
 
-def cached_rope_table(
-    freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+def cached_rope_table(freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``rope_table`` for ``n`` packed tokens, reused while the same ``freqs`` and ``cu_seqlens`` objects come back.
 
     Every layer of one forward passes the same two objects, so the table is built once per micro-batch instead of
-    twice per layer. A new micro-batch (a new ``cu_seqlens``), dtype or grad mode builds a new one.
+    twice per layer. A new micro-batch (a new ``cu_seqlens``) or grad mode builds a new one.
     """
-    key = (freqs, cu_seqlens, n, dtype, torch.is_inference_mode_enabled())
+    key = (freqs, cu_seqlens, n, torch.is_inference_mode_enabled())
     last = _TABLE[0]
     if last is not None and all(
         a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(last[0], key, strict=True)
     ):
         return last[1]
     with torch.no_grad():
-        table = rope_table(freqs, positions(cu_seqlens, n, freqs.device), dtype)
+        table = rope_table(freqs, positions(cu_seqlens, n, freqs.device))
     _TABLE[0] = (key, table)
     return table
 
 
 def rope_with_table(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of ``t [T, heads, dim]`` with ``cos``/``sin [T, 1, dim]``: megatron's non-interleaved rotation."""
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """RoPE of ``t [T, heads, dim]`` with fp32 ``cos``/``sin [T, 1, dim]``: megatron's non-interleaved rotation.
+
+    Computed in fp32 and rounded once to ``t``'s dtype (what the Triton kernel of ``rope_kernel`` does).
+    """
+    x = t.float()
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(t.dtype)
 
 
 def split_rope_qkv(
@@ -164,7 +172,7 @@ class PackedSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        self._pending = cached_rope_table(rotary_pos_emb, cu, hidden_states.size(0), hidden_states.dtype)
+        self._pending = cached_rope_table(rotary_pos_emb, cu, hidden_states.size(0))
         try:
             return super().forward(hidden_states, attention_mask, **(kwargs | {"rotary_pos_emb": None}))
         finally:
@@ -192,7 +200,6 @@ class PackedSelfAttention(SelfAttention):
             from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
         # varlen_attn without grouped-query support would repeat k/v itself: write them repeated right away
         expand = mixed.is_cuda and not _varlen_attn_supports_gqa()
-        cos, sin = cos.to(mixed.dtype), sin.to(mixed.dtype)
         q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, expand)
         return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
 
