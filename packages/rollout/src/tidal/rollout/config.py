@@ -126,35 +126,35 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         checks = (
-            ("n-samples-per-prompt", self.n_samples_per_prompt, self.n_samples_per_prompt >= 1, ">= 1"),
-            ("rollout-max-response-len", self.rollout_max_response_len, self.rollout_max_response_len >= 1, ">= 1"),
-            ("rollout-temperature", self.rollout_temperature, self.rollout_temperature >= 0, ">= 0"),
-            ("rollout-top-p", self.rollout_top_p, 0 < self.rollout_top_p <= 1, "in (0, 1]"),
-            ("rollout-top-k", self.rollout_top_k, self.rollout_top_k == -1 or self.rollout_top_k >= 1, "-1 or >= 1"),
+            ("--n-samples-per-prompt", self.n_samples_per_prompt, self.n_samples_per_prompt >= 1, ">= 1"),
+            ("--rollout-max-response-len", self.rollout_max_response_len, self.rollout_max_response_len >= 1, ">= 1"),
+            ("--rollout-temperature", self.rollout_temperature, self.rollout_temperature >= 0, ">= 0"),
+            ("--rollout-top-p", self.rollout_top_p, 0 < self.rollout_top_p <= 1, "in (0, 1]"),
+            ("--rollout-top-k", self.rollout_top_k, self.rollout_top_k == -1 or self.rollout_top_k >= 1, "-1 or >= 1"),
             (
-                "dynamic-sampling-max-rounds",
+                "--dynamic-sampling-max-rounds",
                 self.dynamic_sampling_max_rounds,
                 self.dynamic_sampling_max_rounds >= 1,
                 ">= 1",
             ),
-            ("generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
-            ("sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
-            ("sglang-request-timeout-s", self.sglang_request_timeout_s, self.sglang_request_timeout_s > 0, "> 0"),
+            ("--generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
+            ("--sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
+            ("--sglang-request-timeout-s", self.sglang_request_timeout_s, self.sglang_request_timeout_s > 0, "> 0"),
         )
         for flag, value, ok, requirement in checks:
             if not ok:
-                raise ValueError(f"--{flag} must be {requirement}, got {value!r}")
+                raise ValueError(f"{flag} must be {requirement}, got {value!r}")
         if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math"):
             raise ValueError(
                 f"--rm-type must be exact_match, numeric_match or math, got {self.rm_type!r}; "
                 "or give --custom-rm-path pkg.module:fn"
             )
         for flag, path in (
-            ("custom-rm-path", self.custom_rm_path),
-            ("custom-generate-function-path", self.custom_generate_function_path),
+            ("--custom-rm-path", self.custom_rm_path),
+            ("--custom-generate-function-path", self.custom_generate_function_path),
         ):
             if path is not None and ":" not in path:
-                raise ValueError(f"--{flag} must look like 'pkg.module:fn', got {path!r}")
+                raise ValueError(f"{flag} must look like 'pkg.module:fn', got {path!r}")
         self._check_sampling_strategy()
         self.external_engine_urls()  # raises on a malformed address
         if self.rollout_external and not self.rollout_external_engine_addrs:
