@@ -79,7 +79,7 @@ def _unknown_problems(unknown: list[str], known: list[str]) -> list[str]:
             hint = f"; did you mean {close[0]}?" if close else ""
             problems.append(f"unknown option {token}{hint} (see `train --help`)")
         elif not any(t.startswith("--sglang-") for t in unknown[:i]):
-            problems.append(f"unexpected argument {token!r}: every option is a --flag (see `train --help`)")
+            problems.append(f"unexpected argument {token!r}: options start with two dashes (see `train --help`)")
     return problems
 
 
