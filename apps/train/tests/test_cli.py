@@ -103,6 +103,7 @@ BAD = [
     (["--micro-batch-size", "0"], "--micro-batch-size"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
     (["--debug-train-only", "--load-debug-rollout-data", "/nonexistent"], "--load-debug-rollout-data .* not a dir"),
+    (["--partial-rollout", "--rollout-external-engine-addrs", "h:1", "h:2", "--no-use-router"], "drop --no-use-router"),
 ]
 
 

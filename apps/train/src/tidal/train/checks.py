@@ -223,6 +223,18 @@ def check_modes(train, rollout, *, colocate_given: bool | None) -> None:
     problems.raise_if_any()
 
 
+def check_router(rollout, placement) -> None:
+    """Partial rollout and dynamic sampling send every request from the driver: to one engine, or the router."""
+    engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
+    driver_side = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
+    if driver_side and engines > 1 and rollout.use_router is False:
+        what = "--partial-rollout" if rollout.partial_rollout else "--dynamic-sampling-filter-path"
+        raise ValueError(
+            f"{what} with {engines} engines sends every request through sglang-router: drop --no-use-router "
+            "(or use one engine)"
+        )
+
+
 def check_load(ckpt) -> None:
     """``--load`` names a loadable Megatron checkpoint (each kind of bad folder has its own message)."""
     if not ckpt.load:

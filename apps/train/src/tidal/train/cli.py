@@ -137,6 +137,8 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     ckpt_cfg = problems.run(CkptConfig, hf_checkpoint=hf, **sections["ckpt"])
     placement_cfg = problems.run(PlacementConfig, **sections["placement"])
     rollout_cfg = problems.run(RolloutConfig, **rollout)
+    if rollout_cfg is not None and placement_cfg is not None:
+        problems.run(checks.check_router, rollout_cfg, placement_cfg)
     if train_cfg is not None:
         problems.run(checks.check_pipeline, train_cfg, hf_config, hf)
         problems.run(checks.check_wandb, train_cfg)
