@@ -241,9 +241,7 @@ def check_local_gpus(job: JobConfig, *, detected_gpus: int | None = None) -> Loc
 def validate(argv: list[str], *, detected_gpus: int | None = None) -> JobConfig:
     """Every check a user's input gets before anything starts: the flags and files, then this machine's GPUs."""
     job = parse_job(argv)
-    local = check_local_gpus(job, detected_gpus=detected_gpus)
-    if local is not None and local.logical:
-        logger.info("no CUDA GPU detected: CPU mode, the local Ray declares %s", local.describe())
+    check_local_gpus(job, detected_gpus=detected_gpus)  # start_ray applies the same rule, and logs CPU mode
     return job
 
 
