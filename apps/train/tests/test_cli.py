@@ -290,28 +290,37 @@ def _fail_in_run(monkeypatch, error: BaseException) -> None:
     monkeypatch.setattr(tidal.train.loop, "run", run)
 
 
-def _ray_task_error(cause: BaseException) -> BaseException:
-    """What ``ray.get`` raises when a worker's method raised ``cause``."""
+def _ray_task_error(cause: BaseException, *, prefix: str = ""):
+    """The RayTaskError a worker's method that raised ``cause`` produces (``prefix``: text before its traceback)."""
+    import traceback
+
     from ray.exceptions import RayTaskError
 
     try:
         raise cause
-    except BaseException as e:
-        import traceback
+    except BaseException:
+        return RayTaskError("EngineWorker.generate_samples", prefix + traceback.format_exc(), cause)
 
-        return RayTaskError("EngineWorker.generate_samples", traceback.format_exc(), e).as_instanceof_cause()
+
+def _raised_by_ray_get(cause: BaseException) -> BaseException:
+    """What ``ray.get`` raises when a worker's method raised ``cause``: the RayTaskError, also a ``cause``'s type."""
+    return _ray_task_error(cause).as_instanceof_cause()
 
 
 @pytest.mark.parametrize(
     ("make_error", "line"),
     [
         (lambda: _rollout_error("SGLang engine 0 died (exit 9); its log: runs/x/logs/engine0.log"), "engine 0 died"),
-        (lambda: _ray_task_error(_rollout_error("engine 1 died; its log: L")), "engine 1 died; its log: L"),
+        (lambda: _raised_by_ray_get(_rollout_error("engine 1 died; its log: L")), "engine 1 died; its log: L"),
         (lambda: ResourceShortageError("Not enough resources: needs 8 GPUs, has 4.\n    node ..."), "needs 8 GPUs"),
         (lambda: ZeroDivisionError("division by zero"), "unexpected ZeroDivisionError: division by zero"),
-        (lambda: _ray_task_error(KeyError("weights")), "unexpected KeyError: 'weights'"),
+        (lambda: _raised_by_ray_get(KeyError("weights")), "unexpected KeyError: 'weights'"),
+        (
+            lambda: _actor_died_in_init(OSError("EADDRINUSE: address already in use")),
+            "a Ray worker failed (ActorDiedError): OSError: EADDRINUSE: address already in use",
+        ),
     ],
-    ids=["package error", "package error in a Ray worker", "multi-line", "bug", "bug in a Ray worker"],
+    ids=["package error", "package error in a Ray worker", "multi-line", "bug", "bug in a Ray worker", "died"],
 )
 def test_an_error_during_the_run_is_one_line_and_a_log_with_the_traceback(
     make_error, line, paths, tmp_path, monkeypatch, capsys
@@ -324,6 +333,13 @@ def test_an_error_during_the_run_is_one_line_and_a_log_with_the_traceback(
     log = out / "error.log"
     assert err[0].endswith(f"(traceback in {log.resolve()})")
     assert "Traceback (most recent call last)" in log.read_text()
+
+
+def _actor_died_in_init(cause: BaseException) -> BaseException:
+    """What ``ray.get`` raises when a worker raised ``cause`` in ``__init__`` (its text only, colored by Ray)."""
+    from ray.exceptions import ActorDiedError
+
+    return ActorDiedError(_ray_task_error(cause, prefix="\x1b[36mray::ActorWorker.__init__()\x1b[39m\n"))
 
 
 def _rollout_error(message: str) -> BaseException:

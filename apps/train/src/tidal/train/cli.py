@@ -11,6 +11,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from tidal.train.config import JobConfig
 
 logger = logging.getLogger("tidal.train")
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The last line of a Python traceback: "pkg.module.SomeError: message".
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interrupt)): (.+)$")
 
 # The embedded default job (no --hf-checkpoint): sizes that suit the tiny addition model on a 2-core CPU.
 EMBEDDED_DEFAULTS: dict[str, Any] = {
@@ -313,17 +318,26 @@ def _cause(error: BaseException) -> BaseException:
 
 
 def error_line(error: BaseException) -> str:
-    """One line for the terminal: a tidal package's or a user's error by its message, anything else by its type."""
+    """One line for the terminal: a tidal package's or a user's error by its message, anything else by its type.
+
+    Ray hands back an exception raised in a worker as ``RayTaskError(cause)`` (unwrapped to the cause), or, when
+    the worker died of it in ``__init__``, as an ``ActorDiedError`` holding only the remote traceback's text: then
+    the traceback's last line (the exception that killed it) is the one shown.
+    """
     cause = _cause(error)
-    text = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
-    if len(text) > 400:
-        text = text[:400] + " ..."
+    lines = [line.strip() for line in _ANSI.sub("", str(cause)).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
     name = type(cause).__name__
     if type(cause).__module__.startswith("tidal.") or isinstance(cause, ValueError):
-        return text or name
+        return _clip(text) or name
     if type(cause).__module__.startswith("ray."):
-        return f"a Ray worker failed ({name}): {text}"
-    return f"unexpected {name}: {text}" if text else f"unexpected {name}"
+        last = next((m for line in reversed(lines) if (m := _EXCEPTION_LINE.match(line))), None)
+        return _clip(f"a Ray worker failed ({name}): " + (f"{last[1]}: {last[2]}" if last else text))
+    return _clip(f"unexpected {name}: {text}" if text else f"unexpected {name}")
+
+
+def _clip(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _report(error: BaseException, argv: list[str], *, out_dir: str | None) -> int:
