@@ -53,7 +53,10 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--max-shard-bytes", {"type": int, "help": "largest safetensors shard of an HF checkpoint (default 5 GiB)"}),
     ],
     "placement": [
-        ("--colocate", {"action": _BOOL, "help": "actor and rollout share GPUs"}),
+        (
+            "--colocate",
+            {"action": _BOOL, "help": "actor and rollout share GPUs (default: off, slime's; on for the embedded job)"},
+        ),
         ("--actor-num-nodes", {"type": int, "help": "nodes of the actor"}),
         ("--actor-num-gpus-per-node", {"type": int, "help": "actor GPUs per node"}),
         ("--rollout-num-gpus", {"type": int, "help": "GPUs of all SGLang engines"}),
