@@ -96,6 +96,9 @@ def _sglang_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
         # its log-probs with transformers' to 1e-3.
         extra_server_args=["--dtype", "float32"],
         startup_timeout_s=600,
+        # SGLang's own default is 5 s, tidal's 60 s; 2 s lets test_transport wait past it, and every other
+        # test then runs against a server that closes idle connections quickly.
+        keep_alive_s=2,
     )
     engine.start()
     yield engine
