@@ -99,10 +99,10 @@ class SGLangClient:
         """How errors name this endpoint."""
         return f"SGLang endpoint {self.url}"
 
-    def health_ok(self) -> bool:
-        """Whether ``/health`` answers 200 right now."""
+    def health_ok(self, timeout_s: float = 5.0) -> bool:
+        """Whether ``/health`` answers 200 within ``timeout_s`` (a probe: never retried)."""
         try:
-            return self._session.get(f"{self.url}/health", timeout=5.0).status_code == 200
+            return self._session.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
@@ -215,7 +215,7 @@ class SGLangClient:
         response = self._post("/generate", payload)
         if response.status_code >= 500:  # still failing after the retries: up to the caller (restart or give up)
             raise EngineUnavailableError(
-                f"/generate at {self.url} answered {response.status_code} after {self.max_retries} retries: "
+                f"/generate at {self.url} answered {response.status_code} (retried up to {self.max_retries} times): "
                 f"{response.text[:500]!r}"
             )
         if response.status_code != 200:

@@ -101,13 +101,13 @@ class RolloutRouter(ManagedServer):
             cmd += ["--api-key", self._api_key]
         return cmd + list(self.extra_router_args)
 
-    def health_ok(self) -> bool:
+    def health_ok(self, timeout_s: float = 5.0) -> bool:
         """Whether the router answers ``/health`` AND lists every engine as healthy.
 
         The router answers ``/health`` a moment before it has registered its engines (that runs in the
         background), and a ``/generate`` sent then fails with 503 "no_available_workers".
         """
-        if not super().health_ok():
+        if not super().health_ok(timeout_s):
             return False
         try:
             healthy = {w["url"].rstrip("/") for w in self.workers() if w.get("is_healthy")}

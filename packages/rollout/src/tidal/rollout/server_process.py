@@ -91,6 +91,8 @@ class ManagedServer(SGLangClient):
         self.startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
+        self.starting = False
+        """True from launch until healthy (a heartbeat leaves a starting server alone)."""
 
     def command(self) -> list[str]:
         """The command line that runs the server."""
@@ -146,7 +148,18 @@ class ManagedServer(SGLangClient):
         # Kill the group even if the owner forgets shutdown() or the interpreter exits first.
         self._finalizer = weakref.finalize(self, kill_process_group, self._process.pid, signal.SIGKILL)
         if wait:
-            self.wait_healthy()
+            self.starting = True
+            try:
+                self.wait_healthy()
+            finally:
+                self.starting = False
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group now, from any thread (a hung server); :meth:`restart` starts it again."""
+        process = self._process
+        if process is not None:
+            logger.warning("killing %s at %s (pid %d)", self.kind, self.url, process.pid)
+            kill_process_group(process.pid, signal.SIGKILL)
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Poll ``/health`` until it answers 200, the process dies, or the timeout passes.
