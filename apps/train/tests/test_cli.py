@@ -46,6 +46,8 @@ BAD = [
     (["--rollout-external-engine-addrs", "h:1", "h:1"], "--rollout-external-engine-addrs"),
     (["--rollout-external-engine-addrs", "h:1", "--use-fault-tolerance"], "--use-fault-tolerance"),
     (["--rollout-external-engine-addrs", "h:1", "--no-colocate"], "--no-colocate"),
+    (["--rollout-request-timeout-s", "0"], "--rollout-request-timeout-s"),
+    (["--rollout-request-retries", "-1"], "--rollout-request-retries"),
 ]
 
 

@@ -117,6 +117,9 @@ def _check_cross_section(train, rollout: dict, placement: dict, ckpt: dict, hf: 
         raise ValueError(f"--load-debug-rollout-data {rollout['load_debug_rollout_data']} is not a directory")
     if train.debug_rollout_only and rollout.get("load_debug_rollout_data"):
         raise ValueError("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
+    for key in ("rollout_health_check_interval", "rollout_health_check_timeout"):
+        if key in rollout and not train.use_fault_tolerance:
+            logger.warning("--%s has no effect without --use-fault-tolerance", key.replace("_", "-"))
     if rollout.get("rollout_external_engine_addrs"):
         clash = [
             flag
