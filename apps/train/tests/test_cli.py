@@ -80,7 +80,8 @@ BAD = [
     (["--global-batch-size", "2", "--actor-num-gpus-per-node", "4"], "--global-batch-size 2 is not divisible by"),
     (["--num-steps-per-rollout", "7"], "--num-steps-per-rollout 7 does not divide"),
     (["--sglang-startup-timeout-s", "0"], "--sglang-startup-timeout-s must be > 0"),  # a real flag, not forwarded
-    (["--sglang-request-timeout-s", "-1"], "--sglang-request-timeout-s must be > 0"),
+    (["--rollout-request-timeout-s", "0"], "--rollout-request-timeout-s must be > 0"),
+    (["--rollout-request-retries", "-1"], "--rollout-request-retries must be >= 0"),
     (["--generate-max-concurrency", "0"], "--generate-max-concurrency must be >= 1"),
     (["--dynamic-sampling-max-rounds", "0"], "--dynamic-sampling-max-rounds must be >= 1"),
     (["--adam-beta1", "1.5"], "--adam-beta1 must be in"),

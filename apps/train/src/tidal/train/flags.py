@@ -100,13 +100,28 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--load-debug-rollout-data", {"help": "folder of saved rollouts to train on instead of generating"}),
         ("--sglang-host", {"help": "address the SGLang servers listen on (default 127.0.0.1)"}),
         ("--sglang-startup-timeout-s", {"type": float, "help": "longest wait for an SGLang server to be healthy"}),
-        ("--sglang-request-timeout-s", {"type": float, "help": "timeout of one request to an SGLang server"}),
         ("--rollout-external", {"action": "store_true", "default": None, "help": "use SGLang servers run elsewhere"}),
         (
             "--rollout-external-engine-addrs",
             {"nargs": "+", "metavar": "HOST:PORT", "help": "SGLang servers run elsewhere: none is launched"},
         ),
         ("--use-router", {"action": _BOOL, "help": "sglang-router in front of the engines (default: if several)"}),
+        (
+            "--rollout-request-timeout-s",
+            {"type": float, "help": "longest wait for one answer of an engine or router (default 600; then retried)"},
+        ),
+        (
+            "--rollout-request-retries",
+            {"type": int, "help": "resends of a request after a reset, refusal, timeout or 5xx (default 5)"},
+        ),
+        (
+            "--rollout-health-check-interval",
+            {"type": float, "help": "seconds between engine heartbeats with --use-fault-tolerance (10; 0: off)"},
+        ),
+        (
+            "--rollout-health-check-timeout",
+            {"type": float, "help": "a heartbeat unanswered this long kills the engine, to be restarted (default 5)"},
+        ),
         ("--sglang-router-policy", {"help": "cache_aware, round_robin, random or power_of_two"}),
     ],
     "batching": [

@@ -121,8 +121,14 @@ class RolloutConfig:
     ``/health``, generates on them and loads weights into them, and never restarts or stops them."""
     sglang_startup_timeout_s: float = 600.0
     """Longest wait for an SGLang server to become healthy."""
-    sglang_request_timeout_s: float = 600.0
-    """Timeout of one HTTP request to an SGLang server (a whole batched generation)."""
+    rollout_request_timeout_s: float = 600.0
+    """Longest wait for one HTTP answer from an engine or router (a whole /generate); a timeout is retried."""
+    rollout_request_retries: int = 5
+    """Times one request is sent again after a transient failure (reset, refused, timeout, 5xx), with backoff."""
+    rollout_health_check_interval: float = 10.0
+    """Seconds between heartbeats (/health) to each launched engine under --use-fault-tolerance; 0: none."""
+    rollout_health_check_timeout: float = 5.0
+    """A heartbeat unanswered this long kills the engine; the next request restarts it (--use-fault-tolerance)."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -139,7 +145,20 @@ class RolloutConfig:
             ),
             ("--generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
             ("--sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
-            ("--sglang-request-timeout-s", self.sglang_request_timeout_s, self.sglang_request_timeout_s > 0, "> 0"),
+            ("--rollout-request-timeout-s", self.rollout_request_timeout_s, self.rollout_request_timeout_s > 0, "> 0"),
+            ("--rollout-request-retries", self.rollout_request_retries, self.rollout_request_retries >= 0, ">= 0"),
+            (
+                "--rollout-health-check-interval",
+                self.rollout_health_check_interval,
+                self.rollout_health_check_interval >= 0,
+                ">= 0 (0: no heartbeat)",
+            ),
+            (
+                "--rollout-health-check-timeout",
+                self.rollout_health_check_timeout,
+                self.rollout_health_check_timeout > 0,
+                "> 0",
+            ),
         )
         for flag, value, ok, requirement in checks:
             if not ok:
