@@ -149,9 +149,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
         problems.run(checks.check_wandb, train_cfg)
         if rollout_cfg is not None:
             problems.run(checks.check_modes, train_cfg, rollout_cfg, colocate_given=colocate_given)
-            for key in ("rollout_health_check_interval", "rollout_health_check_timeout"):
-                if key in rollout and not train_cfg.use_fault_tolerance:
-                    logger.warning("--%s has no effect without --use-fault-tolerance", key.replace("_", "-"))
+            _warn_without_fault_tolerance(rollout, train_cfg)
         if placement_cfg is not None:
             dp = problems.run(checks.check_model_parallel, train_cfg, placement_cfg)
             if dp is not None and batching_cfg is not None:
@@ -165,6 +163,12 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
         train=train_cfg, placement=placement_cfg, rollout=rollout_cfg, batching=batching_cfg, actor=actor_cfg,
         ckpt=ckpt_cfg,
     )  # fmt: skip
+
+
+def _warn_without_fault_tolerance(rollout: dict[str, Any], train) -> None:
+    for key in ("rollout_health_check_interval", "rollout_health_check_timeout"):
+        if key in rollout and not train.use_fault_tolerance:
+            logger.warning("--%s has no effect without --use-fault-tolerance", key.replace("_", "-"))
 
 
 def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], problems) -> None:
