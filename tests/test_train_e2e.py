@@ -102,6 +102,7 @@ def test_one_record_per_rollout_with_finite_loss(run):
         assert math.isfinite(r["train/grad_norm"]) and r["train/grad_norm"] > 0
         assert 0.0 <= r["rollout/reward/mean"] <= 1.0
         assert r["rollout/response_len/mean"] > 0
+        assert r["rollout/http_retries"] >= 0  # counted by every client of the run (a reset is retried, not fatal)
 
 
 def test_samples_carry_the_engine_log_probs(run):

@@ -69,7 +69,8 @@ def test_layer_count_mismatch_names_the_layers_first(ranks, tmp_path):
     lines = message.splitlines()
     assert lines[1] == (
         f"  - the checkpoint has 4 layers (decoder.layers.0-3), the model has 2 (decoder.layers.0-1): --load "
-        f"{tmp_path / 'ckpt'} was saved from a different model; set --num-layers 4 to match it, or point --load at "
+        f"{tmp_path / 'ckpt'} was saved from a different model; point --hf-checkpoint at the model it was saved from "
+        f"(num_hidden_layers 4 in its config.json), or point --load at "
         f"a checkpoint of this model (40 checkpoint entries differ only in the layer count)"
     ), message
     assert len(lines) == 3 and lines[2].startswith("Nothing was loaded."), message  # nothing else to say

@@ -205,7 +205,7 @@ def test_mismatch_is_a_clear_error_and_loads_nothing(ranks, saved_ckpt, request_
     name, message = error
     assert name == "CheckpointMismatchError" and expected in message, message
     assert "Nothing was loaded." in message
-    assert ("--num-layers" in message) == ("--no-load-optim" not in message)  # model hint only for model problems
+    assert ("num_hidden_layers" in message) == ("--no-load-optim" not in message)  # model hint only for model problems
     if request_fn is _no_saved_optimizer:
         assert message.replace(str(saved_ckpt), "DIR") in README.read_text(), "README lists a stale message"
 

@@ -19,7 +19,7 @@ LOCAL_DRIVER = textwrap.dedent(
     import ray
     from tidal.placement import PlacementConfig, create_placement, start_ray
 
-    cfg = PlacementConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, placement_timeout_s=120,
+    cfg = PlacementConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, placement_timeout_s=120,
                           ray_env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
     start_ray(cfg)
     placement = create_placement(cfg)

@@ -5,7 +5,7 @@ from tidal.placement.config import parse_ray_env
 
 def test_gpu_arithmetic_colocated_and_decoupled():
     co = PlacementConfig(
-        actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=2
+        actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=2, colocate=True
     )
     assert (co.num_actor_gpus, co.num_engines, co.num_gpus) == (8, 4, 8)
     de = PlacementConfig(
@@ -18,13 +18,14 @@ def test_gpu_arithmetic_colocated_and_decoupled():
     ("kwargs", "flag"),
     [
         ({"rollout_num_gpus": 3, "rollout_num_gpus_per_engine": 2, "actor_num_gpus_per_node": 4}, "--rollout-num-gpus"),
-        ({"rollout_num_gpus": 8, "actor_num_gpus_per_node": 4}, "--colocate"),
+        ({"rollout_num_gpus": 8, "actor_num_gpus_per_node": 4, "colocate": True}, "--colocate"),
         (
             {
                 "rollout_num_gpus": 6,
                 "rollout_num_gpus_per_engine": 3,
                 "actor_num_nodes": 2,
                 "actor_num_gpus_per_node": 4,
+                "colocate": True,
             },
             "span two nodes",
         ),
@@ -34,6 +35,7 @@ def test_gpu_arithmetic_colocated_and_decoupled():
                 "rollout_num_gpus": 8,
                 "actor_num_gpus_per_node": 4,
                 "actor_num_nodes": 2,
+                "colocate": True,
             },
             "span two nodes",
         ),
@@ -67,7 +69,7 @@ def test_parse_ray_env():
 
 def test_plan_maps_actor_and_engines_to_bundle_positions():
     co = ResourcePlan.from_config(
-        PlacementConfig(actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
+        PlacementConfig(actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2, colocate=True)
     )
     assert co.num_bundles == 4 and co.actor_positions == [0, 1, 2, 3]
     assert co.engine_positions == [[0, 1], [2, 3]]
@@ -94,7 +96,9 @@ def _node(i, gpus, free=None, cpus=2.0):
 
 def test_check_resources_passes_when_it_fits():
     nodes = [_node(1, 8), _node(2, 8)]
-    check_resources(PlacementConfig(actor_num_nodes=2, actor_num_gpus_per_node=8, rollout_num_gpus=16), nodes)
+    check_resources(
+        PlacementConfig(actor_num_nodes=2, actor_num_gpus_per_node=8, rollout_num_gpus=16, colocate=True), nodes
+    )
     check_resources(PlacementConfig(actor_num_gpus_per_node=8, rollout_num_gpus=8, colocate=False), nodes)
 
 
@@ -103,9 +107,11 @@ def test_shortage_message_names_needed_available_per_node_and_flags():
     with pytest.raises(ResourceShortageError) as info:
         check_resources(cfg, [_node(1, 8), _node(2, 4, free=2)])
     msg = str(info.value)
-    assert "needs 16 GPUs, the cluster has 12" in msg
-    assert "available: 12 GPUs (10 free now) on 2 node(s)" in msg
-    assert "decoupled: actor 1 node(s) x 8 GPUs + rollout 4 engine(s) x 2 GPUs" in msg
+    first = msg.splitlines()[0]  # the line a user sees on the terminal: needed, available and the fix
+    assert "needs 16 GPUs, the cluster has 12" in first
+    assert "available: 12 GPUs (10 free now) on 2 node(s)" in first
+    assert "decoupled, --no-colocate: actor 1 node(s) x 8 GPUs + rollout 4 engine(s) x 2 GPUs" in first
+    assert "Fix (any one)" in first
     assert "node 10.0.0.1 00000001 (head): 8 GPUs (8 free), 2 CPUs (2 free)" in msg
     assert "node 10.0.0.2 00000002: 4 GPUs (2 free)" in msg
     assert "--rollout-num-gpus 4 (the most that fits beside the actor)" in msg
@@ -115,9 +121,13 @@ def test_shortage_message_names_needed_available_per_node_and_flags():
 def test_shortage_when_blocks_do_not_fit_on_single_nodes():
     # 8 GPUs in total, but no node has the 8 GPUs one actor node needs.
     with pytest.raises(ResourceShortageError, match="do not each fit on a single node"):
-        check_resources(PlacementConfig(actor_num_gpus_per_node=8, rollout_num_gpus=8), [_node(1, 4), _node(2, 4)])
+        check_resources(
+            PlacementConfig(actor_num_gpus_per_node=8, rollout_num_gpus=8, colocate=True), [_node(1, 4), _node(2, 4)]
+        )
 
 
 def test_shortage_of_bundle_cpus():
     with pytest.raises(ResourceShortageError, match=r"needs 0.8 CPUs \(8 bundles x 0.1\), the cluster has 0.5"):
-        check_resources(PlacementConfig(actor_num_gpus_per_node=8, rollout_num_gpus=8), [_node(1, 8, cpus=0.5)])
+        check_resources(
+            PlacementConfig(actor_num_gpus_per_node=8, rollout_num_gpus=8, colocate=True), [_node(1, 8, cpus=0.5)]
+        )

@@ -71,7 +71,7 @@ def test_shortage_error_is_fast_and_creates_nothing(ray_cluster):
 
 
 def test_colocated_one_node(ray_cluster, placements):
-    cfg = PlacementConfig(actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2)
+    cfg = PlacementConfig(actor_num_gpus_per_node=4, rollout_num_gpus=4, rollout_num_gpus_per_engine=2, colocate=True)
     p = create_placement(cfg, name="co-1")
     placements.append(p)
     _assert_ordered(p)
@@ -96,7 +96,7 @@ def test_colocated_one_node(ray_cluster, placements):
 
 def test_colocated_two_nodes(ray_cluster, placements):
     cfg = PlacementConfig(
-        actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=4
+        actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=4, colocate=True
     )
     p = create_placement(cfg, name="co-2")
     placements.append(p)

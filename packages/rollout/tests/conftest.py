@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
-from collections.abc import Callable, Iterator
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,9 @@ def _sglang_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
         # its log-probs with transformers' to 1e-3.
         extra_server_args=["--dtype", "float32"],
         startup_timeout_s=600,
+        # SGLang's own default is 5 s, tidal's 60 s; 2 s lets test_transport wait past it, and every other
+        # test then runs against a server that closes idle connections quickly.
+        keep_alive_s=2,
     )
     engine.start()
     yield engine
@@ -118,3 +124,67 @@ def plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
     yield "tidal_rollout_plugins"
     sys.modules.pop("tidal_rollout_plugins", None)
+
+
+class FlakyProxy:
+    """Listens on a free port; connection ``i`` gets ``faults[i]`` ("reset", "503", "stall"), later ones a relay."""
+
+    def __init__(self, upstream_port: int, faults: Sequence[str], *, stall_s: float = 3.0) -> None:
+        self.upstream_port, self.faults, self.stall_s = upstream_port, list(faults), stall_s
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            fault = self.faults[self.connections] if self.connections < len(self.faults) else None
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn, fault), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, fault: str | None) -> None:
+        if fault is None:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=_pump, args=(upstream, conn), daemon=True).start()
+            _pump(conn, upstream)
+            return
+        conn.recv(65536)  # the request has left the client
+        if fault == "503":
+            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbusy")
+        elif fault == "stall":
+            self._stop.wait(self.stall_s)
+        elif fault == "reset":  # SO_LINGER 0: close() sends RST, as a peer that drops the connection does
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    for sock in (src, dst):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def proxy(sglang_server: SGLangEngine) -> Iterator[Callable[..., FlakyProxy]]:
+    """Makes FlakyProxy instances in front of the session's server (``proxy(["reset", "503"])``); closes them."""
+    made: list[FlakyProxy] = []
+
+    def make(faults: Sequence[str], **kwargs) -> FlakyProxy:
+        made.append(FlakyProxy(sglang_server.port, faults, **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()

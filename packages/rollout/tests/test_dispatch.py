@@ -1,15 +1,16 @@
-"""A server killed mid-rollout is restarted and the rollout completes without losing a sample."""
+"""A server killed mid-rollout, or whose requests fail every retry, is restarted and no sample is lost."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 from tidal.rollout import RolloutError, SGLangEngine, generate_samples
-from tidal.rollout.server_process import process_group_alive
+from tidal.rollout.server_process import ManagedServer, process_group_alive
 
 MAX_NEW = 40
 
@@ -19,8 +20,50 @@ def test_dead_engine_beyond_its_restarts_raises_with_port_and_log(tmp_path: Path
     engine = SGLangEngine(tmp_path / "model", port=port, log_dir=tmp_path / "logs")  # never started: refused
     with pytest.raises(RolloutError, match=rf"SGLang server at http://127.0.0.1:{port} \(port {port}, ") as info:
         generate_samples(engine, [[3, 4]], {"max_new_tokens": 2}, max_restarts=0)
-    assert "stopped answering during generation" in str(info.value)
-    assert "no server log at" in str(info.value)  # the log tail section (this engine never wrote one)
+    message = str(info.value)
+    assert "died during generation (POST " in message and "connection refused" in message
+    assert "(--use-fault-tolerance restarts it)" in message
+    assert message.endswith(f"its log: {engine.log_path}") and "\n" not in message
+
+
+class _ProcessBehindProxy(ManagedServer):
+    """A launched process that stays up, reached at the URL of a proxy in front of the real SGLang server."""
+
+    kind = "test server"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def _behind(url: str, tmp_path: Path) -> ManagedServer:
+    server = _ProcessBehindProxy(url, log_path=tmp_path / "server.log", startup_timeout_s=60, max_retries=1)
+    server.retry_backoff_s = 0.05
+    server.start(wait=False)
+    return server
+
+
+def test_a_running_server_that_fails_every_retry_is_restarted_or_named_with_its_log(proxy, tmp_path: Path) -> None:
+    # Two resets use up the first request's retries (max_retries=1); the restart's first /health meets the
+    # third; then the proxy relays and the resent request succeeds on the new process.
+    server = _behind(proxy(["reset"] * 3).url, tmp_path)
+    first_pid = server.pid
+    try:
+        samples = generate_samples(server, [[3, 4]], {"n": 2, "max_new_tokens": 3}, max_restarts=1)
+        assert len(samples) == 2 and all(len(s.response_ids) == 3 for s in samples)
+        assert server.pid != first_pid and server.http_retries == 1
+    finally:
+        server.shutdown()
+    server = _behind(proxy(["reset"] * 10).url, tmp_path)
+    try:
+        with pytest.raises(RolloutError) as info:
+            generate_samples(server, [[3, 4]], {"max_new_tokens": 3}, max_restarts=0)
+    finally:
+        server.shutdown()
+    message = str(info.value)
+    assert "is running but stopped answering during generation (POST " in message
+    assert "failed after 2 attempts: connection reset by peer" in message
+    assert message.endswith(f"(--use-fault-tolerance restarts it); its log: {tmp_path / 'server.log'}")
+    assert "\n" not in message
 
 
 @pytest.mark.slow

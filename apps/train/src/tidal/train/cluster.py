@@ -31,6 +31,8 @@ class Cluster:
     engine_pids: list[int] = field(default_factory=list)
     engine_urls: list[str] = field(default_factory=list)
     router: Any = None
+    driver_client: Any = None
+    """The driver's own client of the one engine (partial rollout, DAPO without a router); made on first use."""
 
 
 def start_cluster(job: JobConfig, out: Path, *, with_engines: bool = True, with_actor: bool = True) -> Cluster:
@@ -94,6 +96,8 @@ def start_cluster(job: JobConfig, out: Path, *, with_engines: bool = True, with_
                 log_dir=out / "logs",
                 policy=job.rollout.sglang_router_policy,
                 extra_router_args=job.rollout.sglang_router_args,
+                request_timeout_s=job.rollout.rollout_request_timeout_s,
+                max_retries=job.rollout.rollout_request_retries,
             )
         logger.info("engines ready at %s; actor ready on %d rank(s)", cluster.engine_urls or "(none)", world)
     except BaseException:
@@ -148,7 +152,19 @@ def driver_target(cluster: Cluster, job: JobConfig):
             f"--partial-rollout / --dynamic-sampling-filter-path with {len(cluster.engine_urls)} engines send every "
             "request through the router: drop --no-use-router"
         )
-    return SGLangClient(cluster.engine_urls[0], request_timeout_s=job.rollout.sglang_request_timeout_s)
+    if cluster.driver_client is None:  # one client for the run: its pooled connections and retry count persist
+        cluster.driver_client = SGLangClient(
+            cluster.engine_urls[0],
+            request_timeout_s=job.rollout.rollout_request_timeout_s,
+            max_retries=job.rollout.rollout_request_retries,
+        )
+    return cluster.driver_client
+
+
+def http_retries(cluster: Cluster) -> int:
+    """Requests sent again after a transient failure so far, by every client of the run (engines, router, driver)."""
+    total = sum(ray.get([e.http_retries.remote() for e in cluster.engines])) if cluster.engines else 0
+    return total + sum(c.http_retries for c in (cluster.router, cluster.driver_client) if c is not None)
 
 
 def sync_weights(job: JobConfig, cluster: Cluster, out: Path, *, version: int, previous: Path | None) -> Path:

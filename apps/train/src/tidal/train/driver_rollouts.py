@@ -56,25 +56,38 @@ class DriverRollouts:
 
     def generate(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
         """Scored samples of ``rollout_batch_size`` finished groups, and the strategy's metrics."""
-        from tidal.rollout import generate_partial_rollout
+        from tidal.rollout import RolloutError, generate_partial_rollout
         from tidal.train.cluster import driver_target
 
         job = self.job
         wanted = job.batching.rollout_batch_size
         size = job.rollout.over_sampling_batch_size or wanted
         prompts = self.data.batch(rollout_id, size)
-        result = generate_partial_rollout(
-            driver_target(self.cluster, job),
-            [list(p.ids) for p in prompts],
-            job.rollout.sampling_params(),
-            num_groups=wanted,
-            carry_over=self.carry if job.rollout.partial_rollout else (),
-            labels=[p.label for p in prompts],
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            reward_fn=self.reward_fn,
-            group_filter=self.group_filter,
-            mask_offpolicy=job.rollout.mask_offpolicy_in_partial_rollout,
-        )
+
+        def attempt():
+            return generate_partial_rollout(
+                driver_target(self.cluster, job),
+                [list(p.ids) for p in prompts],
+                job.rollout.sampling_params(),
+                num_groups=wanted,
+                carry_over=self.carry if job.rollout.partial_rollout else (),
+                labels=[p.label for p in prompts],
+                decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                reward_fn=self.reward_fn,
+                group_filter=self.group_filter,
+                mask_offpolicy=job.rollout.mask_offpolicy_in_partial_rollout,
+            )
+
+        try:
+            result = attempt()
+        except RolloutError as e:
+            if not job.train.use_fault_tolerance:
+                raise
+            # The engines live in their Ray actors: restart the dead ones there, then the router (its circuit
+            # breaker keeps a restarted engine marked unhealthy), and run the rollout once more from its start.
+            logger.warning("rollout %d failed (%s); restarting dead engines and retrying it", rollout_id, e)
+            self._restart_dead_engines()
+            result = attempt()
         self.carry = list(result.carry_over) if job.rollout.partial_rollout else []
         if len(result.samples) != wanted * job.rollout.n_samples_per_prompt:
             raise RuntimeError(
@@ -82,3 +95,11 @@ class DriverRollouts:
                 f"{job.rollout.n_samples_per_prompt}; raise --over-sampling-batch-size or loosen the group filter"
             )
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}
+
+    def _restart_dead_engines(self) -> None:
+        import ray
+
+        restarted = ray.get([engine.ensure_alive.remote() for engine in self.cluster.engines])
+        if self.cluster.router is not None:
+            self.cluster.router.restart()
+        logger.info("restarted %d engine(s)%s", sum(restarted), " and the router" if self.cluster.router else "")

@@ -50,15 +50,28 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--save-interval", {"type": int, "help": "save every N rollouts (always at the end)"}),
         ("--keep-last", {"type": int, "help": "keep only the newest K checkpoints"}),
         ("--async-save", {"action": "store_true", "default": None, "help": "write checkpoints in the background"}),
+        ("--max-shard-bytes", {"type": int, "help": "largest safetensors shard of an HF checkpoint (default 5 GiB)"}),
     ],
     "placement": [
-        ("--colocate", {"action": _BOOL, "help": "actor and rollout share GPUs"}),
+        (
+            "--colocate",
+            {"action": _BOOL, "help": "actor and rollout share GPUs (default: off, slime's; on for the embedded job)"},
+        ),
         ("--actor-num-nodes", {"type": int, "help": "nodes of the actor"}),
         ("--actor-num-gpus-per-node", {"type": int, "help": "actor GPUs per node"}),
         ("--rollout-num-gpus", {"type": int, "help": "GPUs of all SGLang engines"}),
         ("--rollout-num-gpus-per-engine", {"type": int, "help": "GPUs per SGLang engine (its TP size)"}),
         ("--ray-address", {"help": "connect to this Ray cluster instead of starting a local one"}),
-        ("--num-gpus-local", {"type": int, "help": "logical GPUs of a local Ray (default: what the job needs)"}),
+        (
+            "--num-gpus-local",
+            {"type": int, "help": "GPUs of a local Ray (default: the CUDA GPUs found; none: CPU mode, logical GPUs)"},
+        ),
+        ("--num-cpus-local", {"type": int, "help": "CPUs of a local Ray (default 2)"}),
+        ("--num-cpus-per-bundle", {"type": float, "help": "CPU share of each GPU bundle (default 0.1)"}),
+        (
+            "--ray-propagate-uv-env",
+            {"action": "store_true", "default": None, "help": "under uv run, let Ray `uv run` every worker"},
+        ),
         ("--placement-timeout", {"type": float, "dest": "placement_timeout_s", "help": "seconds to wait for GPUs"}),
         ("--ray-env", {"action": "append", "metavar": "KEY=VALUE", "help": "env var for every Ray worker"}),
     ],
@@ -76,6 +89,8 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--custom-generate-function-path", {"help": "per-sample generate function, pkg.module:fn"}),
         ("--over-sampling-batch-size", {"type": int, "help": "prompts per round under dynamic sampling"}),
         ("--dynamic-sampling-filter-path", {"help": "group filter (reward_variance or pkg.module:fn)"}),
+        ("--dynamic-sampling-max-rounds", {"type": int, "help": "most generation rounds to fill a batch (16)"}),
+        ("--generate-max-concurrency", {"type": int, "help": "custom generate calls in flight at once (64)"}),
         ("--partial-rollout", {"action": "store_true", "default": None, "help": "resume aborted samples later"}),
         (
             "--mask-offpolicy-in-partial-rollout",
@@ -84,12 +99,29 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--save-debug-rollout-data", {"help": "folder to write every rollout's samples to (one JSONL per rollout)"}),
         ("--load-debug-rollout-data", {"help": "folder of saved rollouts to train on instead of generating"}),
         ("--sglang-host", {"help": "address the SGLang servers listen on (default 127.0.0.1)"}),
+        ("--sglang-startup-timeout-s", {"type": float, "help": "longest wait for an SGLang server to be healthy"}),
         ("--rollout-external", {"action": "store_true", "default": None, "help": "use SGLang servers run elsewhere"}),
         (
             "--rollout-external-engine-addrs",
             {"nargs": "+", "metavar": "HOST:PORT", "help": "SGLang servers run elsewhere: none is launched"},
         ),
         ("--use-router", {"action": _BOOL, "help": "sglang-router in front of the engines (default: if several)"}),
+        (
+            "--rollout-request-timeout-s",
+            {"type": float, "help": "longest wait for one answer of an engine or router (default 600; then retried)"},
+        ),
+        (
+            "--rollout-request-retries",
+            {"type": int, "help": "resends of a request after a reset, refusal, timeout or 5xx (default 5)"},
+        ),
+        (
+            "--rollout-health-check-interval",
+            {"type": float, "help": "seconds between engine heartbeats with --use-fault-tolerance (10; 0: off)"},
+        ),
+        (
+            "--rollout-health-check-timeout",
+            {"type": float, "help": "a heartbeat unanswered this long kills the engine, to be restarted (default 5)"},
+        ),
         ("--sglang-router-policy", {"help": "cache_aware, round_robin, random or power_of_two"}),
     ],
     "batching": [
@@ -106,6 +138,9 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--lr-warmup-iters", {"type": int, "dest": "lr_warmup_steps", "help": "linear warm-up steps"}),
         ("--weight-decay", {"type": float, "help": "AdamW weight decay"}),
         ("--clip-grad", {"type": float, "help": "gradient-norm clip (0: off)"}),
+        ("--adam-beta1", {"type": float, "help": "AdamW beta1 (default 0.9)"}),
+        ("--adam-beta2", {"type": float, "help": "AdamW beta2 (default 0.98)"}),
+        ("--adam-eps", {"type": float, "help": "AdamW epsilon (default 1e-8)"}),
         ("--advantage-estimator", {"help": "grpo, rloo or reinforce_plus_plus_baseline"}),
         ("--disable-grpo-std-normalization", {"action": "store_true", "default": None, "help": "no std division"}),
         ("--eps-clip", {"type": float, "help": "PPO lower clip range"}),
@@ -124,6 +159,8 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
             {"action": "store_true", "default": None, "help": "do not stop on a NaN/inf loss or gradient"},
         ),
         ("--params-dtype", {"help": "float32 or bfloat16"}),
+        ("--bf16", {"action": "store_true", "default": None, "help": "CUDA: bf16 autocast, fp32 weights and Adam"}),
+        ("--log-probs-chunk-size", {"type": int, "help": "tokens per LM-head chunk for log-probs (default 1024)"}),
         (
             "--fp32-main-params",
             {"action": "store_true", "default": None, "help": "with bfloat16 params: fp32 main weights for Adam"},
@@ -152,18 +189,30 @@ TITLES = {
     "train": "run (apps/train)",
     "ckpt": "checkpoints (tidal-ckpt)",
     "placement": "placement (tidal-placement)",
-    "rollout": "rollout (tidal-rollout); any --sglang-<option> VALUE is passed to the SGLang server",
+    "rollout": "rollout (tidal-rollout); any other --sglang-<option> VALUE is passed to the SGLang server as "
+    "--<option> VALUE, and --sglang-router-<option> VALUE to sglang-router",
     "batching": "batching (tidal-batching)",
     "actor": "actor (tidal-actor)",
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ValueError (one line, naming the flag) instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ValueError(f"{message}; see `train --help`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``train`` argument parser, grouped by the package that owns each flag; every default is None."""
-    parser = argparse.ArgumentParser(
+    """The ``train`` argument parser, grouped by the package that owns each flag; every default is None.
+
+    Abbreviations are off: ``--sglang-<option>`` must reach SGLang as written, never as a prefix of a tidal flag.
+    """
+    parser = _Parser(
         prog="train",
         description="RL post-training: Megatron actor, SGLang rollouts. "
         "`train convert --help`: HF <-> Megatron checkpoint conversion.",
+        allow_abbrev=False,
     )
     for section, flags in SECTIONS.items():
         group = parser.add_argument_group(TITLES[section])

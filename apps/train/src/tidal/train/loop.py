@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from tidal.train.cluster import Cluster, evaluate, generate, start_cluster, stop_cluster, sync_weights, timed
+from tidal.train.cluster import (
+    Cluster,
+    evaluate,
+    generate,
+    http_retries,
+    start_cluster,
+    stop_cluster,
+    sync_weights,
+    timed,
+)
 from tidal.train.config import JobConfig
 from tidal.train.data import PromptDataset
 from tidal.train.driver_rollouts import DriverRollouts
@@ -113,6 +122,7 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
     rollouts = DriverRollouts(job, cluster, train_data, reward_fn, tokenizer=eval_data.tokenizer)
     rollouts.restore_carry(carry)  # partial rollout's unfinished groups at the checkpoint: nothing is dropped
     loop_start = time.monotonic()
+    retries_seen = 0  # the first rollout's count includes the start-up's (evaluation, weight loading)
     for rollout_id in range(start, job.train.num_rollout):
         tick = time.monotonic()
         times: dict[str, float] = {}
@@ -148,6 +158,8 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
         last = rollout_id == job.train.num_rollout - 1
         if can_eval and (last or (job.train.eval_interval and (rollout_id + 1) % job.train.eval_interval == 0)):
             record["eval/accuracy"], times["time/eval"] = timed(evaluate, job, cluster, held_out, reward_fn)
+        retries = http_retries(cluster)  # resets, refusals, timeouts, 5xx survived (generation, sync, eval)
+        record["rollout/http_retries"], retries_seen = float(retries - retries_seen), retries
         record["time/rollout"] = time.monotonic() - tick - times.get("time/eval", 0.0)
         record["time/overhead_share"] = _overhead_share(record)
         metrics_log.write(record)  # before the checkpoint: a checkpoint's rollout always has its record

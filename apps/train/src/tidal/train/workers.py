@@ -9,27 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+from tidal.train.logs import setup_logging
 
 logger = logging.getLogger(__name__)
-
-LOG_FORMAT = "[tidal {role}] %(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def setup_logging(role: str, level: int = logging.INFO) -> None:
-    """One log format per process, naming its role; quiet third-party chatter."""
-    logging.basicConfig(level=level, format=LOG_FORMAT.format(role=role), datefmt="%H:%M:%S", force=True)
-    # megatron-core announces at import every optional accelerator library it did not find; tidal needs none.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|absl).*", category=UserWarning)
-    warnings.filterwarnings("ignore", category=SyntaxWarning, module=r"megatron\..*")
-    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
-    for noisy in ("urllib3", "filelock", "httpx", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,8 +205,12 @@ class EngineWorker:
         # --rollout-external-engine-addrs: a server someone else runs; tidal only talks to it (never starts,
         # restarts or stops it).
         self.external = external_url is not None
+        requests = {
+            "request_timeout_s": rollout_cfg.rollout_request_timeout_s,
+            "max_retries": rollout_cfg.rollout_request_retries,
+        }
         self.engine = (
-            SGLangClient(external_url, request_timeout_s=rollout_cfg.sglang_request_timeout_s)
+            SGLangClient(external_url, **requests)
             if self.external
             else SGLangEngine(
                 model_path,
@@ -229,24 +220,48 @@ class EngineWorker:
                 log_dir=Path(log_dir),
                 extra_server_args=rollout_cfg.sglang_server_args,
                 startup_timeout_s=rollout_cfg.sglang_startup_timeout_s,
-                request_timeout_s=rollout_cfg.sglang_request_timeout_s,
                 env=env,
+                **requests,
             )
         )
+        self.health_check = (rollout_cfg.rollout_health_check_interval, rollout_cfg.rollout_health_check_timeout)
+        self.heartbeat = None
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def start(self) -> str:
-        """Launch the server (an external one: nothing to launch) and wait until it is healthy; returns its URL."""
+        """Launch the server (an external one: nothing to launch) and wait until it is healthy; returns its URL.
+
+        Under --use-fault-tolerance a heartbeat then checks the server every --rollout-health-check-interval
+        seconds and kills it when it misses one (a hung server): the next request restarts it.
+        """
         if self.external:
             self.engine.wait_healthy(self.startup_timeout_s)
             logger.info(
                 "external SGLang server %s serves %s", self.engine.url, self.engine.get_model_info().get("model_path")
             )
-        else:
-            self.engine.start(wait=True)
+            return self.engine.url
+        self.engine.start(wait=True)
+        interval, timeout = self.health_check
+        if self.fault_tolerant and interval > 0:
+            from tidal.rollout import Heartbeat
+
+            self.heartbeat = Heartbeat(
+                self.engine, interval_s=interval, timeout_s=timeout, on_failure=lambda _: self.engine.kill()
+            )
+            self.heartbeat.start()
         return self.engine.url
+
+    def ensure_alive(self) -> bool:
+        """Under --use-fault-tolerance, restart the server if its process is gone; True when it restarted."""
+        if self.external or not self.fault_tolerant or self.engine.is_running():
+            return False
+        logger.warning("%s is not running; restarting it (--use-fault-tolerance)", self.engine.describe())
+        self.engine.restart()
+        if self.heartbeat is not None:
+            self.heartbeat.resume()
+        return True
 
     def pid(self) -> int | None:
         """Process id of the server (its process group leader); None for an external server."""
@@ -259,6 +274,7 @@ class EngineWorker:
         from tidal.rollout import generate_samples
 
         tick = time.monotonic()
+        self.ensure_alive()
         samples = generate_samples(
             self.engine,
             prompts,
@@ -269,17 +285,43 @@ class EngineWorker:
             max_concurrency=self.max_concurrency,
             max_restarts=1 if self.fault_tolerant else 0,
         )
+        if self.heartbeat is not None:  # a restart during generation ends a paused heartbeat's pause
+            self.heartbeat.resume()
         return samples, time.monotonic() - tick
+
+    def http_retries(self) -> int:
+        """Requests to this engine sent again after a transient failure, since it started (only grows)."""
+        return self.engine.http_retries
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update_weights_from_disk(self, path: str, weight_version: str) -> None:
-        """Reload weights from an HF checkpoint directory and flush the prefix cache."""
-        self.engine.update_weights_from_disk(path, weight_version=weight_version)
+        """Reload weights from an HF checkpoint directory and flush the prefix cache.
+
+        A server that died (or stopped answering through every retry) is restarted and loaded under
+        --use-fault-tolerance; otherwise the error is one line naming the server and its log.
+        """
+        from tidal.rollout import EngineUnavailableError
+
+        self.ensure_alive()
+        try:
+            self.engine.update_weights_from_disk(path, weight_version=weight_version)
+        except EngineUnavailableError as e:
+            if self.external:
+                raise
+            if not self.fault_tolerant:
+                raise self.engine.dead_error(
+                    f"failed while loading weights {path} ({e}) (--use-fault-tolerance restarts it)"
+                ) from e
+            logger.warning("%s failed while loading weights (%s); restarting it", self.engine.describe(), e)
+            self.engine.restart()
+            self.engine.update_weights_from_disk(path, weight_version=weight_version)
         self.engine.flush_cache()
 
     def shutdown(self) -> None:
-        """Stop the server and every process it started (an external server is left running)."""
+        """Stop the heartbeat, then the server and every process it started (an external server is left running)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if not self.external:
             self.engine.shutdown()

@@ -3,8 +3,9 @@
 Megatron-core stacks a block's layers into one checkpoint tensor per parameter: ``decoder.layers.mlp.linear_fc1
 .weight`` has global shape ``(num_layers, ...)``, and each layer's ``_extra_state`` is a ``ShardedObject`` of
 global shape ``(num_layers,)``. Older layouts number the layers in the key (``decoder.layers.3.mlp...``). Either
-way a checkpoint from a model with another ``--num-layers`` differs in dozens of keys at once, and the first of
-them alphabetically (often an ``_extra_state`` object) says nothing useful; the layer counts say it all.
+way a checkpoint from a model with another layer count (``num_hidden_layers``) differs in dozens of keys at once,
+and the first of them alphabetically (often an ``_extra_state`` object) says nothing useful; the layer counts say
+it all.
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def describe_layers(stacks: dict[str, tuple[int, int]], *, flag: str, load_dir: 
         for stack, (saved, wanted) in stacks.items()
     ]
     decoder = stacks.get("decoder.layers")
-    fix = f"set --num-layers {decoder[0]} to match it, or " if decoder else ""
+    fix = (
+        f"point --hf-checkpoint at the model it was saved from (num_hidden_layers {decoder[0]} in its config.json), or "
+        if decoder
+        else ""
+    )
     return (
         f"{'; '.join(parts)}: {flag} {load_dir} was saved from a different model; {fix}point {flag} at a "
         f"checkpoint of this model ({num_explained} checkpoint entries differ only in the layer count)"

@@ -165,8 +165,9 @@ def check_request(
         hint = ""
         if not all("--no-load-" in problem for problem in problems):
             hint = (
-                f" Check that the model flags (e.g. --num-layers, --hidden-size, --num-attention-heads) match "
-                f"those the checkpoint was saved with, or point {flag} (now {load_dir}) at a matching checkpoint."
+                f" Check that the model (num_hidden_layers, hidden_size, num_attention_heads in --hf-checkpoint's "
+                f"config.json) matches the one the checkpoint was saved from, or point {flag} (now {load_dir}) at a "
+                "matching checkpoint."
             )
         raise CheckpointMismatchError(
             f"checkpoint {iter_dir} does not match the state being loaded:\n  - {listing}\nNothing was loaded.{hint}"

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tidal.placement.config import PlacementConfig, parse_ray_env
+from tidal.placement.devices import LocalGpus, detect_gpus, plan_local_gpus
 from tidal.placement.errors import PlacementError, ResourceShortageError
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "BundleInfo",
     "EnginePorts",
+    "LocalGpus",
     "NodeResources",
     "Placement",
     "PlacementConfig",
@@ -65,7 +67,9 @@ __all__ = [
     "allocate_ports",
     "check_resources",
     "create_placement",
+    "detect_gpus",
     "parse_ray_env",
+    "plan_local_gpus",
     "ray_session",
     "read_cluster",
     "runtime_env",

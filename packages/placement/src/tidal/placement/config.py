@@ -52,12 +52,14 @@ class PlacementConfig:
     """--rollout-num-gpus: GPUs for all SGLang engines together."""
     rollout_num_gpus_per_engine: int = 1
     """--rollout-num-gpus-per-engine: GPUs of one SGLang engine (its TP size); an engine never spans nodes."""
-    colocate: bool = True
-    """--colocate: actor and rollout share the same GPUs (else rollout gets its own GPUs)."""
+    colocate: bool = False
+    """--colocate: actor and rollout share the same GPUs; off (slime's default): rollout gets its own GPUs, and the
+    job needs actor + rollout GPUs."""
     ray_address: str | None = None
     """--ray-address: connect to this existing Ray cluster; None starts a local Ray."""
     num_gpus_local: int | None = None
-    """--num-gpus-local: logical GPUs a local Ray declares (None: exactly what the job needs)."""
+    """--num-gpus-local: GPUs a local Ray declares (None: the CUDA GPUs detected; on a machine without any, as many
+    logical GPUs as the job needs; see tidal.placement.devices)."""
     num_cpus_local: int = 2
     """--num-cpus-local: CPUs a local Ray declares."""
     num_cpus_per_bundle: float = 0.1

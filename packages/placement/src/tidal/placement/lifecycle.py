@@ -1,4 +1,7 @@
-"""Ray lifecycle: start a local Ray with logical GPUs or connect to a cluster, read it, and tear it down."""
+"""Ray lifecycle: start a local Ray or connect to a cluster, read it, and tear it down.
+
+A local Ray declares the GPUs that exist, or logical ones on a CPU-only machine (see tidal.placement.devices).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import ray
 from ray._private import ray_constants
 from ray._private import state as ray_state
 from tidal.placement.config import PlacementConfig
+from tidal.placement.devices import detect_gpus, plan_local_gpus
 from tidal.placement.plan import NodeResources
 from tidal.placement.ports import forget_allocators
 
@@ -23,14 +27,19 @@ def runtime_env(cfg: PlacementConfig) -> dict[str, Any]:
 
 
 def start_ray(cfg: PlacementConfig) -> None:
-    """Start a local Ray (logical GPUs, no dashboard) or connect to ``cfg.ray_address``.
+    """Start a local Ray (no dashboard) or connect to ``cfg.ray_address``.
 
-    A local Ray declares ``cfg.num_gpus_local`` logical GPUs (default: exactly what the flags need), so the
-    same placement code runs on a CPU-only machine. Ray's own exit hook and kernel fate-sharing stop the
-    local processes when the driver exits, including on Ctrl-C; call :func:`shutdown_ray` to stop earlier.
+    A local Ray declares the CUDA GPUs detected on this machine; on a machine without any (CPU mode) it declares
+    as many logical GPUs as the job needs, so the same placement code runs there
+    (:func:`tidal.placement.devices.plan_local_gpus` holds the rule; ``--num-gpus-local`` overrides the count).
+    Ray's own exit hook and kernel fate-sharing stop the local processes when the driver exits, including on
+    Ctrl-C; call :func:`shutdown_ray` to stop earlier.
 
     Args:
         cfg: the placement flags.
+
+    Raises:
+        ResourceShortageError: a local Ray would have fewer GPUs than the job needs (raised before Ray starts).
     """
     if ray.is_initialized():
         logger.warning("Ray is already initialized in this process; start_ray(%s) reuses it", cfg.ray_address)
@@ -46,10 +55,10 @@ def start_ray(cfg: PlacementConfig) -> None:
             logger.info("connecting to the Ray cluster at %s", cfg.ray_address)
             ray.init(address=cfg.ray_address, **common)
         else:
-            num_gpus = cfg.num_gpus_local or cfg.num_gpus
-            logger.info("starting a local Ray: %d CPUs, %d logical GPUs", cfg.num_cpus_local, num_gpus)
+            local = plan_local_gpus(cfg, detect_gpus())
+            logger.info("starting a local Ray: %d CPUs, %s", cfg.num_cpus_local, local.describe())
             # "local" forces a fresh instance even when RAY_ADDRESS points elsewhere.
-            ray.init(address="local", num_cpus=cfg.num_cpus_local, num_gpus=num_gpus, **common)
+            ray.init(address="local", num_cpus=cfg.num_cpus_local, num_gpus=local.num_gpus, **common)
     finally:
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved
 

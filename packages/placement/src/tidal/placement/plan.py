@@ -79,12 +79,13 @@ def _fits(blocks: Sequence[int], free: Sequence[float]) -> bool:
     return True
 
 
-def _needed_line(cfg: PlacementConfig) -> str:
+def describe_need(cfg: PlacementConfig) -> str:
+    """The GPUs ``cfg`` needs, and how they split between actor and rollout, in one phrase."""
     actor = f"actor {cfg.actor_num_nodes} node(s) x {cfg.actor_num_gpus_per_node} GPUs"
     rollout = f"rollout {cfg.num_engines} engine(s) x {cfg.rollout_num_gpus_per_engine} GPUs"
     if cfg.colocate:
         return f"{cfg.num_gpus} GPUs (co-located: {actor}; {rollout} share them)"
-    return f"{cfg.num_gpus} GPUs (decoupled: {actor} + {rollout})"
+    return f"{cfg.num_gpus} GPUs (decoupled, --no-colocate: {actor} + {rollout})"
 
 
 def _fix_line(cfg: PlacementConfig, gpus_total: int) -> str:
@@ -137,10 +138,11 @@ def check_resources(cfg: PlacementConfig, nodes: Sequence[NodeResources]) -> Non
         )
     if not problems:
         return
+    # The first line says it all (what is needed, what there is, what to change); the per-node lines follow.
     lines = [
-        f"Not enough resources in the Ray cluster for this job: {'; '.join(problems)}.",
-        f"  needed   : {_needed_line(cfg)}",
-        f"  available: {gpus_total} GPUs ({gpus_free:g} free now) on {len(nodes)} node(s):",
+        f"Not enough resources in the Ray cluster for this job: {'; '.join(problems)}; "
+        f"needed: {describe_need(cfg)}; available: {gpus_total} GPUs ({gpus_free:g} free now) on {len(nodes)} "
+        f"node(s). {_fix_line(cfg, gpus_total)}"
     ]
     for n in sorted(nodes, key=lambda n: (n.node_ip, n.node_id)):
         head = " (head)" if n.is_head else ""
@@ -148,5 +150,4 @@ def check_resources(cfg: PlacementConfig, nodes: Sequence[NodeResources]) -> Non
             f"    node {n.node_ip} {n.node_id[:8]}{head}: {n.gpus_total:g} GPUs ({n.gpus_available:g} free), "
             f"{n.cpus_total:g} CPUs ({n.cpus_available:g} free)"
         )
-    lines.append(_fix_line(cfg, gpus_total))
     raise ResourceShortageError("\n".join(lines))

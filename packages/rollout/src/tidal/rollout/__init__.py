@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         model_stop_token_ids,
         rollout_metrics,
     )
+    from tidal.rollout.health import Heartbeat
     from tidal.rollout.partial_rollout import (
         PartialRolloutResult,
         generate_partial_rollout,
@@ -71,6 +72,7 @@ _LAZY = {
     "SGLangClient": "client",
     "MEMORY_TAGS": "engine",
     "GenerationProgress": "progress",
+    "Heartbeat": "health",
     "RolloutRouter": "router",
     "start_router": "router",
     "PartialRolloutResult": "partial_rollout",
@@ -141,6 +143,7 @@ __all__ = [
     "GenerateFn",
     "GenerationProgress",
     "GroupFilter",
+    "Heartbeat",
     "MultiTurn",
     "PartialRolloutResult",
     "RewardFn",

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import requests
-from requests.adapters import HTTPAdapter
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
+from tidal.rollout.transport import (
+    DEFAULT_BACKOFF_S,
+    DEFAULT_MAX_IDLE_S,
+    DEFAULT_RETRIES,
+    IDEMPOTENT_ENDPOINTS,
+    IdleBoundedAdapter,
+    backoff_s,
+    describe_failure,
+    is_transient,
+    never_sent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +29,7 @@ logger = logging.getLogger(__name__)
 _POOL_SIZE = 256
 _HEALTH_POLL_S = 0.5
 _PROGRESS_EVERY_S = 30.0
+_CONNECT_TIMEOUT_S = 10.0
 
 
 class SGLangClient:
@@ -28,17 +40,55 @@ class SGLangClient:
     add the process that serves it.
     """
 
-    def __init__(self, url: str, *, api_key: str | None = None, request_timeout_s: float = 600.0) -> None:
-        """Point at ``url`` (e.g. ``http://127.0.0.1:30000``); every request carries ``api_key`` when given."""
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        request_timeout_s: float = 600.0,
+        max_retries: int = DEFAULT_RETRIES,
+        retry_backoff_s: float = DEFAULT_BACKOFF_S,
+        max_idle_s: float | None = DEFAULT_MAX_IDLE_S,
+    ) -> None:
+        """Point at ``url`` (e.g. ``http://127.0.0.1:30000``); every request carries ``api_key`` when given.
+
+        Args:
+            url: Base URL of the server or router.
+            api_key: Bearer key the server demands.
+            request_timeout_s: Longest wait for one answer (a whole batched generation); a timed-out request
+                counts as a transient failure.
+            max_retries: Times one request is sent again after a transient failure (refused, reset, timed
+                out, or a 5xx answer to an idempotent call), waiting ``retry_backoff_s`` doubling in between.
+            retry_backoff_s: Wait before the first retry.
+            max_idle_s: Pooled connections idle longer than this are closed rather than reused; keep it below
+                the server's keep-alive (SGLang's default is 5 s). None reuses them however old.
+        """
+        if request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self._url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
         self._api_key = api_key
         self._session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=_POOL_SIZE)
+        adapter = IdleBoundedAdapter(max_idle_s=max_idle_s, pool_maxsize=_POOL_SIZE)
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
         if api_key:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
+        self._retries = 0
+        self._retries_lock = threading.Lock()
+
+    @property
+    def http_retries(self) -> int:
+        """Requests sent again after a transient failure, since this client was made (a metric: only grows)."""
+        return self._retries
+
+    def may_retry(self) -> bool:
+        """Whether a failed request is worth sending again (a server this process launched says no once it died)."""
+        return True
 
     @property
     def url(self) -> str:
@@ -49,10 +99,10 @@ class SGLangClient:
         """How errors name this endpoint."""
         return f"SGLang endpoint {self.url}"
 
-    def health_ok(self) -> bool:
-        """Whether ``/health`` answers 200 right now."""
+    def health_ok(self, timeout_s: float = 5.0) -> bool:
+        """Whether ``/health`` answers 200 within ``timeout_s`` (a probe: never retried)."""
         try:
-            return self._session.get(f"{self.url}/health", timeout=5.0).status_code == 200
+            return self._session.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
@@ -78,13 +128,61 @@ class SGLangClient:
         logger.info("%s healthy after %.1f s", self.describe(), time.monotonic() - start)
 
     def _post(self, endpoint: str, payload: Mapping[str, Any] | None = None) -> requests.Response:
-        try:
-            return self._session.post(f"{self.url}{endpoint}", json=payload or {}, timeout=self.request_timeout_s)
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
-            # Refused, reset or cut mid-answer: the server is gone (or going); callers may restart it.
-            raise EngineUnavailableError(f"POST {self.url}{endpoint} failed: {e}; is the server running?") from e
-        except requests.RequestException as e:
-            raise RolloutError(f"POST {self.url}{endpoint} failed: {e}") from e
+        return self.request("POST", endpoint, payload)
+
+    def request(
+        self, method: str, endpoint: str, payload: Mapping[str, Any] | None = None, *, idempotent: bool | None = None
+    ) -> requests.Response:
+        """Send one request; send it again after a transient failure, at most ``max_retries`` times.
+
+        Transient: refused, reset or cut connections, read timeouts, and 5xx answers. A call that is not
+        idempotent (``idempotent`` None: whether ``endpoint`` is in ``IDEMPOTENT_ENDPOINTS``, e.g. the
+        weight-update session calls are not) is sent again only when it never left (refused or timed-out
+        connect). Each retry is logged at WARNING with the endpoint and attempt and counted in
+        :attr:`http_retries`.
+
+        Returns:
+            The answer: any status below 500, or a 5xx once the retries are spent (or for a call not retried).
+
+        Raises:
+            EngineUnavailableError: No answer after every attempt (one line: endpoint, attempts, last failure).
+            RolloutError: A request that could not be sent at all (e.g. a malformed URL).
+        """
+        url = f"{self.url}{endpoint}"
+        safe = endpoint in IDEMPOTENT_ENDPOINTS if idempotent is None else idempotent
+        timeout = (min(_CONNECT_TIMEOUT_S, self.request_timeout_s), self.request_timeout_s)
+        body = None if method == "GET" else dict(payload or {})
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                response = self._session.request(method, url, json=body, timeout=timeout)
+            except requests.RequestException as e:
+                if not is_transient(e):
+                    raise RolloutError(f"{method} {url} failed: {e}") from e
+                failure = describe_failure(e, self.request_timeout_s)
+                if not (safe or never_sent(e)) or not self._retry(method, url, attempt, failure):
+                    tries = f" after {attempt} attempts" if attempt > 1 else ""
+                    raise EngineUnavailableError(
+                        f"{method} {url} failed{tries}: {failure}; is the server running?"
+                    ) from e
+                continue
+            if response.status_code < 500 or not safe:
+                return response
+            failure = f"HTTP {response.status_code}: {response.text[:200]!r}"
+            if not self._retry(method, url, attempt, failure):
+                return response
+
+    def _retry(self, method: str, url: str, attempt: int, failure: str) -> bool:
+        """Wait and count a retry of a failed attempt; False when retries are spent or pointless."""
+        if attempt > self.max_retries or not self.may_retry():
+            return False
+        delay = backoff_s(attempt, self.retry_backoff_s)
+        logger.warning("%s %s: %s; retry %d/%d in %.1f s", method, url, failure, attempt, self.max_retries, delay)
+        with self._retries_lock:
+            self._retries += 1
+        time.sleep(delay)
+        return True
 
     def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Sample continuations of token-id prompts in ONE batched ``/generate`` call.
@@ -102,7 +200,8 @@ class SGLangClient:
             ("stop", "length" or "abort") and ``weight_version``.
 
         Raises:
-            EngineUnavailableError: The server could not be reached or dropped the connection.
+            EngineUnavailableError: The server could not be reached, dropped the connection, timed out or
+                answered 5xx, each time it was tried (see :meth:`request`).
             RolloutError: The server refused the request or its answer is inconsistent.
         """
         params = dict(sampling_params)
@@ -114,6 +213,11 @@ class SGLangClient:
         prompts = [list(map(int, ids)) for ids in input_ids for _ in range(n)]
         payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
         response = self._post("/generate", payload)
+        if response.status_code >= 500:  # still failing after the retries: up to the caller (restart or give up)
+            raise EngineUnavailableError(
+                f"/generate at {self.url} answered {response.status_code} (retried up to {self.max_retries} times): "
+                f"{response.text[:500]!r}"
+            )
         if response.status_code != 200:
             raise RolloutError(f"/generate at {self.url} answered {response.status_code}: {response.text[:2000]}")
         answers = response.json()
@@ -186,10 +290,7 @@ class SGLangClient:
 
     def get_model_info(self) -> dict[str, Any]:
         """The server's ``/get_model_info``: ``model_path``, ``weight_version``, ``is_generation``, ..."""
-        try:
-            response = self._session.get(f"{self.url}/get_model_info", timeout=self.request_timeout_s)
-        except requests.RequestException as e:
-            raise RolloutError(f"GET {self.url}/get_model_info failed: {e}; is the server running?") from e
+        response = self.request("GET", "/get_model_info")
         if response.status_code != 200:
             raise RolloutError(f"/get_model_info at {self.url} answered {response.status_code}: {response.text[:500]}")
         return response.json()

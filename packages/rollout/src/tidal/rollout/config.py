@@ -121,40 +121,59 @@ class RolloutConfig:
     ``/health``, generates on them and loads weights into them, and never restarts or stops them."""
     sglang_startup_timeout_s: float = 600.0
     """Longest wait for an SGLang server to become healthy."""
-    sglang_request_timeout_s: float = 600.0
-    """Timeout of one HTTP request to an SGLang server (a whole batched generation)."""
+    rollout_request_timeout_s: float = 600.0
+    """Longest wait for one HTTP answer from an engine or router (a whole /generate); a timeout is retried."""
+    rollout_request_retries: int = 5
+    """Times one request is sent again after a transient failure (reset, refused, timeout, 5xx), with backoff."""
+    rollout_health_check_interval: float = 10.0
+    """Seconds between heartbeats (/health) to each launched engine under --use-fault-tolerance; 0: none."""
+    rollout_health_check_timeout: float = 5.0
+    """A heartbeat unanswered this long kills the engine; the next request restarts it (--use-fault-tolerance)."""
 
     def __post_init__(self) -> None:
         checks = (
-            ("n-samples-per-prompt", self.n_samples_per_prompt, self.n_samples_per_prompt >= 1, ">= 1"),
-            ("rollout-max-response-len", self.rollout_max_response_len, self.rollout_max_response_len >= 1, ">= 1"),
-            ("rollout-temperature", self.rollout_temperature, self.rollout_temperature >= 0, ">= 0"),
-            ("rollout-top-p", self.rollout_top_p, 0 < self.rollout_top_p <= 1, "in (0, 1]"),
-            ("rollout-top-k", self.rollout_top_k, self.rollout_top_k == -1 or self.rollout_top_k >= 1, "-1 or >= 1"),
+            ("--n-samples-per-prompt", self.n_samples_per_prompt, self.n_samples_per_prompt >= 1, ">= 1"),
+            ("--rollout-max-response-len", self.rollout_max_response_len, self.rollout_max_response_len >= 1, ">= 1"),
+            ("--rollout-temperature", self.rollout_temperature, self.rollout_temperature >= 0, ">= 0"),
+            ("--rollout-top-p", self.rollout_top_p, 0 < self.rollout_top_p <= 1, "in (0, 1]"),
+            ("--rollout-top-k", self.rollout_top_k, self.rollout_top_k == -1 or self.rollout_top_k >= 1, "-1 or >= 1"),
             (
-                "dynamic-sampling-max-rounds",
+                "--dynamic-sampling-max-rounds",
                 self.dynamic_sampling_max_rounds,
                 self.dynamic_sampling_max_rounds >= 1,
                 ">= 1",
             ),
-            ("generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
-            ("sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
-            ("sglang-request-timeout-s", self.sglang_request_timeout_s, self.sglang_request_timeout_s > 0, "> 0"),
+            ("--generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
+            ("--sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
+            ("--rollout-request-timeout-s", self.rollout_request_timeout_s, self.rollout_request_timeout_s > 0, "> 0"),
+            ("--rollout-request-retries", self.rollout_request_retries, self.rollout_request_retries >= 0, ">= 0"),
+            (
+                "--rollout-health-check-interval",
+                self.rollout_health_check_interval,
+                self.rollout_health_check_interval >= 0,
+                ">= 0 (0: no heartbeat)",
+            ),
+            (
+                "--rollout-health-check-timeout",
+                self.rollout_health_check_timeout,
+                self.rollout_health_check_timeout > 0,
+                "> 0",
+            ),
         )
         for flag, value, ok, requirement in checks:
             if not ok:
-                raise ValueError(f"--{flag} must be {requirement}, got {value!r}")
+                raise ValueError(f"{flag} must be {requirement}, got {value!r}")
         if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math"):
             raise ValueError(
                 f"--rm-type must be exact_match, numeric_match or math, got {self.rm_type!r}; "
                 "or give --custom-rm-path pkg.module:fn"
             )
         for flag, path in (
-            ("custom-rm-path", self.custom_rm_path),
-            ("custom-generate-function-path", self.custom_generate_function_path),
+            ("--custom-rm-path", self.custom_rm_path),
+            ("--custom-generate-function-path", self.custom_generate_function_path),
         ):
             if path is not None and ":" not in path:
-                raise ValueError(f"--{flag} must look like 'pkg.module:fn', got {path!r}")
+                raise ValueError(f"{flag} must look like 'pkg.module:fn', got {path!r}")
         self._check_sampling_strategy()
         self.external_engine_urls()  # raises on a malformed address
         if self.rollout_external and not self.rollout_external_engine_addrs:

@@ -4,9 +4,10 @@ A group is the list of samples of one prompt. A sample whose ``finish_reason`` i
 a fresh one (no response yet) or one cut short by an abort. :func:`run_groups` continues every unfinished
 sample from ``prompt + response so far`` with the length budget it has left, one HTTP request per group
 (per distinct budget), up to ``max_concurrency`` requests in flight, so that SGLang batches them and the
-caller sees groups finish one by one. If the engine process dies mid-rollout, the requests it dropped are
-retried once after a restart; a caller's ``on_group_done`` can end the rollout early (partial rollout),
-which aborts the requests still running: they answer with the tokens sampled so far.
+caller sees groups finish one by one. Transient HTTP failures are retried by the client (see
+:meth:`SGLangClient.request`); if the engine process dies, or a request fails every retry, the requests it
+dropped are sent again after a restart (``max_restarts``); a caller's ``on_group_done`` can end the rollout
+early (partial rollout), which aborts the requests still running: they answer with the tokens sampled so far.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.rollout.client import SGLangClient
-from tidal.rollout.engine import SGLangEngine
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 from tidal.rollout.progress import GenerationProgress
+from tidal.rollout.server_process import ManagedServer
 from tidal.rollout.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class _Dispatcher:
         self.decode = decode
         self.progress = progress
         self.open_jobs = [0] * len(groups)
-        self.restarts_left = 1
+        self.restarts_left = self.max_restarts = 1
 
     def request(self, job: _Job) -> list[dict[str, Any]]:
         group = self.groups[job.group]
@@ -124,22 +125,24 @@ class _Dispatcher:
         return self.open_jobs[job.group] == 0 and all(s.finish_reason != "abort" for s in group)
 
     def recover(self, error: EngineUnavailableError) -> None:
-        """The engine went away mid-rollout: restart it once (so no sample is lost), or give up."""
-        engine = self.target
-        if not isinstance(engine, SGLangEngine):
-            raise RolloutError(f"{engine.describe()} stopped answering during generation: {error}") from error
-        if engine.is_running() and engine.health_ok():  # alive and well: a network error, not a death
-            raise RolloutError(f"{engine.describe()} is healthy but a request to it failed: {error}") from error
+        """A request failed every retry, or the engine process died: restart it (so no sample is lost), or give up.
+
+        Transient failures never get here (the client retries them); this is the escalation. A target this
+        process did not launch (a URL, an external server) cannot be restarted: one-line RolloutError.
+        """
+        server = self.target
+        if not isinstance(server, ManagedServer):
+            raise RolloutError(f"{server.describe()} stopped answering during generation: {error}") from error
+        state = "died" if not server.is_running() else "is running but stopped answering"
         if self.restarts_left <= 0:
-            raise engine.dead_error(
-                f"stopped answering during generation ({error}) and may not be restarted again"
-            ) from error
-        logger.warning("%s stopped answering mid-rollout (%s); restarting it and retrying", engine.url, error)
+            hint = " (--use-fault-tolerance restarts it)" if self.max_restarts == 0 else ""
+            raise server.dead_error(f"{state} during generation ({error}){hint}") from error
+        logger.warning("%s %s mid-rollout (%s); restarting it and resending its requests", server.url, state, error)
         self.restarts_left -= 1
         try:
-            engine.restart()
+            server.restart()
         except RolloutError as e:
-            raise engine.dead_error(f"died during generation and did not restart: {e}") from e
+            raise server.dead_error(f"{state} during generation and did not restart: {e}") from e
 
 
 def run_groups(
@@ -156,7 +159,7 @@ def run_groups(
     """Continue every unfinished sample of ``groups`` in place, until all finish or ``on_group_done`` says stop.
 
     Args:
-        target: An engine (restarted once if it dies), a router, or any SGLang endpoint.
+        target: An engine or router this process launched (restarted if it dies), or any SGLang endpoint.
         groups: Samples per prompt; unfinished ones (``finish_reason == "abort"``) are continued in place.
         sampling_params: SGLang sampling parameters; ``max_new_tokens`` bounds each whole response.
         max_concurrency: Most HTTP requests in flight.
@@ -165,16 +168,17 @@ def run_groups(
         on_group_done: Called with a group's index when its last sample finishes; True ends the rollout:
             nothing more is sent, the target aborts what still runs, and those samples keep their partial
             responses (``finish_reason`` "abort").
-        max_restarts: Restarts of a dead engine allowed in this call before giving up.
+        max_restarts: Restarts of a dead (or unanswering) engine or router allowed in this call before giving up.
 
     Returns:
         Whether ``on_group_done`` stopped the rollout early.
 
     Raises:
-        RolloutError: A request failed, or the engine died twice (the message quotes its log).
+        RolloutError: A request failed every retry and no restart is left (one line naming the engine and its
+            log file).
     """
     run = _Dispatcher(target, groups, sampling_params, decode=decode, progress=progress)
-    run.restarts_left = max_restarts
+    run.restarts_left = run.max_restarts = max_restarts
     queue: deque[_Job] = deque()
     for g in range(len(groups)):
         jobs = _jobs(groups, g, run.limit)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.rollout.errors import RolloutError
-from tidal.rollout.server_process import ManagedServer, log_tail
+from tidal.rollout.server_process import ManagedServer
+from tidal.rollout.transport import DEFAULT_RETRIES
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,12 @@ CPU_SERVER_ARGS: tuple[tuple[str, ...], ...] = (
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+# Keep-alive of the servers tidal launches (SGLANG_TIMEOUT_KEEP_ALIVE, uvicorn's timeout_keep_alive; SGLang's
+# default is 5 s): long enough that pooled connections survive from one rollout to the next. The engine's own
+# client drops its connections at half of it, so it never writes into one the server is closing.
+SERVER_KEEP_ALIVE_S = 60
+KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 
 
 def _cuda_available() -> bool:
@@ -70,6 +77,8 @@ class SGLangEngine(ManagedServer):
         env: Mapping[str, str] | None = None,
         cpu: bool | None = None,
         api_key: str | None = None,
+        max_retries: int = DEFAULT_RETRIES,
+        keep_alive_s: int = SERVER_KEEP_ALIVE_S,
     ) -> None:
         """Describe an engine; nothing starts until :meth:`start`.
 
@@ -86,6 +95,9 @@ class SGLangEngine(ManagedServer):
             cpu: Serve on CPU; None decides by ``torch.cuda.is_available()``.
             api_key: Key the server demands (SGLang ``--api-key``) and every request carries; required
                 when ``host`` is not a loopback address.
+            max_retries: Times a request is sent again after a transient failure while the process lives.
+            keep_alive_s: Seconds the server keeps an idle connection open (``SGLANG_TIMEOUT_KEEP_ALIVE``;
+                ``env`` may set it instead); this client closes its idle connections at half of it.
 
         Raises:
             ValueError: A bad port or timeout, or a non-loopback host without an API key.
@@ -97,6 +109,10 @@ class SGLangEngine(ManagedServer):
                 f"SGLang host {host!r} is reachable from other machines and the server would accept any request; "
                 "set --sglang-api-key (or keep the default host 127.0.0.1)"
             )
+        env = dict(env or {})
+        keep_alive_s = int(env.setdefault(KEEP_ALIVE_ENV, str(keep_alive_s)))
+        if keep_alive_s < 1:
+            raise ValueError(f"keep_alive_s ({KEEP_ALIVE_ENV}) must be >= 1 s, got {keep_alive_s}")
         log_dir = Path(log_dir)
         super().__init__(
             f"http://{host}:{port}",
@@ -104,14 +120,17 @@ class SGLangEngine(ManagedServer):
             startup_timeout_s=startup_timeout_s,
             request_timeout_s=request_timeout_s,
             api_key=api_key,
+            max_retries=max_retries,
+            max_idle_s=keep_alive_s / 2,
         )
+        self.keep_alive_s = keep_alive_s
         self.model_path = str(model_path)
         self.host = host
         self.port = port
         self.nccl_port = nccl_port
         self.log_dir = log_dir
         self.extra_server_args = tuple(extra_server_args)
-        self.env = dict(env or {})
+        self.env = env
         self.cpu = cpu
         # The last weights loaded from disk, re-applied by restart() so that a restarted engine serves them.
         self._disk_weights: dict[str, Any] | None = None
@@ -235,9 +254,6 @@ class SGLangEngine(ManagedServer):
         if not self.is_running() or not self.health_ok():
             raise self.dead_error("is not running or not healthy")
 
-    def dead_error(self, what: str) -> RolloutError:
-        """A RolloutError saying that this engine ``what``, with its port, pid and log tail."""
-        return RolloutError(
-            f"{self.kind} at {self.url} (port {self.port}, pid {self.pid}, model {self.model_path}) {what}.\n"
-            f"{log_tail(self.log_path)}"
-        )
+    def describe(self) -> str:
+        """How errors name this engine: URL, port, pid and model."""
+        return f"{self.kind} at {self.url} (port {self.port}, pid {self.pid}, model {self.model_path})"

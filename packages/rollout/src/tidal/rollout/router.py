@@ -21,6 +21,7 @@ import requests
 from tidal.rollout.client import SGLangClient
 from tidal.rollout.config import ROUTER_POLICIES
 from tidal.rollout.server_process import ManagedServer
+from tidal.rollout.transport import DEFAULT_RETRIES
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class RolloutRouter(ManagedServer):
         startup_timeout_s: float = 300.0,
         request_timeout_s: float = 600.0,
         api_key: str | None = None,
+        max_retries: int = DEFAULT_RETRIES,
     ) -> None:
         """Describe the router; nothing starts until :meth:`start`.
 
@@ -56,6 +58,8 @@ class RolloutRouter(ManagedServer):
             startup_timeout_s: Longest wait for a healthy ``/health``.
             request_timeout_s: Timeout of one HTTP request.
             api_key: Key the engines demand; the router forwards it and every request carries it.
+            max_retries: Times a request is sent again after a transient failure (5xx included) while the
+                router process lives.
 
         Raises:
             ValueError: No engine, a bad policy or port.
@@ -77,6 +81,7 @@ class RolloutRouter(ManagedServer):
             startup_timeout_s=startup_timeout_s,
             request_timeout_s=request_timeout_s,
             api_key=api_key,
+            max_retries=max_retries,
         )
         self.engine_urls = [url.rstrip("/") for url in engine_urls]
         self.host = host
@@ -84,7 +89,8 @@ class RolloutRouter(ManagedServer):
         self.policy = policy
         self.extra_router_args = tuple(extra_router_args)
         self._engines = [
-            SGLangClient(url, api_key=api_key, request_timeout_s=request_timeout_s) for url in self.engine_urls
+            SGLangClient(url, api_key=api_key, request_timeout_s=request_timeout_s, max_retries=max_retries)
+            for url in self.engine_urls
         ]
 
     def command(self) -> list[str]:
@@ -95,13 +101,13 @@ class RolloutRouter(ManagedServer):
             cmd += ["--api-key", self._api_key]
         return cmd + list(self.extra_router_args)
 
-    def health_ok(self) -> bool:
+    def health_ok(self, timeout_s: float = 5.0) -> bool:
         """Whether the router answers ``/health`` AND lists every engine as healthy.
 
         The router answers ``/health`` a moment before it has registered its engines (that runs in the
         background), and a ``/generate`` sent then fails with 503 "no_available_workers".
         """
-        if not super().health_ok():
+        if not super().health_ok(timeout_s):
             return False
         try:
             healthy = {w["url"].rstrip("/") for w in self.workers() if w.get("is_healthy")}
@@ -114,6 +120,11 @@ class RolloutRouter(ManagedServer):
         response = self._session.get(f"{self.url}/workers", timeout=self.request_timeout_s)
         response.raise_for_status()
         return response.json()["workers"]
+
+    @property
+    def http_retries(self) -> int:
+        """Retries of requests to the router and (aborts) to its engines."""
+        return super().http_retries + sum(engine.http_retries for engine in self._engines)
 
     def abort(self, rid: str | None = None) -> None:
         """Abort in-flight requests on every engine (the router does not forward ``/abort_request``)."""
@@ -131,6 +142,8 @@ def start_router(
     extra_router_args: Sequence[str] = (),
     startup_timeout_s: float = 300.0,
     api_key: str | None = None,
+    request_timeout_s: float = 600.0,
+    max_retries: int = DEFAULT_RETRIES,
 ) -> RolloutRouter:
     """Launch an sglang-router over ``engine_urls`` and wait until it is healthy (see :class:`RolloutRouter`).
 
@@ -146,6 +159,8 @@ def start_router(
         extra_router_args=extra_router_args,
         startup_timeout_s=startup_timeout_s,
         api_key=api_key,
+        request_timeout_s=request_timeout_s,
+        max_retries=max_retries,
     )
     router.start()
     return router

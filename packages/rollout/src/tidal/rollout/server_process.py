@@ -19,6 +19,7 @@ from typing import Self
 
 from tidal.rollout.client import SGLangClient
 from tidal.rollout.errors import RolloutError
+from tidal.rollout.transport import DEFAULT_MAX_IDLE_S, DEFAULT_RETRIES
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +78,21 @@ class ManagedServer(SGLangClient):
         startup_timeout_s: float,
         request_timeout_s: float = 600.0,
         api_key: str | None = None,
+        max_retries: int = DEFAULT_RETRIES,
+        max_idle_s: float | None = DEFAULT_MAX_IDLE_S,
     ) -> None:
-        """Describe the server; nothing starts until :meth:`start`."""
+        """Describe the server; nothing starts until :meth:`start` (request options: see SGLangClient)."""
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
-        super().__init__(url, api_key=api_key, request_timeout_s=request_timeout_s)
+        super().__init__(
+            url, api_key=api_key, request_timeout_s=request_timeout_s, max_retries=max_retries, max_idle_s=max_idle_s
+        )
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
+        self.starting = False
+        """True from launch until healthy (a heartbeat leaves a starting server alone)."""
 
     def command(self) -> list[str]:
         """The command line that runs the server."""
@@ -107,6 +114,15 @@ class ManagedServer(SGLangClient):
     def is_running(self) -> bool:
         """Whether the launched server process is still alive."""
         return self._process is not None and self._process.poll() is None
+
+    def may_retry(self) -> bool:
+        """A failed request is sent again only while the server process lives (a dead one needs a restart)."""
+        return self.is_running()
+
+    def dead_error(self, what: str) -> RolloutError:
+        """A one-line RolloutError: this server ``what``, with its pid and log file (whose tail is logged here)."""
+        logger.error("%s at %s %s; %s", self.kind, self.url, what, log_tail(self.log_path))
+        return RolloutError(f"{self.describe()} {what}; its log: {self.log_path}")
 
     def start(self, *, wait: bool = True) -> None:
         """Launch the server; with ``wait`` also block until it is healthy (see :meth:`wait_healthy`).
@@ -132,7 +148,18 @@ class ManagedServer(SGLangClient):
         # Kill the group even if the owner forgets shutdown() or the interpreter exits first.
         self._finalizer = weakref.finalize(self, kill_process_group, self._process.pid, signal.SIGKILL)
         if wait:
-            self.wait_healthy()
+            self.starting = True
+            try:
+                self.wait_healthy()
+            finally:
+                self.starting = False
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group now, from any thread (a hung server); :meth:`restart` starts it again."""
+        process = self._process
+        if process is not None:
+            logger.warning("killing %s at %s (pid %d)", self.kind, self.url, process.pid)
+            kill_process_group(process.pid, signal.SIGKILL)
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Poll ``/health`` until it answers 200, the process dies, or the timeout passes.

@@ -1,0 +1,256 @@
+"""Checks that span packages, or look at files, run once on the parsed flags before any process starts.
+
+Each package's config checks its own fields when it is built; what needs two sections (GPU arithmetic, batch
+divisibility, token budgets), the file system (data, model, output folders) or an import (reward functions) is
+checked here. Every check raises ``ValueError`` with one line naming the flag, what it saw and the fix; a
+:class:`Problems` collects the independent ones so that a user sees them all at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+FIRST_RECORD_BYTES = 1 << 20
+
+
+class ConfigErrors(ValueError):
+    """One or more configuration errors, one line each (``str`` joins them with newlines)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        """Hold ``problems`` (one message each)."""
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+class Problems:
+    """Runs independent checks, keeps every ``ValueError`` message, and raises them together at the end."""
+
+    def __init__(self) -> None:
+        """Start with no problem."""
+        self.lines: list[str] = []
+
+    def run(self, check: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """``check(*args, **kwargs)``; on ValueError, remember its message(s) and return None."""
+        try:
+            return check(*args, **kwargs)
+        except ConfigErrors as e:
+            self.lines += e.problems
+        except ValueError as e:
+            self.lines.append(str(e) or repr(e))
+        return None
+
+    def add(self, message: str) -> None:
+        """Record a problem found without a check function."""
+        self.lines.append(message)
+
+    def raise_if_any(self) -> None:
+        """Raise :class:`ConfigErrors` with every problem, in the order found."""
+        if self.lines:
+            raise ConfigErrors(list(dict.fromkeys(self.lines)))
+
+
+def check_prompt_file(flag: str, path: str, *, input_key: str, label_key: str) -> None:
+    """The file exists and its first record is a JSON object holding ``input_key`` and ``label_key``."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{flag} {path} is not a file; give a JSONL file with one {{{input_key!r}: ..}} per line")
+    with file.open("rb") as f:
+        head = f.read(FIRST_RECORD_BYTES)
+    lines = [(n, line) for n, line in enumerate(head.splitlines(), start=1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{flag} {path} holds no records; give a JSONL file with one JSON object per line")
+    line_no, first = lines[0]
+    try:
+        record = json.loads(first)
+    except ValueError as e:
+        raise ValueError(f"{flag} {path}: line {line_no} is not JSON ({e}); the file must be JSONL") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{flag} {path}: line {line_no} is a JSON {type(record).__name__}, not an object")
+    for key_flag, key in (("--input-key", input_key), ("--label-key", label_key)):
+        if key not in record:
+            raise ValueError(
+                f"{flag} {path}: the first record has no key {key!r} (its keys: {sorted(record)}); "
+                f"set {key_flag} to the key that holds the {'prompt' if key_flag == '--input-key' else 'answer'}"
+            )
+
+
+def check_hf_checkpoint(path: str) -> dict[str, Any]:
+    """An HF model folder: a readable config.json, a tokenizer and weights; returns the config."""
+    folder = Path(path)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ValueError(f"--hf-checkpoint {path} has no config.json; point it at a Hugging Face model directory")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--hf-checkpoint {path}: config.json cannot be read as JSON ({e})") from e
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"--hf-checkpoint {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the tokenizer "
+            "into the model directory (tokenizer.save_pretrained(DIR))"
+        )
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        raise ValueError(
+            f"--hf-checkpoint {path} has no weights (*.safetensors or *.bin); save the model with "
+            "model.save_pretrained(DIR), or convert a Megatron checkpoint with `train convert`"
+        )
+    return data
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """``path`` is a folder, or can be created as one, by this user."""
+    target = Path(path).expanduser()
+    if target.exists():
+        if not target.is_dir():
+            raise ValueError(f"{flag} {path} is a file, not a folder; give a folder path (it is created if missing)")
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path} is not writable by this user; give a folder you can write to")
+        return
+    parent = next(p for p in target.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path} cannot be created: {parent} is a file; give another folder path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path} cannot be created: {parent} is not writable; give a folder you can write to")
+
+
+def check_import_path(flag: str, path: str) -> None:
+    """``pkg.module:fn`` imports and names a callable (the module is imported here, as the run would)."""
+    from tidal.rollout.import_path import load_callable
+
+    fix = "give an importable module (installed, or on PYTHONPATH) and a function in it, as pkg.module:fn"
+    try:
+        load_callable(path, flag=flag)
+    except ValueError as e:
+        raise ValueError(f"{e}; {fix}") from e
+    except Exception as e:  # the user's module raised at import: say so in one line, the run cannot work
+        raise ValueError(f"{flag} {path!r}: importing it raised {type(e).__name__}: {e}; {fix}") from e
+
+
+def check_model_parallel(train, placement) -> int:
+    """TP x CP x PP divides the actor's GPUs; returns the data-parallel size."""
+    gpus = placement.num_actor_gpus
+    pp = train.pipeline_model_parallel_size
+    model_parallel = train.tensor_model_parallel_size * train.context_parallel_size * pp
+    if gpus % model_parallel:
+        raise ValueError(
+            f"--tensor-model-parallel-size {train.tensor_model_parallel_size} x --context-parallel-size "
+            f"{train.context_parallel_size} x --pipeline-model-parallel-size {pp} = {model_parallel} does not divide "
+            f"the {gpus} actor GPU(s) (--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    return gpus // model_parallel
+
+
+def check_pipeline(train, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """Pipeline stages are allowed with this CP size and divide the model's layers (when the model exists)."""
+    pp = train.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    cp = train.context_parallel_size
+    if cp > 1:  # tidal.actor.distributed refuses it too, but importing it means torch and megatron: seconds
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp} with --context-parallel-size {cp} is not supported by tidal-actor "
+            "(pipeline stages are not wired to the context-parallel shards); use one of them, e.g. "
+            "--context-parallel-size 1, or --pipeline-model-parallel-size 1"
+        )
+    layers = (hf_config or {}).get("num_hidden_layers", 0)  # the embedded model may not exist yet: checked later
+    if hf_config is not None and layers % pp:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {pp} does not divide the model's {layers} layers "
+            f"(num_hidden_layers in {Path(hf) / 'config.json'}); pick a divisor of {layers}"
+        )
+
+
+def check_token_budget(batching, rollout, train) -> None:
+    """With dynamic batch size, one micro-batch must hold at least one full-length response and its prompt."""
+    if not batching.use_dynamic_batch_size or batching.max_tokens_per_gpu is None:
+        return
+    pad, cp = batching.pad_to_multiple_of, train.context_parallel_size
+    budget = batching.max_tokens_per_gpu // pad * pad * cp
+    response = rollout.rollout_max_response_len
+    if budget > response:
+        return
+    suggestion = max(1024, 1 << (2 * (response + 1) - 1).bit_length())
+    parts = [f" x --context-parallel-size {cp}"] if cp > 1 else []
+    parts += [f" (aligned down to a multiple of --pad-to-multiple-of {pad})"] if pad > 1 else []
+    budget_text = f"{''.join(parts)} = {budget} tokens per micro-batch" if parts else ""
+    raise ValueError(
+        f"--max-tokens-per-gpu {batching.max_tokens_per_gpu}{budget_text} cannot hold one sample: a response "
+        f"alone may have --rollout-max-response-len {response} tokens, plus its prompt; raise --max-tokens-per-gpu "
+        f"above the longest prompt + {response} (e.g. --max-tokens-per-gpu {suggestion}) or lower "
+        "--rollout-max-response-len"
+    )
+
+
+def check_modes(train, rollout, *, colocate_given: bool | None) -> None:
+    """Debug modes and external engines: the combinations that cannot work."""
+    problems = Problems()
+    if train.debug_train_only and not rollout.load_debug_rollout_data:
+        problems.add(
+            "--debug-train-only trains on saved rollouts: give --load-debug-rollout-data DIR "
+            "(written by an earlier run with --save-debug-rollout-data DIR)"
+        )
+    if rollout.load_debug_rollout_data and not Path(rollout.load_debug_rollout_data).is_dir():
+        problems.add(
+            f"--load-debug-rollout-data {rollout.load_debug_rollout_data} is not a directory; give the folder an "
+            "earlier run wrote with --save-debug-rollout-data"
+        )
+    if train.debug_rollout_only and rollout.load_debug_rollout_data:
+        problems.add("--debug-rollout-only generates rollouts; it cannot also --load-debug-rollout-data")
+    if rollout.rollout_external_engine_addrs:
+        clash = [
+            flag
+            for flag, given in (
+                ("--debug-train-only", train.debug_train_only),
+                ("--load-debug-rollout-data", rollout.load_debug_rollout_data),
+                ("--use-fault-tolerance", train.use_fault_tolerance),  # tidal cannot restart a server it does not own
+                ("--no-colocate", colocate_given is False),  # no GPU is reserved for external engines
+            )
+            if given
+        ]
+        if clash:
+            problems.add(
+                f"--rollout-external-engine-addrs (SGLang servers run elsewhere) cannot be combined with {clash[0]}: "
+                "drop one of them"
+            )
+    problems.raise_if_any()
+
+
+def check_router(rollout, placement) -> None:
+    """Partial rollout and dynamic sampling send every request from the driver: to one engine, or the router."""
+    engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
+    driver_side = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
+    if driver_side and engines > 1 and rollout.use_router is False:
+        what = "--partial-rollout" if rollout.partial_rollout else "--dynamic-sampling-filter-path"
+        raise ValueError(
+            f"{what} with {engines} engines sends every request through sglang-router: drop --no-use-router "
+            "(or use one engine)"
+        )
+
+
+def check_load(ckpt) -> None:
+    """``--load`` names a loadable Megatron checkpoint (each kind of bad folder has its own message)."""
+    if not ckpt.load:
+        return
+    from tidal.ckpt import CheckpointError, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(ckpt.load, ckpt_step=ckpt.ckpt_step)
+    except CheckpointError as e:
+        raise ValueError(str(e) if "--load" in str(e) else f"--load {ckpt.load}: {e}") from e
+
+
+def check_wandb(train) -> None:
+    """``--use-wandb`` needs the wandb package, which tidal does not depend on."""
+    if train.use_wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("--use-wandb needs the wandb package: `uv pip install wandb` (it runs offline)")
