@@ -55,6 +55,7 @@ def parse_job(argv: list[str]):
     from tidal.placement import PlacementConfig, parse_ray_env
     from tidal.rollout import RolloutConfig, sglang_router_args, sglang_server_args
     from tidal.train.embedded_model import embedded_model_path
+    from tidal.train.run_folder import check_output_dir, default_output_dir
     from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, shipped_path
 
     bad = [a for a in unknown if a.startswith("-") and not a.startswith("--sglang-")]
@@ -74,6 +75,7 @@ def parse_job(argv: list[str]):
         if key in rollout:
             rollout[key] = tuple(rollout[key])
     train = sections["train"]
+    train.setdefault("output_dir", str(default_output_dir()))
     if embedded:
         train.setdefault("prompt_data", str(shipped_path(TRAIN_FILE)))
         train.setdefault("eval_prompt_data", str(shipped_path(EVAL_FILE)))
@@ -95,6 +97,12 @@ def parse_job(argv: list[str]):
         raise ValueError(f"--hf-checkpoint {hf} has no config.json; point it at a Hugging Face model directory")
     ckpt = sections["ckpt"]
     ckpt.setdefault("save", str(Path(train_cfg.output_dir) / "ckpt"))
+    check_output_dir(
+        Path(train_cfg.output_dir),
+        Path(ckpt["save"]),
+        resuming=bool(ckpt.get("load")),
+        overwrite=train_cfg.overwrite_output_dir,
+    )
     _check_cross_section(train_cfg, rollout, placement, ckpt, hf)
     return JobConfig(
         train=train_cfg,
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train: error: {e}", file=sys.stderr)  # noqa: T201 - the one line a user error prints
         return 2
     from tidal.train.loop import run
+    from tidal.train.run_folder import link_latest
 
     start = time.monotonic()
     if job.train.hf_checkpoint is None:
@@ -192,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.train.config_file import write_effective_config
 
     write_effective_config(job, job.train.output_dir)
+    link_latest(Path(job.train.output_dir))
     try:
         result = run(job)
     except KeyboardInterrupt:
