@@ -192,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tidal.train.loop import run
     from tidal.train.run_folder import link_latest
+    from tidal.train.watchdog import follow_launcher, start_watchdog, stop_on_sigterm
 
+    stop_on_sigterm()  # SIGTERM stops every process as Ctrl-C does
+    follow_launcher()  # `uv run train` stops when uv is killed
+    start_watchdog()  # and whatever kills this process, nothing it started outlives it
     start = time.monotonic()
     if job.train.hf_checkpoint is None:
         from tidal.train.embedded_model import ensure_embedded_model
@@ -204,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     link_latest(Path(job.train.output_dir))
     try:
         result = run(job)
-    except KeyboardInterrupt:
-        logger.error("interrupted (Ctrl-C): every SGLang, Ray and Megatron process was stopped")
+    except KeyboardInterrupt as e:
+        logger.error("interrupted (%s): every SGLang, Ray and Megatron process was stopped", str(e) or "Ctrl-C")
         return 130
     logger.info(
         "done in %.1f s (RL %.1f s): held-out accuracy %s -> %s; summary %s; curves %s; checkpoint %s",
