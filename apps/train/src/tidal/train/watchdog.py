@@ -114,7 +114,11 @@ def start_watchdog() -> subprocess.Popen | None:
 
 
 def stop_on_sigterm() -> None:
-    """Make SIGTERM stop the run as Ctrl-C does (KeyboardInterrupt): every process is stopped before the exit."""
+    """Make SIGTERM stop the run as Ctrl-C does (KeyboardInterrupt): every process is stopped before the exit.
+
+    ``ray.init`` later installs Ray's own handler (``sys.exit(SIGTERM)``), which unwinds the same ``finally`` blocks;
+    this one covers the seconds before it (tokenizer, embedded model, data).
+    """
 
     def interrupt(signum: int, _frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
