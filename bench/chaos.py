@@ -18,9 +18,11 @@ rollout K begins (``--kill-rollout``); then run B, the same command plus ``--loa
 - B's processes are all gone after it.
 
 Phases are seen by running the driver through this file (``--driver``), which wraps tidal.train.loop's phase
-functions to append one line per phase start to ``OUT/phases.txt`` before calling the real ``train`` entry point:
-the code under test is unchanged. The runs that do not kill the server attach to one shared SGLang server started
-here (``--rollout-external-engine-addrs``, saves a ~80 s start-up per run); the generation point launches its own.
+functions to append one line per phase start to ``OUT/phases.txt`` before calling the real ``train`` entry point
+(the code under test is unchanged), and kills the target 20 ms into the chosen phase from a timer thread (phases of
+the tiny model last 0.1-0.5 s: a poll from outside would miss them); it notes what was on disk at the kill.
+The runs that do not kill the server attach to one shared SGLang server started here
+(``--rollout-external-engine-addrs``, saves a ~80 s start-up per run); the generation point launches its own.
 
     uv run python bench/chaos.py                       # all five points, ~15-25 min on two shared cores
     uv run python bench/chaos.py --points checkpoint   # one point
@@ -38,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,15 +65,29 @@ COMMON = [
 # --- the driver, run as `python bench/chaos.py --driver OUT ARGS...` -------------------------------------------
 
 
+KILL_DELAY_S = 0.02
+"""How far into the phase the kill lands: phases of the tiny model last 0.1-0.5 s on two cores."""
+
+
 def run_driver(phases: Path, argv: list[str]) -> int:
-    """The real `train` entry point, with each phase's start appended to ``phases`` as it happens."""
+    """The real `train` entry point, with each phase's start appended to ``phases`` as it happens.
+
+    ``TIDAL_CHAOS_KILL=phase:occurrence:target`` SIGKILLs the target ``KILL_DELAY_S`` into that occurrence of the
+    phase, from a timer thread of this process (so the kill cannot miss a phase shorter than a poll interval).
+    """
     import tidal.train.loop as loop
     from tidal.train.cli import main
 
+    plan = os.environ.get("TIDAL_CHAOS_KILL", "").split(":")
+    counts: dict[str, int] = {}
+
     def marked(name: str, fn):
         def wrapper(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
             with phases.open("a") as f:
                 f.write(f"{name}\n")
+            if plan[0] == name and counts[name] == int(plan[1]):
+                threading.Timer(KILL_DELAY_S, _kill_target, (plan[2], phases)).start()
             return fn(*args, **kwargs)
 
         return wrapper
@@ -81,6 +98,23 @@ def run_driver(phases: Path, argv: list[str]) -> int:
     loop._save = marked("checkpoint", loop._save)
     loop._rollout_data = marked("training", loop._rollout_data)  # called just before the actor's train call
     return main(argv)
+
+
+def _kill_target(target: str, phases: Path) -> None:
+    """SIGKILL the driver (this process), actor rank 0 or the SGLang server; note it, and the run folder then."""
+    pid = _target_pid(os.getpid(), target)
+    out = phases.parent
+    tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
+    state = {
+        "time": time.time(),
+        "tracker": tracker.read_text().strip() if tracker.exists() else None,
+        "ckpt": sorted(p.name for p in (out / "ckpt").iterdir()) if (out / "ckpt").is_dir() else [],
+        "weights": sorted(p.name for p in (out / "weights").iterdir()) if (out / "weights").is_dir() else [],
+    }
+    with phases.open("a") as f:
+        f.write(f"KILL {target} {pid} {json.dumps(state)}\n")
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
 
 
 # --- process bookkeeping (this process is a child subreaper: orphans of a run come here) -------------------------
@@ -160,37 +194,38 @@ def _target_pid(driver: int, target: str) -> int | None:
 
 
 def _train(out: Path, args: list[str], log: Path, *, kill: tuple[str, int, str] | None, timeout_s: float) -> dict:
-    """Run the driver; with ``kill=(phase, occurrence, target)`` SIGKILL the target when that phase starts."""
+    """Run the driver; with ``kill=(phase, occurrence, target)`` it SIGKILLs the target when that phase starts."""
     phases = out / "phases.txt"
     phases.unlink(missing_ok=True)
     before = _children()
+    env = dict(os.environ)
+    env.pop("TIDAL_CHAOS_KILL", None)
+    if kill is not None:
+        env["TIDAL_CHAOS_KILL"] = ":".join(map(str, kill))
     result: dict = {"killed": None}
     with log.open("w") as f:
         proc = subprocess.Popen(
             [sys.executable, __file__, "--driver", str(phases), *args, "--output-dir", str(out)],
             stdout=f,
             stderr=subprocess.STDOUT,
+            env=env,
         )
-        deadline = time.monotonic() + timeout_s
-        while proc.poll() is None and time.monotonic() < deadline:
-            seen = phases.read_text().split() if phases.exists() else []
-            if kill is not None and seen.count(kill[0]) >= kill[1]:
-                time.sleep(0.2)  # into the phase, not at its first line
-                pid = _target_pid(proc.pid, kill[2])
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                result["killed"] = {"target": kill[2], "pid": pid, "phases_seen": len(seen)}
-                kill = None
-                killed_at = time.monotonic()
-            time.sleep(0.05)
-        if proc.poll() is None:
+        try:
+            result["code"] = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
             result["hung"] = True
             proc.kill()
-        result["code"] = proc.wait(timeout=60)
-        if result["killed"]:
-            result["driver_exit_after_kill_s"] = round(time.monotonic() - killed_at, 1)
+            result["code"] = proc.wait(timeout=60)
+    ended = time.time()
+    lines = phases.read_text().splitlines() if phases.exists() else []
+    kills = [line.split(" ", 3) for line in lines if line.startswith("KILL ")]
+    if kills:
+        _, target, pid, state = kills[0]
+        at_kill = json.loads(state)
+        result["killed"] = {"target": target, "pid": None if pid == "None" else int(pid), "at_kill": at_kill}
+        result["driver_exit_after_kill_s"] = round(ended - at_kill.pop("time"), 1)
     left, settle = _leftovers(before)
-    result["leftovers"], result["settle_s"] = left, round(settle, 1)
+    result["leftovers"], result["settle_s"] = left, round(settle, 1)  # from the driver's exit until none is left
     _kill_all(before)
     return result
 
@@ -301,13 +336,18 @@ def main() -> int:
         if server is not None:
             server.shutdown()
     cli.report.write_text(json.dumps({"root": str(root), "results": results}, indent=1) + "\n")
-    print("\n| point | killed | A exit | A gone after | resumed | tracker | rollouts once | prompts | B clean | ok |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| point | killed | tracker at kill | A exit (s after kill) | A left after 30 s | resumed | tracker | "
+        "rollouts once | prompts | B left | ok |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        c = r["checks"]
-        cells = [r["point"], r["target"], r["A"]["code"], f"{r['A']['settle_s']} s"]
-        cells += [c[k] for k in ("resumed", "tracker_n", "rollouts_once", "prompts", "b_gone")]
-        print("| " + " | ".join(map(str, [*cells, "PASS" if r["ok"] else "FAIL"])) + " |")
+        c, a = r["checks"], r["A"]
+        at_kill = (a["killed"] or {}).get("at_kill", {})
+        cells = [r["point"], r["target"], at_kill.get("tracker"), f"{a['code']} ({a.get('driver_exit_after_kill_s')})"]
+        cells += [len(a["leftovers"]), c["resumed"], c["tracker_n"], c["rollouts_once"], c["prompts"]]
+        cells += [len(r["B"]["leftovers"]), "PASS" if r["ok"] else "FAIL"]
+        print("| " + " | ".join(map(str, cells)) + " |")
     return 0 if all(r["ok"] for r in results) else 1
 
 
