@@ -1,15 +1,15 @@
 """`train` end to end in its other modes, on the real Ray, SGLang and Megatron-core.
 
-- killed with SIGKILL in the middle of its third rollout, then resumed with --load: the metrics continue without
-  a gap or a repeat, the resumed rollout trains on the prompts it would have had, and the engine serves the
-  checkpoint's weights again;
+- its driver alone killed with SIGKILL in the middle of its third rollout (its own SGLang server, Ray and the actor
+  must all go within 30 s), then resumed with --load: the metrics continue without a gap or a repeat, the resumed
+  rollout trains on the prompts it would have had, and the engine serves the checkpoint's weights again;
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
   --debug-train-only on its saved rollouts (no engine);
 - Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130.
 
-The killed, resumed and rollout-only runs attach to the session's one SGLang server (``external_engine``,
-tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own;
-tests/test_train_e2e.py covers a run that launches its engine.
+The resumed and rollout-only runs attach to the session's one SGLang server (``external_engine``,
+tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own; the killed
+run launches its own, to show that a SIGKILL of the driver leaves no server behind.
 """
 
 import contextlib
@@ -37,8 +37,8 @@ COMMON = [
 ]  # fmt: skip
 
 
-def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL):
-    """Run `train`; with ``kill_when(out)`` send ``sig`` to its process group once that returns True.
+def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL, group=True):
+    """Run `train`; with ``kill_when(out)`` send ``sig`` to its process group (``group``) or to the driver alone.
 
     Returns ``(returncode, output, leftover pids)``; leftovers (orphans re-parented here) are killed afterwards.
     """
@@ -56,7 +56,7 @@ def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline:
                 if kill_when is not None and kill_when(out, log):
-                    os.killpg(proc.pid, sig)
+                    (os.killpg if group else os.kill)(proc.pid, sig)
                     kill_when = None
                 time.sleep(0.5)
             if proc.poll() is None:
@@ -90,10 +90,11 @@ def _records(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, external_engine):
-    """A run SIGKILLed during rollout 3 of 3, then the same command with --load = --save.
+    """A run whose driver alone is SIGKILLed during rollout 3 of 3, then the same command with --load = --save.
 
-    In between, the shared server is given the initial weights again, so the resumed run must load the
-    checkpoint's weights into it for its first rollout to be sampled by them.
+    The killed run launches its own SGLang server; the resumed one attaches to the shared server, which is given
+    the initial weights first, so the resumed run must load the checkpoint's weights into it for its first
+    rollout to be sampled by them.
     """
     from tidal.rollout import SGLangClient
     from tidal.train.embedded_model import embedded_model_path
@@ -102,7 +103,6 @@ def resumed(tmp_path_factory, external_engine):
     args = [
         *COMMON,
         "--num-rollout", "3",
-        "--rollout-external-engine-addrs", external_engine,
         "--save-interval", "1",
         "--save", str(out / "ckpt"),
         "--save-debug-rollout-data", str(out / "debug"),
@@ -112,24 +112,33 @@ def resumed(tmp_path_factory, external_engine):
     def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
         return len(_records(run_dir)) >= 2 and (run_dir / "ckpt" / "iter_0000002" / "metadata.json").exists()
 
-    killed_code, killed_log, _ = _train(args, out=out, kill_when=mid_third_rollout)
+    killed_code, killed_log, killed_leftovers = _train(args, out=out, kill_when=mid_third_rollout, group=False)
     records_at_kill = _records(out)
     server = SGLangClient(f"http://{external_engine}")
     server.update_weights_from_disk(embedded_model_path(), weight_version="0")
     assert server.get_model_info()["weight_version"] == "0"
-    code, log, leftovers = _train([*args, "--load", str(out / "ckpt")], out=out)
+    external = ["--rollout-external-engine-addrs", external_engine]
+    code, log, leftovers = _train([*args, *external, "--load", str(out / "ckpt")], out=out)
     assert code == 0, log[-6000:]
-    return out, killed_code, killed_log, records_at_kill, log, leftovers
+    return out, killed_code, killed_log, records_at_kill, log, leftovers, killed_leftovers
 
 
 def test_killed_run_died_mid_rollout(resumed):
-    _, killed_code, killed_log, records_at_kill, _, _ = resumed
+    _, killed_code, killed_log, records_at_kill, *_ = resumed
     assert killed_code == -signal.SIGKILL, killed_log[-3000:]
     assert [r["rollout"] for r in records_at_kill] == [0, 1]
+    assert "starting SGLang" in killed_log  # it launched its own server, which had to go with it
+
+
+def test_sigkill_of_the_driver_alone_leaves_no_process_within_30_s(resumed):
+    # The SGLang server (in its own session), the engine worker and actor rank, raylet, GCS and Ray's agents: none
+    # may outlive the driver (tidal.train.watchdog, and the servers' parent-death signal).
+    *_, killed_leftovers = resumed
+    assert not killed_leftovers, killed_leftovers
 
 
 def test_resume_continues_metrics_without_gap_or_repeat(resumed):
-    out, _, _, _, log, _ = resumed
+    out, _, _, _, log, *_ = resumed
     assert "resumed from" in log
     assert [r["rollout"] for r in _records(out)] == [0, 1, 2]
     assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
@@ -162,7 +171,7 @@ def test_resumed_engines_serve_the_checkpointed_weights(resumed):
 def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, external_engine):
     from tidal.rollout import SGLangClient
 
-    out, _, _, _, _, leftovers = resumed
+    out, _, _, _, _, leftovers, _ = resumed
     assert not leftovers, leftovers
     assert SGLangClient(f"http://{external_engine}").health_ok()  # tidal never stops a server it did not start
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,7 +1,10 @@
 """metrics.jsonl append/read/truncate (resume), TensorBoard events, the per-rollout line."""
 
 import json
+import logging
+import os
 
+import pytest
 from tidal.train.metrics import MetricsLog, rollout_line
 
 
@@ -15,6 +18,44 @@ def test_resume_truncates_rollouts_that_run_again(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["rollout"] for line in lines] == [0, 1, 2]
     assert log.truncate(5) == 0
+
+
+def test_every_record_is_fsynced_as_it_is_written(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for i in range(3):
+        log.write({"rollout": i})
+        assert len(synced) == i + 1  # before write() returns: a machine crash keeps the record
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_on_resume(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"rollout": 0}\n{"rollout": 1}\n{"rollout": 2, "rollout/rew')  # killed mid-write
+    log = MetricsLog(path)
+    with caplog.at_level(logging.WARNING):
+        assert [r["rollout"] for r in log.read()] == [0, 1]
+    assert "torn last line" in caplog.text
+    assert log.truncate(2) == 0  # no record dropped, but the torn line is gone from the file
+    log.write({"rollout": 2})
+    assert [json.loads(line)["rollout"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_a_whole_last_record_without_newline_gets_one_before_the_next_append(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"rollout": 0}\n{"rollout": 1}')
+    log = MetricsLog(path)
+    assert log.truncate(2) == 0
+    log.write({"rollout": 2})
+    assert [r["rollout"] for r in log.read()] == [0, 1, 2]
+
+
+def test_a_broken_line_before_the_last_names_the_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"rollout": 0}\nnot json\n{"rollout": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON record"):
+        MetricsLog(path).read()
 
 
 def _read_scalars(path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 
 import pytest
 from tidal.rollout import (
@@ -92,6 +93,51 @@ def test_last_number_and_boxed_extraction() -> None:
 )
 def test_math_answer(text: str, label: str, expected: float) -> None:
     assert math_answer(_sample(text, label)) == expected
+
+
+_MB = 10**6
+HOSTILE_ANSWERS = {
+    "huge exponent": r"\boxed{1e999999999}",
+    "huge negative exponent": r"\boxed{-1E-999_999_999}",
+    "huge exponent, plain": "the answer is 1e999999999",
+    "a million digits": "9" * _MB,
+    "a million digits boxed": r"\boxed{" + "9" * _MB + "}",
+    "a million thousands groups": "1," * (_MB // 2),
+    "a million decimal points": "1." * (_MB // 2),
+    "deeply nested braces": r"\boxed" + "{" * _MB + "}" * _MB,
+    "unterminated boxed": r"\boxed{" + "x" * _MB,
+    "unterminated nested boxed": r"\boxed{" + "{" * _MB,
+    "boxed then spaces": r"\boxed " + "7" * _MB,
+    "a million boxes": r"\boxed{" * _MB,
+    "huge fraction": r"\boxed{\frac{" + "1" * _MB + "}{" + "3" * _MB + "}}",
+    "many text macros": r"\boxed{" + r"\text{" * (_MB // 6) + "}",
+    "4000-digit number vs a float": r"\boxed{" + "9" * 4000 + "}",
+}
+
+
+@pytest.mark.parametrize("answer", list(HOSTILE_ANSWERS.values()), ids=list(HOSTILE_ANSWERS))
+@pytest.mark.parametrize("reward", [math_answer, numeric_match, exact_match], ids=lambda f: f.__name__)
+def test_hostile_answers_score_zero_within_milliseconds(answer: str, reward) -> None:
+    for label in ("7", "2.5", r"\frac{1}{3}"):
+        sample = _sample(answer, label)
+        start = time.perf_counter()
+        assert reward(sample) == 0.0
+        # ~0.2 ms here; before the bounds, the exponent never finished and 1e6 characters took ~0.3 s.
+        assert time.perf_counter() - start < 0.05, f"{reward.__name__} took {time.perf_counter() - start:.3f} s"
+
+
+@pytest.mark.parametrize(
+    ("text", "label"),
+    [
+        (r"\boxed{1e3}", "1000"),
+        (r"\boxed{2.5E-1}", "0.25"),
+        ("x" * _MB + r" so \boxed{42}", "42"),  # a long response still has its answer at the end
+        ("blah " * _MB + "the answer is 42", "42"),
+        (r"\boxed{" + "1" * 300 + "}", "1" * 300),  # big exact numbers still compare exactly
+    ],
+)
+def test_bounded_parsing_still_reads_real_answers(text: str, label: str) -> None:
+    assert math_answer(_sample(text, label)) == 1.0
 
 
 @pytest.fixture

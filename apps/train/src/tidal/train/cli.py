@@ -105,12 +105,14 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     from tidal.rollout import RolloutConfig
     from tidal.train import checks
     from tidal.train.config import JobConfig, TrainConfig
+    from tidal.train.run_folder import check_output_dir, default_output_dir
 
     problems = checks.Problems()
     for line in _unknown_problems(unknown, sorted(parser._option_string_actions)):
         problems.add(line)
     _pass_through(sections, unknown, problems)
     train, rollout, actor = sections["train"], sections["rollout"], sections["actor"]
+    train.setdefault("output_dir", str(default_output_dir()))  # runs/DATE-TIME; runs/latest links to it
     _data_files(train, problems, embedded=embedded)
     train_cfg = problems.run(TrainConfig, **train)
     hf, hf_config = _model(train, problems, embedded=embedded)
@@ -137,8 +139,13 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
             "--rollout-batch-size is required with --hf-checkpoint: the prompts per rollout "
             "(e.g. --rollout-batch-size 32 --n-samples-per-prompt 8)"
         )
-    sections["ckpt"].setdefault("save", str(Path(train.get("output_dir") or "runs/latest") / "ckpt"))
-    _output_folders(train, sections["ckpt"], rollout, problems)
+    ckpt = sections["ckpt"]
+    ckpt.setdefault("save", str(Path(train["output_dir"]) / "ckpt"))
+    _output_folders(train, ckpt, rollout, problems)
+    resuming, overwrite = bool(ckpt.get("load")), bool(train.get("overwrite_output_dir"))
+    problems.run(
+        check_output_dir, Path(train["output_dir"]), Path(ckpt["save"]), resuming=resuming, overwrite=overwrite
+    )
     ckpt_cfg = problems.run(CkptConfig, hf_checkpoint=hf, **sections["ckpt"])
     placement_cfg = problems.run(PlacementConfig, **sections["placement"])
     rollout_cfg = problems.run(RolloutConfig, **rollout)
@@ -281,10 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:  # a bug in the checks themselves: still one line, the traceback in a file
         return _report(e, argv, out_dir=None)
+    from tidal.train.watchdog import follow_launcher, start_watchdog, stop_on_sigterm
+
+    stop_on_sigterm()  # SIGTERM stops every process as Ctrl-C does
+    follow_launcher()  # `uv run train` stops when uv is killed
+    start_watchdog()  # and whatever kills this process, nothing it started outlives it
     try:
         return _run(job)
-    except KeyboardInterrupt:
-        logger.error("interrupted (Ctrl-C): every SGLang, Ray and Megatron process was stopped")
+    except KeyboardInterrupt as e:
+        logger.error("interrupted (%s): every SGLang, Ray and Megatron process was stopped", str(e) or "Ctrl-C")
         return 130
     except Exception as e:
         return _report(e, argv, out_dir=job.train.output_dir)
@@ -299,8 +311,10 @@ def _run(job: JobConfig) -> int:
 
         ensure_embedded_model()
     from tidal.train.config_file import write_effective_config
+    from tidal.train.run_folder import link_latest
 
     write_effective_config(job, job.train.output_dir)
+    link_latest(Path(job.train.output_dir))
     result = run(job)
     logger.info(
         "done in %.1f s (RL %.1f s): held-out accuracy %s -> %s; summary %s; curves %s; checkpoint %s",

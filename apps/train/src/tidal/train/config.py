@@ -37,7 +37,10 @@ class TrainConfig:
     num_eval_prompts: int = 64
     """Held-out prompts per evaluation (--num-eval-prompts)."""
     output_dir: str = "runs/latest"
-    """Run folder: metrics, logs, weights handed to SGLang, checkpoints (--output-dir)."""
+    """Run folder: metrics, logs, weights handed to SGLang, checkpoints (--output-dir); `train` without it makes a
+    fresh runs/DATE-TIME and links runs/latest to it."""
+    overwrite_output_dir: bool = False
+    """Let a new run write over an earlier run's records in --output-dir (--overwrite-output-dir)."""
     seed: int = 1234
     """Seed of data order and initialisation (--seed)."""
     tensor_model_parallel_size: int = 1

@@ -104,6 +104,9 @@ def _scalar(value: Any) -> str:
     return str(value)
 
 
+_PER_INVOCATION = ("overwrite_output_dir",)  # said for one command, not part of the job a config file repeats
+
+
 def effective_options(job) -> dict[str, Any]:
     """Every ``train`` option's value in ``job`` (a JobConfig), keyed by flag name: a file ``--config`` reads back."""
     import dataclasses
@@ -124,6 +127,8 @@ def effective_options(job) -> dict[str, Any]:
             value = getattr(cfg, name)
             if value is None or (isinstance(value, tuple | list | dict) and not value):
                 continue
+            if name in _PER_INVOCATION or (name == "save" and value == str(Path(job.train.output_dir) / "ckpt")):
+                continue  # a rerun with another --output-dir must not write into this run's folder
             if kw.get("action") == "store_false":  # --no-recompute-lm-head: the option is the negation of the field
                 options[flag[2:]] = not value
                 continue
@@ -143,13 +148,13 @@ def effective_options(job) -> dict[str, Any]:
 
 
 def write_effective_config(job, out_dir: str | Path) -> Path:
-    """``OUT/config.yaml``: the run's effective options (rerun it with ``train --config OUT/config.yaml``)."""
+    """``OUT/config.yaml``: the run's effective options (rerun: ``train --config OUT/config.yaml --output-dir NEW``)."""
     import yaml
 
     path = Path(out_dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        "# effective options of this run; `uv run train --config THIS_FILE` repeats it\n"
+        "# effective options of this run; `uv run train --config THIS_FILE --output-dir NEW_DIR` repeats it\n"
         + yaml.safe_dump(effective_options(job), sort_keys=False),
         encoding="utf-8",
     )

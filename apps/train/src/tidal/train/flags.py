@@ -24,7 +24,11 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--start-rollout-id", {"type": int, "help": "first rollout id (default: 0, or the one after --load's)"}),
         ("--eval-interval", {"type": int, "help": "evaluate every N rollouts (always before and after)"}),
         ("--num-eval-prompts", {"type": int, "help": "held-out prompts per evaluation"}),
-        ("--output-dir", {"help": "run folder (default: runs/latest)"}),
+        ("--output-dir", {"help": "run folder (default: a new runs/DATE-TIME; runs/latest links to the newest)"}),
+        (
+            "--overwrite-output-dir",
+            {"action": "store_true", "default": None, "help": "write over an earlier run in --output-dir"},
+        ),
         ("--seed", {"type": int, "help": "seed of data order and initialisation"}),
         ("--tensor-model-parallel-size", {"type": int, "help": "actor tensor-parallel size"}),
         ("--context-parallel-size", {"type": int, "help": "actor context-parallel size"}),

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
     """``metrics.jsonl``, plus optionally TensorBoard events and an offline W&B run in the run folder.
 
-    One JSON object per line, flushed, so a killed run keeps every finished record.
+    One JSON object per line, flushed and fsynced as it is written, so a killed run (or machine) keeps every
+    finished record; a line torn by a kill in mid-write is dropped with a warning when the run resumes.
     """
 
     def __init__(self, path: Path, *, tensorboard: bool = False, wandb: dict[str, Any] | None = None) -> None:
@@ -19,6 +24,7 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
         self._wandb = None
+        self._needs_rewrite = False  # read() found a torn last line: truncate() writes the file without it
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -29,25 +35,56 @@ class MetricsLog:
             self._wandb = wandb_lib.init(**wandb)
 
     def read(self) -> list[dict[str, Any]]:
-        """Every record written so far (a resumed run's history)."""
+        """Every record written so far (a resumed run's history).
+
+        A last line that is not a whole record (the run was killed while writing it) is dropped with a warning.
+
+        Raises:
+            ValueError: Another line is not a JSON record; the message names the file and the line.
+        """
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = self.path.read_text(encoding="utf-8", errors="replace")
+        lines = text.splitlines()
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if number < len(lines):
+                    raise ValueError(f"{self.path}:{number} is not a JSON record ({e}); repair or delete it") from e
+                logger.warning("%s: dropped a torn last line (the run was killed writing it): %.80r", self.path, line)
+                self._needs_rewrite = True
+        if text and not text.endswith("\n"):
+            self._needs_rewrite = True  # the next append must start on a line of its own
+        return records
 
     def truncate(self, start_rollout: int) -> int:
-        """Drop records of rollouts ``>= start_rollout`` (a resumed run redoes them); returns how many."""
+        """Drop records of rollouts ``>= start_rollout`` (a resumed run redoes them), and a torn last line.
+
+        Returns how many records were dropped. The file is replaced atomically and durably.
+        """
         records = self.read()
         kept = [r for r in records if r.get("rollout", -1) < start_rollout]
-        if len(kept) != len(records):
+        if len(kept) != len(records) or self._needs_rewrite:
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
+            with tmp.open("w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+                f.flush()
+                os.fsync(f.fileno())
             tmp.replace(self.path)
+            _fsync_dir(self.path.parent)
+            self._needs_rewrite = False
         return len(records) - len(kept)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (and log its numbers to TensorBoard / W&B, stepped by rollout)."""
+        """Append ``record``, flushed and fsynced (and log its numbers to TensorBoard / W&B, stepped by rollout)."""
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         step = int(record.get("rollout", 0))
         scalars = {k: float(v) for k, v in record.items() if isinstance(v, int | float) and k != "rollout"}
         if self._tb is not None:
@@ -63,6 +100,15 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rollout_line(record: dict[str, Any], num_rollout: int) -> str:

@@ -19,6 +19,15 @@ logger = logging.getLogger(__name__)
 
 # A number as people write it: sign, thousands separators, decimals, a plain fraction ("3/4").
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+_BRACE = re.compile(r"[{}]")
+_EXPONENT = re.compile(r"[eE]\s*[+-]?([\d_]+)")
+
+# Model output is hostile input: a reward reads only the end of a response (where the final answer is; slime's
+# DAPO math reward reads the last 300 characters), compares numbers of bounded length exactly, and refuses
+# exponents beyond any answer's range (``Fraction("1e999999999")`` would compute 10**999999999).
+_MAX_TAIL_CHARS = 4096
+_MAX_NUMBER_CHARS = 400
+_MAX_EXPONENT = 400
 
 
 class RewardFn(Protocol):
@@ -31,7 +40,10 @@ class RewardFn(Protocol):
 
 def _parse_number(text: str) -> Fraction | float | None:
     text = text.strip().replace(",", "").rstrip(".")
-    if not text:
+    if not text or len(text) > _MAX_NUMBER_CHARS:
+        return None
+    exponent = _EXPONENT.search(text)
+    if exponent is not None and int(exponent.group(1).replace("_", "") or 0) > _MAX_EXPONENT:
         return None
     try:
         return Fraction(text)
@@ -47,30 +59,49 @@ def _parse_number(text: str) -> Fraction | float | None:
 def _same_number(a: Fraction | float, b: Fraction | float) -> bool:
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         return a == b
-    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
+    except OverflowError:  # a Fraction beyond float range is no float's neighbour
+        return False
+
+
+def _tail(text: str) -> str:
+    """The end of ``text`` that answers are looked for in (the whole text when it is short)."""
+    return text[-_MAX_TAIL_CHARS:]
 
 
 def last_number(text: str) -> str | None:
-    """The last number written in ``text`` ("1,000", "-2.5", "3/4"), or None."""
-    matches = _NUMBER.findall(text)
-    return matches[-1] if matches else None
+    """The last number written in ``text`` ("1,000", "-2.5", "3/4"), or None.
+
+    Only the last 4096 characters of ``text`` are read: a number that does not start within them is none.
+    """
+    tail = _tail(text)
+    matches = list(_NUMBER.finditer(tail))
+    if not matches or (matches[-1].start() == 0 and len(tail) < len(text)):
+        return None
+    return matches[-1].group()
 
 
 def extract_boxed(text: str) -> str | None:
-    r"""The content of the last ``\boxed{...}`` (nested braces allowed) or ``\boxed x``, or None."""
-    start = text.rfind("\\boxed")
+    r"""The content of the last ``\boxed{...}`` (nested braces allowed) or ``\boxed x``, or None.
+
+    Only the last 4096 characters of ``text`` are read: a ``\boxed`` before them, or one left open, is no answer.
+    """
+    tail = _tail(text)
+    start = tail.rfind("\\boxed")
     if start < 0:
         return None
-    rest = text[start + len("\\boxed") :]
+    rest = tail[start + len("\\boxed") :]
     if rest.startswith(" "):
-        return rest.strip().split()[0].rstrip("$.") if rest.strip() else None
+        words = rest.split(maxsplit=1)
+        return words[0].rstrip("$.") if words else None
     if not rest.startswith("{"):
         return None
     depth = 0
-    for i, char in enumerate(rest):
-        depth += {"{": 1, "}": -1}.get(char, 0)
+    for brace in _BRACE.finditer(rest):
+        depth += 1 if brace.group() == "{" else -1
         if depth == 0:
-            return rest[1:i]
+            return rest[1 : brace.start()]
     return None  # unbalanced braces: no answer
 
 

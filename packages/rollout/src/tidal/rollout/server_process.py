@@ -7,13 +7,17 @@ which command to run.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Self
 
@@ -42,6 +46,44 @@ def log_tail(path: Path, num_lines: int = _LOG_TAIL_LINES) -> str:
     return f"--- last {len(lines)} lines of {path} ---\n{body}\n--- end of server log ---"
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+@functools.cache
+def _spawner() -> ThreadPoolExecutor:
+    """One thread that lives as long as this process, to fork servers from.
+
+    The kernel sends the parent-death signal when the *thread* that forked the child ends, not the process: a
+    server forked from a request's pool thread (a restart under --use-fault-tolerance) would be killed when that
+    pool shuts down.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tidal-spawner")
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies, whatever kills it (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above: nobody would signal us
+            os._exit(1)
+
+    return preexec
+
+
+def spawn_owned(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **popen_kwargs)`` in a child that dies with this process (SIGKILL included).
+
+    Forked from one long-lived thread, with ``PR_SET_PDEATHSIG``; SGLang's own worker processes set the same
+    on themselves, so a whole server goes when its owner goes.
+    """
+    return _spawner().submit(subprocess.Popen, cmd, preexec_fn=_die_with_parent(), **popen_kwargs).result()
+
+
 def kill_process_group(pgid: int, sig: int) -> None:
     """Send ``sig`` to every process in group ``pgid``; nothing if the group is gone."""
     with contextlib.suppress(ProcessLookupError):
@@ -63,7 +105,8 @@ class ManagedServer(SGLangClient):
     """An HTTP server this process launches, owns and stops; subclasses give :meth:`command`.
 
     The server runs in its own session (process group), so :meth:`shutdown` reaches every helper process
-    it forks; a ``weakref.finalize`` kills the group if the owner never calls :meth:`shutdown`. Its stdout
+    it forks; a ``weakref.finalize`` kills the group if the owner never calls :meth:`shutdown`, and the
+    parent-death signal (:func:`spawn_owned`) kills the server if the owner dies without either. Its stdout
     and stderr go to ``log_path``, whose tail is quoted in every start-up error.
     """
 
@@ -137,7 +180,7 @@ class ManagedServer(SGLangClient):
         shown = " ".join("***" if prev == "--api-key" else arg for prev, arg in zip(["", *cmd[:-1]], cmd, strict=True))
         logger.info("starting %s at %s: %s (log: %s)", self.kind, self.url, shown, self.log_path)
         with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
+            self._process = spawn_owned(
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
