@@ -1,11 +1,12 @@
-"""Chaos: SIGKILL a `train` run at five points, resume it with --load, check nothing was lost, repeated or left.
+"""Chaos: SIGKILL a `train` run at six points, resume it with --load, check nothing was lost, repeated or left.
 
 Each point is a phase of a rollout and a process to kill when that phase starts:
 
     generation  -> the SGLang server   (its engine dies under /generate; the run must stop, not hang)
     training    -> actor rank 0        (the Megatron worker dies in log-probs / optimizer steps)
     weight_sync -> the driver          (the HF weights for the engine half written)
-    checkpoint  -> the driver          (a Megatron checkpoint half written: the resume takes the one before)
+    checkpoint  -> the driver          (the actor may still finish and publish the save it was given)
+    checkpoint_writer -> actor rank 0  (a Megatron checkpoint half written: the resume takes the one before)
     evaluation  -> the driver          (held-out evaluation in flight)
 
 For each point: run A (``--num-rollout N --save-interval 1 --save-debug-rollout-data``) is killed when phase P of
@@ -24,7 +25,7 @@ the tiny model last 0.1-0.5 s: a poll from outside would miss them); it notes wh
 The runs that do not kill the server attach to one shared SGLang server started here
 (``--rollout-external-engine-addrs``, saves a ~80 s start-up per run); the generation point launches its own.
 
-    uv run python bench/chaos.py                       # all five points, ~15-25 min on two shared cores
+    uv run python bench/chaos.py                       # all six points, ~30-40 min on two shared cores
     uv run python bench/chaos.py --points checkpoint   # one point
 """
 
@@ -44,12 +45,13 @@ import threading
 import time
 from pathlib import Path
 
-POINTS = {
-    "generation": "sglang",
-    "training": "actor",
-    "weight_sync": "driver",
-    "checkpoint": "driver",
-    "evaluation": "driver",
+POINTS = {  # point -> (phase, whom to kill)
+    "generation": ("generation", "sglang"),
+    "training": ("training", "actor"),
+    "weight_sync": ("weight_sync", "driver"),
+    "checkpoint": ("checkpoint", "driver"),
+    "checkpoint_writer": ("checkpoint", "actor"),
+    "evaluation": ("evaluation", "driver"),
 }
 COMMON = [
     "--rollout-batch-size", "4",
@@ -254,15 +256,15 @@ def _prompts_match(out: Path, num_rollout: int) -> bool:
 
 def run_point(point: str, root: Path, *, num_rollout: int, kill_rollout: int, external: str | None) -> dict:
     """Kill run A at ``point`` of rollout ``kill_rollout``, resume it as run B, and check the outcome."""
-    target = POINTS[point]
+    phase, target = POINTS[point]
     out = root / point
     args = [*COMMON, "--num-rollout", str(num_rollout), "--save-debug-rollout-data", str(out / "debug")]
     shared = ["--rollout-external-engine-addrs", external] if external else []
     # Occurrence of the phase that belongs to rollout `kill_rollout`: evaluation also runs once before RL.
-    occurrence = kill_rollout + 1 + (point == "evaluation")
+    occurrence = kill_rollout + 1 + (phase == "evaluation")
     a_args = args if target == "sglang" else [*args, *shared]
     tick = time.monotonic()
-    a = _train(out, a_args, root / f"{point}-A.log", kill=(point, occurrence, target), timeout_s=900)
+    a = _train(out, a_args, root / f"{point}-A.log", kill=(phase, occurrence, target), timeout_s=900)
     b = _train(out, [*args, *shared, "--load", str(out / "ckpt")], root / f"{point}-B.log", kill=None, timeout_s=900)
     b_log = (root / f"{point}-B.log").read_text()
     records = [r["rollout"] for r in _records(out)]
@@ -309,7 +311,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     external = None
     server = None
-    if any(POINTS[p] != "sglang" for p in cli.points):
+    if any(POINTS[p][1] != "sglang" for p in cli.points):
         from tidal.rollout import SGLangEngine
         from tidal.train.embedded_model import ensure_embedded_model
 

@@ -76,6 +76,9 @@ def run(tmp_path_factory):
         "--save-debug-rollout-data", str(out / "debug"),
         "--output-dir", str(out),
     ]  # fmt: skip
+    from tidal.train.cli import parse_job
+
+    job = parse_job(args)  # before the run: afterwards the folder holds a run, which a new parse refuses
     before = _children(os.getpid())
     _set_child_subreaper(True)
     try:
@@ -86,9 +89,6 @@ def run(tmp_path_factory):
     finally:
         _set_child_subreaper(False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    from tidal.train.cli import parse_job
-
-    job = parse_job(args)
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return job, summary, records, leftovers, proc.stdout + proc.stderr
