@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,19 @@ def test_a_plain_client_drives_a_server_it_did_not_start(sglang_server: SGLangEn
     assert client.generate([[3, 4]], {"max_new_tokens": 2})[0]["output_ids"]
     with pytest.raises(RolloutError, match=r"not healthy after 1 s: is a server running there\?"):
         SGLangClient(f"http://127.0.0.1:{free_port()}").wait_healthy(1.0)
+
+
+def test_flush_waits_for_a_busy_server_to_be_idle(sglang_server: SGLangEngine) -> None:
+    # SGLang answers 400 to /flush_cache while a request runs; flush_cache asks again until the server is idle
+    long = {"max_new_tokens": 500, "temperature": 1.0, "ignore_eos": True}  # the tiny model's context is 512
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(sglang_server.generate, [[3, 4, 5]] * 8, long)
+        refused = False
+        deadline = time.monotonic() + 60
+        while not refused and not running.done() and time.monotonic() < deadline:
+            refused = sglang_server._post("/flush_cache").status_code == 400  # no wait: refused while busy
+        assert refused, "no refusal seen while the request ran"
+        with pytest.raises(RolloutError, match="requests still running"):
+            sglang_server.flush_cache(idle_timeout_s=0.3)
+        sglang_server.flush_cache(idle_timeout_s=300)  # returns once the generation is over
+        assert [len(out["output_ids"]) for out in running.result(timeout=60)] == [500] * 8

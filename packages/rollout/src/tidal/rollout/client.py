@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 _POOL_SIZE = 256
 _HEALTH_POLL_S = 0.5
 _PROGRESS_EVERY_S = 30.0
+_FLUSH_IDLE_TIMEOUT_S = 30.0  # SGLang flushes only once its scheduler is fully idle
 _CONNECT_TIMEOUT_S = 10.0
 
 
@@ -278,15 +279,31 @@ class SGLangClient:
         if response.status_code != 200:
             raise RolloutError(f"/abort_request at {self.url} answered {response.status_code}: {response.text[:500]}")
 
-    def flush_cache(self) -> None:
+    def flush_cache(self, *, idle_timeout_s: float = _FLUSH_IDLE_TIMEOUT_S) -> None:
         """Empty the radix (prefix) cache (a router fans this out to every engine).
 
+        SGLang refuses a flush (400) until its scheduler is fully idle, which can lag the last answer by a batch
+        step: the server is asked to wait for idle itself (``?timeout=``), and a refusal (a router that does not
+        pass the wait on) is asked again, every 0.1 s doubling to 1 s, for up to ``idle_timeout_s`` in all.
+
         Raises:
-            RolloutError: The server could not flush (e.g. requests are still running).
+            RolloutError: The server still refused after ``idle_timeout_s`` (requests are still running).
         """
-        response = self._post("/flush_cache")
-        if response.status_code != 200:
-            raise RolloutError(f"/flush_cache at {self.url} answered {response.status_code}: {response.text[:500]}")
+        deadline = time.monotonic() + idle_timeout_s
+        wait = 0.1
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            response = self._post(f"/flush_cache?timeout={left:.1f}")
+            if response.status_code == 200:
+                return
+            if response.status_code != 400 or time.monotonic() + wait > deadline:
+                raise RolloutError(
+                    f"/flush_cache at {self.url} answered {response.status_code}: {response.text[:500]} "
+                    f"(for {idle_timeout_s:.0f} s: requests still running there?)"
+                )
+            logger.info("%s is not idle yet (flush refused); asking again in %.1f s", self.url, wait)
+            time.sleep(wait)
+            wait = min(2 * wait, 1.0)
 
     def get_model_info(self) -> dict[str, Any]:
         """The server's ``/get_model_info``: ``model_path``, ``weight_version``, ``is_generation``, ..."""
