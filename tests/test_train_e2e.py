@@ -1,6 +1,8 @@
 """The walking skeleton end to end: `train` for 2 rollouts on the real Ray, SGLang and Megatron-core.
 
-One run per module (it starts an SGLang server, ~80 s on two cores); every test reads its outputs.
+One run per module (it starts an SGLang server, ~80 s on two cores); every test reads its outputs. The server
+serves the float32 embedded model in bfloat16 (--sglang-dtype), as a production engine serves next to an fp32
+actor, so the engine-actor agreement metrics measure a real gap here (test_train_modes_e2e.py's runs serve fp32).
 """
 
 import ctypes
@@ -74,6 +76,7 @@ def run(tmp_path_factory):
         "--lr", "1e-4",
         "--entropy-coef", "1e-3",  # a gradient even if every group's rewards tie
         "--save-debug-rollout-data", str(out / "debug"),
+        "--sglang-dtype", "bfloat16",  # the actor computes in float32: a measurable engine-actor gap
         "--output-dir", str(out),
     ]  # fmt: skip
     from tidal.train.cli import parse_job
@@ -117,12 +120,23 @@ def test_samples_carry_the_engine_log_probs(run):
         assert s.reward in (0.0, 1.0)
 
 
-def test_actor_and_engine_agree_on_log_probs(run):
+AGREEMENT = ("rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl")
+
+
+def test_actor_and_engine_agree_on_log_probs_up_to_bf16_serving(run):
     # The engine's sampled log-probs and the actor's recomputed ones come from two implementations of the same
-    # weights: a wrong weight mapping or a missed reload shows here as a large gap.
-    _, _, records, _, _ = run
+    # weights: a wrong weight mapping or a missed reload shows here as a large gap. Served in bf16 against the
+    # fp32 actor, the gap is real (~0.005 nats on this model; fp32 serving stays below 1e-3, test_train_modes_e2e)
+    # but far below anything a mapping error gives.
+    job, _, records, _, output = run
+    assert job.rollout.sglang_server_args[-2:] == ("--dtype", "bfloat16")
     for r in records:
-        assert r["train/old_logprob_abs_diff"] < 0.05, r["train/old_logprob_abs_diff"]
+        assert all(math.isfinite(r[k]) and r[k] >= 0.0 for k in AGREEMENT), r
+        mean = r["rollout/logprob_abs_diff/mean"]
+        assert 1e-3 < mean < 0.05, mean
+        assert mean <= r["rollout/logprob_abs_diff/max"] < 1.0
+        assert 0.0 < r["rollout/engine_actor_kl"] < 0.01
+    assert "--mismatch-warn-threshold" not in output  # below the default threshold: no warning
 
 
 def test_actor_weights_changed_and_engine_reloaded_them(run):
@@ -150,7 +164,9 @@ def test_accuracy_is_reported_before_and_after(run):
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
     assert records[-1]["eval/accuracy"] == summary["eval_after"]
     assert "rollout 2/2 | reward" in output
-    assert (Path(summary["curves"])).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = Path(summary["curves"]).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[20:24], "big") > 600  # two panels: rewards, then the engine-actor agreement
 
 
 def test_no_child_process_remains(run):

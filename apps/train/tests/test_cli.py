@@ -87,6 +87,8 @@ BAD = [
     (["--adam-beta1", "1.5"], "--adam-beta1 must be in"),
     (["--log-probs-chunk-size", "0"], "--log-probs-chunk-size must be >= 1"),
     (["--max-shard-bytes", "0"], "--max-shard-bytes must be >= 1"),
+    (["--mismatch-warn-threshold", "-0.1"], "--mismatch-warn-threshold must be >= 0 nats"),
+    (["--mismatch-warn-threshold", "nan"], "--mismatch-warn-threshold must be >= 0 nats"),
     (["--num-cpus-per-bundle", "0"], "--num-cpus-per-bundle"),
     (["--placement-timeout", "0"], "--placement-timeout"),
     (["--num-gpus-local", "4"], "--num-gpus-local 4 exceeds the 1 CUDA GPU", 1),

@@ -19,6 +19,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
 # Flags of other tools, named for comparison or to build their command lines; never offered as `train` flags.
 OTHER_TOOLS = {
     "--allgather-cp": "slime's flag, named where tidal's context-parallel attention does the same",
+    "--get-mismatch-metrics": "slime's flag, named where tidal's engine-actor agreement (always on) does the same",
     "--make-vocab-size-divisible-by": "Megatron's flag, named where tidal pads the vocabulary the same way",
     "--out-dir": "`python -m tidal.train.task_data --out-dir`, the shipped data's own generator",
 }

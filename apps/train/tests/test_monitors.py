@@ -4,7 +4,7 @@ import logging
 
 from tidal.rollout import Sample
 from tidal.train.embedded_model import build_tokenizer
-from tidal.train.monitors import RewardSanity, check_prompt_chat_template
+from tidal.train.monitors import RewardSanity, check_engine_agreement, check_prompt_chat_template
 
 
 def _samples(rewards):
@@ -38,6 +38,32 @@ def test_identical_rewards_warn_once_after_patience_with_an_example(caplog):
 def test_reward_sanity_can_be_disabled():
     sanity = RewardSanity(0)
     assert not any(sanity.observe(_samples([1.0])) for _ in range(5))
+
+
+def _agreement(mean):
+    return {
+        "rollout": 4,
+        "rollout/logprob_abs_diff/mean": mean,
+        "rollout/logprob_abs_diff/max": 1.25,
+        "rollout/engine_actor_kl": 0.03,
+    }
+
+
+def test_engine_actor_gap_above_the_threshold_warns_with_the_figures_and_the_flags(caplog):
+    with caplog.at_level(logging.WARNING):
+        message = check_engine_agreement(_agreement(0.2), 0.05)
+    assert message is not None and caplog.text.count("rollout 4:") == 1
+    assert "0.2000 nats on average (max 1.250, KL(engine || actor) 3.00e-02)" in message
+    assert "--mismatch-warn-threshold 0.05" in message and "--sglang-dtype" in message
+    assert check_engine_agreement(_agreement(float("nan")), 0.05) is not None  # NaN is no agreement
+
+
+def test_engine_actor_gap_below_the_threshold_disabled_or_absent_is_silent(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert check_engine_agreement(_agreement(0.05), 0.05) is None
+        assert check_engine_agreement(_agreement(0.2), 0.0) is None  # 0 disables
+        assert check_engine_agreement({"rollout": 0}, 0.05) is None  # no actor or no engine: nothing measured
+    assert not caplog.text
 
 
 def _tokenizer(template=None):

@@ -79,4 +79,7 @@ def test_multi_process_matches_single(tmp_path, request, hf_reference, single, w
         # clipping (grad_norm > clip_grad) and the Adam step agree with the single-process run
         assert single["metrics"]["train/grad_norm"] > 0.5
         torch.testing.assert_close(r["log_probs_after"], single["log_probs_after"], atol=2e-4, rtol=0)
+        # the engine-actor agreement covers every DP rank's tokens (sums added, the max of maxima)
+        assert r["agreement"] == pytest.approx(single["agreement"])
+    assert single["agreement"]["rollout/logprob_abs_diff/max"] == pytest.approx(0.9)
     assert not torch.allclose(single["log_probs_after"], single["log_probs"], atol=1e-3)

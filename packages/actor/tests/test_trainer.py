@@ -23,7 +23,8 @@ def test_train_on_rollout_runs_every_step_from_the_same_old_log_probs(dist_env, 
     assert metrics["train/num_steps"] == 2.0
     assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
     # old log-probs came from the actor before any step: identical to the "engine" ones computed the same way
-    assert metrics["train/old_logprob_abs_diff"] < 1e-6
+    assert metrics["rollout/logprob_abs_diff/mean"] < 1e-6 and metrics["rollout/logprob_abs_diff/max"] < 1e-6
+    assert 0.0 <= metrics["rollout/engine_actor_kl"] < 1e-10
     # the second step's ratio is against pre-rollout weights, so it is no longer 1 everywhere
     assert metrics["train/ppo_kl"] != 0.0
     after = actor.compute_log_probs(reference)

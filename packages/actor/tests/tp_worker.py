@@ -11,9 +11,11 @@ import torch
 from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
 from tidal.actor import Actor, ActorConfig, init_distributed
+from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
 from tidal.batching import pack
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77], [9, 8, 7, 6, 5]]
+AGREEMENT_GAPS = [0.1, -0.9, 0.3, -0.05]  # the largest on DP rank 1 of 2
 CFG = dict(lr=1e-2, clip_grad=0.5, entropy_coef=0.01, log_probs_chunk_size=7)
 
 
@@ -38,7 +40,17 @@ def run(rank: int, world: int, port: int, tp: int, hf_dir: str) -> dict:
     mbs = [rl_batch(actor, [s], [a], pad_to_multiple_of=4) for s, a in zip(SEQS, advantages, strict=True)]
     result["metrics"] = actor.train_step(mbs[dp_rank::dp])
     result["log_probs_after"] = actor.compute_log_probs(probe)
+    result["agreement"] = agreement_of(dp_rank, dp, device=actor.device)
     return result
+
+
+def agreement_of(dp_rank: int, dp: int, *, device: torch.device) -> dict[str, float]:
+    """Engine-actor agreement of this DP rank's sequences (engine off by AGREEMENT_GAPS), reduced over DP."""
+    parts = [
+        agreement_sums(torch.zeros(len(s)), torch.full((len(s),), gap), torch.ones(len(s)))
+        for s, gap in zip(SEQS, AGREEMENT_GAPS, strict=True)
+    ]
+    return agreement_metrics(all_reduce_sums(combine_sums(parts[dp_rank::dp]), device=device))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,10 @@ class TrainConfig:
     """Restart an engine that died during a rollout and retry its requests (--use-fault-tolerance)."""
     reward_sanity_rollouts: int = 3
     """Warn when every reward was identical for this many rollouts in a row; 0 disables (--reward-sanity-rollouts)."""
+    mismatch_warn_threshold: float = 0.05
+    """Warn when a rollout's mean |engine - actor log-prob| of the sampled tokens exceeds this many nats (bf16
+    serving next to an fp32 actor sits around 0.005-0.015, same-precision serving near 0); 0 disables
+    (--mismatch-warn-threshold)."""
 
     def __post_init__(self) -> None:
         for flag, value, low in (
@@ -84,6 +88,9 @@ class TrainConfig:
         ):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if not self.mismatch_warn_threshold >= 0:  # NaN too
+            value = self.mismatch_warn_threshold
+            raise ValueError(f"--mismatch-warn-threshold must be >= 0 nats (0 disables the warning), got {value}")
         if self.start_rollout_id is not None and not 0 <= self.start_rollout_id < self.num_rollout:
             raise ValueError(
                 f"--start-rollout-id must be in [0, --num-rollout={self.num_rollout}), got {self.start_rollout_id}"

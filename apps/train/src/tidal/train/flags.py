@@ -43,6 +43,10 @@ SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("--wandb-project", {"help": "W&B project name (default: tidal)"}),
         ("--use-fault-tolerance", {"action": "store_true", "default": None, "help": "restart an engine that died"}),
         ("--reward-sanity-rollouts", {"type": int, "help": "warn after N rollouts of identical rewards"}),
+        (
+            "--mismatch-warn-threshold",
+            {"type": float, "help": "warn when mean |engine - actor log-prob| exceeds this (nats; 0.05; 0: off)"},
+        ),
     ],
     "ckpt": [
         ("--load", {"help": "Megatron checkpoint dir to resume from (--load = --save resumes a run)"}),

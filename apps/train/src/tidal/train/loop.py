@@ -30,7 +30,7 @@ from tidal.train.config import JobConfig
 from tidal.train.data import PromptDataset
 from tidal.train.driver_rollouts import DriverRollouts
 from tidal.train.metrics import MetricsLog, rollout_line
-from tidal.train.monitors import RewardSanity, check_prompt_chat_template
+from tidal.train.monitors import RewardSanity, check_engine_agreement, check_prompt_chat_template
 from tidal.train.plots import write_curves
 from tidal.train.workers import RolloutData
 
@@ -162,11 +162,17 @@ def _train(job: JobConfig, cluster: Cluster, train_data, eval_data, out: Path) -
         record["rollout/http_retries"], retries_seen = float(retries - retries_seen), retries
         record["time/rollout"] = time.monotonic() - tick - times.get("time/eval", 0.0)
         record["time/overhead_share"] = _overhead_share(record)
+        check_engine_agreement(record, job.train.mismatch_warn_threshold)
         metrics_log.write(record)  # before the checkpoint: a checkpoint's rollout always has its record
         result.history.append(record)
         if cluster.actors and (last or (job.ckpt.save_interval and (rollout_id + 1) % job.ckpt.save_interval == 0)):
             _save(job, cluster, rollout_id, version, carry=rollouts.carry_state())
-        write_curves(out / "curves.png", result.history, eval_before=result.eval_before)
+        write_curves(
+            out / "curves.png",
+            result.history,
+            eval_before=result.eval_before,
+            mismatch_threshold=job.train.mismatch_warn_threshold,
+        )
         done = rollout_id + 1 - start
         eta = (time.monotonic() - loop_start) / done * (job.train.num_rollout - rollout_id - 1)
         logger.info("%s | ETA %.0f s", rollout_line(record, job.train.num_rollout), eta)

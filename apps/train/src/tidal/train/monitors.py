@@ -1,10 +1,14 @@
-"""Warnings about problems that do not crash a run but waste it (slime's FAQ): flat rewards, doubled chat templates."""
+"""Warnings about problems that do not crash a run but waste it (slime's FAQ).
+
+Flat rewards, doubled chat templates, an engine whose log-probs drift from the actor's.
+"""
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,27 @@ class RewardSanity:
             example.reward,
         )
         return True
+
+
+def check_engine_agreement(record: Mapping[str, Any], threshold: float) -> str | None:
+    """Warn when a rollout's mean |engine - actor log-prob| (tidal.actor.agreement) exceeds ``threshold`` (0: never).
+
+    Returns the warning, or None (no warning, or no such metric: a run without an actor or without engines).
+    """
+    mean = record.get("rollout/logprob_abs_diff/mean")
+    if mean is None or not threshold or mean <= threshold:  # a NaN mean warns
+        return None
+    message = (
+        f"rollout {record.get('rollout')}: the engine's and the actor's log-probs of the sampled tokens differ by "
+        f"{mean:.4f} nats on average (max {record.get('rollout/logprob_abs_diff/max', float('nan')):.3f}, "
+        f"KL(engine || actor) {record.get('rollout/engine_actor_kl', float('nan')):.2e}), above "
+        f"--mismatch-warn-threshold {threshold:g}: the PPO ratio is off-policy by that much. Usual causes: the "
+        "engines serve another precision than the actor computes in (--sglang-dtype, default the actor's "
+        "--params-dtype), weights synced only every --update-weights-interval rollouts, or a wrong weight mapping. "
+        "--use-tis corrects the ratio for the gap; raise the threshold if it is expected."
+    )
+    logger.warning(message)
+    return message
 
 
 def _text(sample) -> str:

@@ -1,19 +1,50 @@
-"""The reward and held-out accuracy curves of a run, redrawn as a PNG after every rollout."""
+"""The curves of a run, redrawn as a PNG after every rollout: reward and held-out accuracy, engine-actor agreement."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+_AGREEMENT = (
+    ("rollout/logprob_abs_diff/mean", "mean |Δ log-prob|"),
+    ("rollout/logprob_abs_diff/max", "max |Δ log-prob|"),
+    ("rollout/engine_actor_kl", "KL(engine || actor), k3"),
+)
+_FLOOR = 1e-9  # a log scale needs > 0: exact agreement (fp32 serving) is drawn at the floor
 
-def write_curves(path: Path, history: list[dict[str, Any]], *, eval_before: float | None = None) -> Path:
-    """Draw mean reward per rollout and held-out accuracy (before RL at x=0) into ``path``; returns it."""
+
+def write_curves(
+    path: Path,
+    history: list[dict[str, Any]],
+    *,
+    eval_before: float | None = None,
+    mismatch_threshold: float | None = None,
+) -> Path:
+    """Draw reward, held-out accuracy and, when recorded, the engine-actor agreement into ``path``; returns it.
+
+    The top panel: mean reward per rollout and held-out accuracy (before RL at x=0). The bottom one (runs with an
+    actor and engines): the gap between the engine's and the actor's log-probs of the sampled tokens, on a log
+    scale, with ``mismatch_threshold`` (``--mismatch-warn-threshold``) dashed.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    agreement = [r for r in history if _AGREEMENT[0][0] in r]
+    fig, axes = plt.subplots(2 if agreement else 1, 1, figsize=(6, 6 if agreement else 3.5), dpi=120, squeeze=False)
+    _rewards(axes[0][0], history, eval_before)
+    if agreement:
+        _agreement(axes[1][0], agreement, mismatch_threshold)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)  # a viewer never sees a half-written file
+    return path
+
+
+def _rewards(ax, history: list[dict[str, Any]], eval_before: float | None) -> None:
     rollouts = [r["rollout"] + 1 for r in history]
     ax.plot(rollouts, [r["rollout/reward/mean"] for r in history], marker=".", label="train reward (mean)")
     evals = [(0, eval_before)] if eval_before is not None else []
@@ -25,9 +56,19 @@ def write_curves(path: Path, history: list[dict[str, Any]], *, eval_before: floa
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)  # a viewer never sees a half-written file
-    return path
+
+
+def _agreement(ax, records: list[dict[str, Any]], threshold: float | None) -> None:
+    rollouts = [r["rollout"] + 1 for r in records]
+    for key, label in _AGREEMENT:
+        ax.plot(rollouts, [max(float(r.get(key, 0.0)), _FLOOR) for r in records], marker=".", label=label)
+    if threshold:
+        ax.axhline(
+            threshold, color="grey", linestyle="--", linewidth=1, label="--mismatch-warn-threshold (on the mean)"
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("rollout")
+    ax.set_ylabel("nats")
+    ax.set_title("engine vs actor log-probs of the sampled tokens", fontsize="small")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
 from tidal.actor.loss import compute_advantages
 from tidal.batching import BatchingConfig, PackedBatch, pack_micro_batches, plan_from_config, plan_stats
 
@@ -55,8 +56,8 @@ def train_on_rollout(
         loss_masks: 0 on prompt tokens, 1 on response tokens.
         rewards: scalar reward per sample.
         group_size: samples per prompt (GRPO group).
-        rollout_log_probs: the engine's per-token log-probs (tidal's convention); only measured against the
-            actor's, as a check that both hold the same weights.
+        rollout_log_probs: the engine's per-token log-probs (tidal's convention); measured against the actor's
+            old log-probs (:mod:`tidal.actor.agreement`), as a check that both compute the same policy.
         normalize_std: divide GRPO advantages by the group's reward std; None: the actor's config decides
             (``--disable-grpo-std-normalization``). The estimator and loss aggregation also come from it.
         rank: data-parallel rank of this process.
@@ -65,8 +66,9 @@ def train_on_rollout(
             "ref_log_probs" (for ``--kl-loss-coef``), computed before any step with the reference on the device once.
 
     Returns:
-        Mean of the steps' train metrics, plus "train/old_logprob_abs_diff" (actor vs engine on loss tokens),
-        batching statistics and timings ("time/log_probs", "time/train").
+        Mean of the steps' train metrics, batching statistics, timings ("time/log_probs", "time/train") and,
+        with ``rollout_log_probs``, the engine-actor agreement over the whole rollout (every DP rank's tokens):
+        "rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl".
     """
     cfg = actor.cfg
     if normalize_std is None:
@@ -117,7 +119,7 @@ def train_on_rollout(
     metrics["time/train"] = time.monotonic() - start
     metrics["train/num_steps"] = float(len(per_step))
     if rollout_log_probs is not None:
-        metrics["train/old_logprob_abs_diff"] = _mean_abs_diff(packed)
+        metrics |= _agreement(packed, device=actor.device)
     metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
     return metrics
 
@@ -136,11 +138,10 @@ def _with_field(mb: PackedBatch, name: str, values: torch.Tensor) -> PackedBatch
     return dataclasses.replace(mb, token_fields={**mb.token_fields, name: values})
 
 
-def _mean_abs_diff(packed: list[list[PackedBatch]]) -> float:
-    total, count = 0.0, 0.0
-    for step in packed:
-        for mb in step:
-            diff = (mb.token_fields["old_log_probs"] - mb.token_fields["rollout_log_probs"]).abs() * mb.loss_mask
-            total += float(diff.sum())
-            count += float(mb.loss_mask.sum())
-    return total / max(count, 1.0)
+def _agreement(packed: list[list[PackedBatch]], *, device) -> dict[str, float]:
+    parts = [
+        agreement_sums(mb.token_fields["old_log_probs"], mb.token_fields["rollout_log_probs"], mb.loss_mask)
+        for step in packed
+        for mb in step
+    ]
+    return agreement_metrics(all_reduce_sums(combine_sums(parts), device=device))
