@@ -45,7 +45,8 @@ use-tis = true
 def test_config_file_equals_flags(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
-    assert parse_job(["--config", str(path)]) == parse_job(FLAGS)
+    out = ["--output-dir", str(tmp_path / "run")]  # the default run folder is named by the second it is parsed in
+    assert parse_job(["--config", str(path), *out]) == parse_job([*FLAGS, *out])
 
 
 def test_flags_override_the_file(tmp_path):
