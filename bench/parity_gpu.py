@@ -70,14 +70,9 @@ def families(tiny: bool) -> dict[str, tuple[str, dict]]:
         if tiny
         else dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8)
     )
-    llama3 = dict(
-        rope_type="llama3",
-        rope_theta=5e5,
-        factor=32.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=8192,
-    )
+    from bench_actor_gpu import LLAMA_3_2_3B  # Llama-3.2-3B's rope_parameters (llama3 scaling, theta 5e5)
+
+    llama3 = LLAMA_3_2_3B["rope_parameters"]
     return {
         "qwen2": ("qwen2", {**common, **width, "rope_theta": 1e6, "tie_word_embeddings": True}),
         "qwen2_theta1e4_untied": ("qwen2", {**common, **width, "rope_theta": 1e4, "tie_word_embeddings": False}),
