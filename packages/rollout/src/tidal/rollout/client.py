@@ -150,7 +150,7 @@ class SGLangClient:
             RolloutError: A request that could not be sent at all (e.g. a malformed URL).
         """
         url = f"{self.url}{endpoint}"
-        safe = endpoint in IDEMPOTENT_ENDPOINTS if idempotent is None else idempotent
+        safe = endpoint.split("?", 1)[0] in IDEMPOTENT_ENDPOINTS if idempotent is None else idempotent
         timeout = (min(_CONNECT_TIMEOUT_S, self.request_timeout_s), self.request_timeout_s)
         body = None if method == "GET" else dict(payload or {})
         attempt = 0
