@@ -133,14 +133,15 @@ def test_split_rope_qkv_equals_megatron_split_and_rope(dtype):
     )
 
 
-def test_packed_self_attention_equals_megatron_self_attention(dist_env, qwen2_dir, monkeypatch, rl_batch):
+@pytest.mark.parametrize("model", ["qwen2_dir", "qwen3_dir"])  # qwen3: q/k RMSNorm inside the fused pass
+def test_packed_self_attention_equals_megatron_self_attention(dist_env, model, request, monkeypatch, rl_batch):
     from megatron.core.transformer.attention import SelfAttention
     from tidal.actor import fused
 
     calls = []
     split = fused.split_rope_qkv
-    monkeypatch.setattr(fused, "split_rope_qkv", lambda *a: calls.append(1) or split(*a))
-    cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0)
+    monkeypatch.setattr(fused, "split_rope_qkv", lambda *a: calls.append(a[-1]) or split(*a))
+    cfg = dict(hf_checkpoint=str(request.getfixturevalue(model)), lr=1.0, adam_eps=1.0, clip_grad=0.0)
     a, b = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg))
     layers = [m for m in b.model.modules() if isinstance(m, fused.PackedSelfAttention)]
     assert len(layers) == sum(isinstance(m, fused.PackedSelfAttention) for m in a.model.modules()) > 0
@@ -149,6 +150,7 @@ def test_packed_self_attention_equals_megatron_self_attention(dist_env, qwen2_di
     plain = pack(SEQS)
     lp_a, lp_b = a.compute_log_probs(plain), b.compute_log_probs(plain)
     assert len(calls) == len(layers)  # the fused path ran once per layer in a, never in b
+    assert all((qk_norm is not None) == (model == "qwen3_dir") for qk_norm in calls)
     torch.testing.assert_close(lp_a, lp_b, atol=1e-6, rtol=0)
     batch = rl_batch(a, SEQS)
     ma, mb = a.train_step([batch]), b.train_step([batch])

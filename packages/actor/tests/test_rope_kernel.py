@@ -1,7 +1,7 @@
 """The Triton q/k/v split + RoPE kernels (CUDA path of ``fused.split_rope_qkv``) against the eager function.
 
 Run on CPU under Triton's interpreter in a child process (``TRITON_INTERPRET`` must be set before the kernels are
-defined). fp32 must match exactly; bf16 to one bf16 ulp (the interpreter rounds bf16 differently from the GPU).
+defined). fp32 must match exactly (to 1e-5 with qk-norm, whose sums run in another order); bf16 to one bf16 ulp (the interpreter rounds bf16 differently from the GPU).
 """
 
 import os
@@ -16,10 +16,10 @@ pytest.importorskip("triton")
 CHECK = textwrap.dedent(
     """
     import torch
-    from tidal.actor.fused import positions, rope_table, split_rope_qkv
+    from tidal.actor.fused import QKNorm, positions, rope_table, split_rope_qkv
     from tidal.actor.rope_kernel import split_rope_qkv_triton
 
-    def check(dtype, with_bias, expand, tokens=45, groups=2, r=3, dim=16):
+    def check(dtype, with_bias, expand, norm=False, tokens=45, groups=2, r=3, dim=16):
         gen = torch.Generator().manual_seed(0)
         mixed = torch.randn(tokens, groups, (r + 2) * dim, generator=gen).to(dtype)
         bias = torch.randn(groups * (r + 2) * dim, generator=gen).to(dtype) if with_bias else None
@@ -30,15 +30,17 @@ CHECK = textwrap.dedent(
         kv = groups * r if expand else groups
         shapes = ((tokens, groups * r, dim), (tokens, kv, dim), (tokens, kv, dim))
         grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        weights = [(1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype) for _ in range(2)]
         results = []
         for fn in (split_rope_qkv, split_rope_qkv_triton):
             m = mixed.clone().requires_grad_()
             b = bias.clone().requires_grad_() if with_bias else None
-            out = fn(m, b, cos, sin, r, expand)
+            w = [x.clone().requires_grad_() for x in weights]
+            out = fn(m, b, cos, sin, r, expand, QKNorm(w[0], w[1], 1e-6) if norm else None)
             assert all(o.is_contiguous() for o in out)
             torch.autograd.backward(out, grads)
-            results.append([*out, m.grad] + ([b.grad] if with_bias else []))
-        tol = 0.0 if dtype == torch.float32 else 1e-2
+            results.append([*out, m.grad] + ([b.grad] if with_bias else []) + ([x.grad for x in w] if norm else []))
+        tol = (1e-5 if norm else 0.0) if dtype == torch.float32 else 1e-2  # the norm's sums run in another order
         for ref, got in zip(*results, strict=True):
             assert got.shape == ref.shape and got.dtype == ref.dtype
             torch.testing.assert_close(got.float(), ref.float(), atol=tol * 8, rtol=tol)
@@ -46,7 +48,8 @@ CHECK = textwrap.dedent(
     for dtype in (torch.float32, torch.bfloat16):
         for with_bias in (True, False):
             for expand in (False, True):
-                check(dtype, with_bias, expand)
+                for norm in (False, True):
+                    check(dtype, with_bias, expand, norm)
     print("OK")
     """
 )

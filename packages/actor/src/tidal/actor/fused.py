@@ -25,6 +25,7 @@ gradient's sum); on CPU, and for a head dim that is not a power of two, it runs 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,6 +103,21 @@ def rope_with_table(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(t.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class QKNorm:
+    """The q and k RMSNorm weights ``[dim]`` and epsilon of a layer with qk-norm (Qwen3)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
+def _rms_norm_fp32(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``t`` over its last dim, in fp32 and not rounded (the rotation that follows rounds once)."""
+    x = t.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
 def split_rope_qkv(
     mixed_qkv: torch.Tensor,
     bias: torch.Tensor | None,
@@ -109,6 +125,7 @@ def split_rope_qkv(
     sin: torch.Tensor,
     heads_per_group: int,
     expand_kv: bool = False,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Add the QKV bias to megatron's interleaved ``[T, groups, (heads_per_group + 2) * dim]`` QKV, split, rotate.
 
@@ -116,6 +133,8 @@ def split_rope_qkv(
     layer adds it as a separate broadcast add (and sums its gradient in another pass); here it rides along.
     ``expand_kv`` returns k and v repeated for each q head of their group (``repeat_interleave``), for an attention
     kernel without grouped-query support (torch 2.11's ``varlen_attn``), instead of a separate copy there.
+    ``qk_norm`` (Qwen3's q/k RMSNorm over each head) normalises q and k before the rotation; norm and rotation are
+    one fp32 computation rounded once.
 
     Returns:
         Contiguous ``q [T, groups * heads_per_group, dim]`` and ``k [T, groups, dim]`` (rotated) and ``v [T, groups,
@@ -126,6 +145,12 @@ def split_rope_qkv(
         mixed_qkv = mixed_qkv + bias.view(mixed_qkv.shape[-2:])
     q, k, v = torch.split(mixed_qkv, [heads_per_group * dim, dim, dim], dim=-1)
     q = q.reshape(q.size(0), -1, dim)
+    if qk_norm is not None:
+        q = rope_with_table(_rms_norm_fp32(q, qk_norm.q_weight, qk_norm.eps), cos, sin).to(q.dtype)
+        k = rope_with_table(_rms_norm_fp32(k, qk_norm.k_weight, qk_norm.eps), cos, sin).to(k.dtype)
+        if expand_kv:
+            return q, k.repeat_interleave(heads_per_group, 1), v.repeat_interleave(heads_per_group, 1)
+        return q, k, v.contiguous()
     k, v = rope_with_table(k, cos, sin), v
     if expand_kv:
         return (
@@ -160,9 +185,22 @@ class PackedSelfAttention(SelfAttention):
             and not cfg.apply_rope_fusion
             and not cfg.attention_output_gate
             and self._yarn_concentration_factor in (None, 1.0)
-            and (self.q_layernorm is None or isinstance(self.q_layernorm, IdentityOp))
-            and (self.k_layernorm is None or isinstance(self.k_layernorm, IdentityOp))
+            and (self._qk_norm() is not None or not self._has_qk_norm())
         )
+
+    def _has_qk_norm(self) -> bool:
+        return not all(n is None or isinstance(n, IdentityOp) for n in (self.q_layernorm, self.k_layernorm))
+
+    def _qk_norm(self) -> QKNorm | None:
+        """The q/k RMSNorm weights when both norms are plain per-head ``torch.nn.RMSNorm``s (megatron's local spec)."""
+        q, k = self.q_layernorm, self.k_layernorm
+        dim = self.hidden_size_per_attention_head
+        if not all(
+            type(n) is torch.nn.RMSNorm and n.weight is not None and tuple(n.normalized_shape) == (dim,) for n in (q, k)
+        ):
+            return None
+        eps = q.eps if q.eps is not None else torch.finfo(q.weight.dtype).eps
+        return QKNorm(q.weight, k.weight, float(eps)) if q.eps == k.eps else None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any):
         """``SelfAttention.forward``; packed THD input with plain RoPE takes the fused q/k/v path."""
@@ -200,7 +238,8 @@ class PackedSelfAttention(SelfAttention):
             from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
         # varlen_attn without grouped-query support would repeat k/v itself: write them repeated right away
         expand = mixed.is_cuda and not _varlen_attn_supports_gqa()
-        q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, expand)
+        qk_norm = self._qk_norm() if self._has_qk_norm() else None
+        q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, expand, qk_norm)
         return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
 
 

@@ -12,6 +12,8 @@ Imported only on CUDA (``fused.PackedSelfAttention`` with ``fused_kernels``); te
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -21,9 +23,9 @@ _BLOCK_T = 32
 
 @triton.jit
 def _split_rope_fwd(
-    mixed, bias, cos, sin, q, k, v, T, stride_t, stride_g,
+    mixed, bias, cos, sin, q, k, v, qw, kw, eps, T, stride_t, stride_g,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, EXPAND: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = D // 2
     KV_HEADS: tl.constexpr = G * R if EXPAND else G  # EXPAND: k/v written once per q head of their group
@@ -41,6 +43,14 @@ def _split_rope_fwd(
         x2 = (x2 + tl.load(bias + off + HALF).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
     t64 = t[:, None].to(tl.int64)
     if h <= R:  # q heads (h < R) and the k head (h == R) rotate; v (h == R + 1) is copied
+        if HAS_NORM:  # RMSNorm over the head's D values (both halves), weight of q or k
+            r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
+            if h < R:  # noqa: SIM108 (a runtime branch: Triton has no conditional expression on tensors)
+                w = qw
+            else:
+                w = kw
+            x1 = x1 * r[:, None] * tl.load(w + d)[None, :].to(tl.float32)
+            x2 = x2 * r[:, None] * tl.load(w + HALF + d)[None, :].to(tl.float32)
         tab = t64 * D + d[None, :]
         c1 = tl.load(cos + tab, mask=mask, other=0.0).to(tl.float32)
         c2 = tl.load(cos + tab + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -64,8 +74,9 @@ def _split_rope_fwd(
 
 @triton.jit
 def _split_rope_bwd(
-    gq, gk, gv, cos, sin, gmixed, T,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, BLOCK_T: tl.constexpr,
+    gq, gk, gv, cos, sin, gmixed, mixed, bias, qw, kw, eps, dw_part, T, stride_t, stride_g,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = D // 2
     KV_HEADS: tl.constexpr = G * R if EXPAND else G
@@ -95,6 +106,31 @@ def _split_rope_bwd(
         s2 = tl.load(sin + tab + HALF, mask=mask, other=0.0).to(tl.float32)
         x1 = y1 * c1 + y2 * s2
         x2 = y2 * c2 - y1 * s1
+        if HAS_NORM:  # back through the RMSNorm: the forward's input is read again from the projection
+            src = mixed + t64 * stride_t + g * stride_g + h * D + d[None, :]
+            a1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            a2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                off = (g * (R + 2) + h) * D + d[None, :]
+                a1 = (a1 + tl.load(bias + off).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+                a2 = (a2 + tl.load(bias + off + HALF).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+            r = 1.0 / tl.sqrt((tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)) / D + eps)
+            if h < R:  # noqa: SIM108 (a runtime branch: Triton has no conditional expression on tensors)
+                w = qw
+            else:
+                w = kw
+            w1 = tl.load(w + d)[None, :].to(tl.float32)
+            w2 = tl.load(w + HALF + d)[None, :].to(tl.float32)
+            n1 = a1 * r[:, None]
+            n2 = a2 * r[:, None]
+            wg1 = w1 * x1
+            wg2 = w2 * x2
+            c = (tl.sum(n1 * wg1, 1) + tl.sum(n2 * wg2, 1)) / D
+            part = dw_part + (tl.program_id(0) * (G * (R + 2)) + tl.program_id(1)) * D + d
+            tl.store(part, tl.sum(x1 * n1, 0))
+            tl.store(part + HALF, tl.sum(x2 * n2, 0))
+            x1 = (wg1 - n1 * c[:, None]) * r[:, None]
+            x2 = (wg2 - n2 * c[:, None]) * r[:, None]
     else:
         x1 = y1
         x2 = y2
@@ -107,7 +143,7 @@ class SplitRopeQKV(torch.autograd.Function):
     """Autograd wrapper of the two kernels: ``apply(mixed, bias, cos, sin, heads_per_group) -> (q, k, v)``."""
 
     @staticmethod
-    def forward(ctx, mixed, bias, cos, sin, heads_per_group, expand_kv):  # noqa: D102
+    def forward(ctx, mixed, bias, cos, sin, heads_per_group, expand_kv, qw=None, kw=None, eps=0.0):  # noqa: D102
         n, groups, width = mixed.shape
         dim = cos.size(-1)
         assert mixed.stride(-1) == 1 and width == (heads_per_group + 2) * dim and dim % 2 == 0
@@ -117,27 +153,46 @@ class SplitRopeQKV(torch.autograd.Function):
         k, v = mixed.new_empty(n, kv_heads, dim), mixed.new_empty(n, kv_heads, dim)
         grid = (triton.cdiv(n, _BLOCK_T), groups * (heads_per_group + 2))
         b = bias if bias is not None else mixed
+        norm = qw is not None
+        qw_, kw_ = (qw, kw) if norm else (mixed, mixed)
         _split_rope_fwd[grid](
-            mixed, b, cos, sin, q, k, v, n, mixed.stride(0), mixed.stride(1),
-            G=groups, R=heads_per_group, D=dim, HAS_BIAS=bias is not None, EXPAND=expand_kv, BLOCK_T=_BLOCK_T,
+            mixed, b, cos, sin, q, k, v, qw_, kw_, float(eps), n, mixed.stride(0), mixed.stride(1),
+            G=groups, R=heads_per_group, D=dim, HAS_BIAS=bias is not None, EXPAND=expand_kv, HAS_NORM=norm,
+            BLOCK_T=_BLOCK_T,
         )  # fmt: skip
-        ctx.save_for_backward(cos, sin)
-        ctx.meta = (groups, heads_per_group, dim, bias is not None, expand_kv)
+        if norm:  # the backward reads the projection again for the norm's input
+            ctx.save_for_backward(cos, sin, mixed, b, qw, kw)
+        else:
+            ctx.save_for_backward(cos, sin)
+        ctx.meta = (groups, heads_per_group, dim, bias is not None, expand_kv, norm, float(eps))
         return q, k, v
 
     @staticmethod
     def backward(ctx, gq, gk, gv):  # noqa: D102
-        cos, sin = ctx.saved_tensors
-        groups, heads_per_group, dim, has_bias, expand_kv = ctx.meta
+        groups, heads_per_group, dim, has_bias, expand_kv, norm, eps = ctx.meta
+        if norm:
+            cos, sin, mixed, b, qw, kw = ctx.saved_tensors
+        else:
+            (cos, sin), mixed, b, qw, kw = ctx.saved_tensors, None, None, None, None
         n = cos.size(0)
         gq, gk, gv = (torch.zeros_like(x) if x is None else x.contiguous() for x in (gq, gk, gv))
         gmixed = gq.new_empty(n, groups, (heads_per_group + 2) * dim)
         grid = (triton.cdiv(n, _BLOCK_T), groups * (heads_per_group + 2))
+        shape = (grid[0], groups, heads_per_group + 2, dim) if norm else (1,)
+        dw_part = torch.zeros(shape, device=gq.device, dtype=torch.float32)
+        src = mixed if norm else gmixed
         _split_rope_bwd[grid](
-            gq, gk, gv, cos, sin, gmixed, n, G=groups, R=heads_per_group, D=dim, EXPAND=expand_kv, BLOCK_T=_BLOCK_T
+            gq, gk, gv, cos, sin, gmixed, src, b if norm else gmixed, qw if norm else gmixed,
+            kw if norm else gmixed, eps, dw_part, n, src.stride(0), src.stride(1),
+            G=groups, R=heads_per_group, D=dim, EXPAND=expand_kv, HAS_BIAS=has_bias, HAS_NORM=norm,
+            BLOCK_T=_BLOCK_T,
         )  # fmt: skip
         gbias = gmixed.view(n, -1).sum(0) if has_bias else None
-        return gmixed, gbias, None, None, None, None
+        gqw = gkw = None
+        if norm:
+            gqw = dw_part[:, :, :heads_per_group].sum((0, 1, 2)).to(qw.dtype)
+            gkw = dw_part[:, :, heads_per_group].sum((0, 1)).to(kw.dtype)
+        return gmixed, gbias, None, None, None, None, gqw, gkw, None
 
 
 def split_rope_qkv_triton(
@@ -147,6 +202,11 @@ def split_rope_qkv_triton(
     sin: torch.Tensor,
     heads_per_group: int,
     expand_kv: bool = False,
+    qk_norm: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fused.split_rope_qkv`` (same arguments and results) in two Triton kernels."""
-    return SplitRopeQKV.apply(mixed, bias, cos, sin, heads_per_group, expand_kv)
+    """``fused.split_rope_qkv`` (same arguments and results, ``qk_norm`` a ``fused.QKNorm``) in two Triton kernels."""
+    if qk_norm is None:
+        return SplitRopeQKV.apply(mixed, bias, cos, sin, heads_per_group, expand_kv)
+    return SplitRopeQKV.apply(
+        mixed, bias, cos, sin, heads_per_group, expand_kv, qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps
+    )
