@@ -80,3 +80,19 @@ def test_port_book_skips_busy_ports_and_never_repeats():
                 book.allocate(1)
     finally:
         busy.close()
+
+
+def test_two_jobs_on_one_host_never_get_the_same_port(tmp_path):
+    """Two allocators (two jobs, each with its own Ray) on one host: the lock files keep their blocks apart."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        low = probe.getsockname()[1] // PORT_SPAN * PORT_SPAN - 20 * PORT_SPAN
+    first = _PortBook(low, low + 20 * PORT_SPAN, PORT_SPAN, (0,), lock_dir=tmp_path)
+    second = _PortBook(low, low + 20 * PORT_SPAN, PORT_SPAN, (0,), lock_dir=tmp_path)
+    mine = first.allocate(3)  # tested free, not bound yet: a bind test alone would hand them out again
+    theirs = second.allocate(3)
+    assert not set(mine) & set(theirs)
+    assert set(mine) == {low, low + PORT_SPAN, low + 2 * PORT_SPAN}
+    first._locks.release([p + i for p in mine for i in range(PORT_SPAN)])  # the first job ended
+    third = _PortBook(low, low + 20 * PORT_SPAN, PORT_SPAN, (0,), lock_dir=tmp_path)
+    assert third.allocate(1) == [low]  # its ports are free for the next job again

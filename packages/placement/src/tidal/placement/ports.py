@@ -1,10 +1,22 @@
-"""Ports that never conflict: one allocator actor per node IP hands out distinct, tested-free port blocks."""
+"""Ports that never conflict: one allocator actor per node IP hands out distinct, tested-free port blocks.
+
+Within a job the allocator actor is the one owner of the cursor. Between jobs on one host (two ``train`` runs, each
+with its own Ray), every reserved port also holds an exclusive ``flock`` on ``$TMPDIR/tidal-ports/PORT.lock`` for
+the life of the allocator process: a port tested free by one job but not yet bound by its server is skipped by
+the other job's allocator instead of handed out twice. The kernel drops the locks when the process dies, so a
+killed run leaves nothing stale.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
 import socket
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -46,13 +58,64 @@ def _is_free(port: int) -> bool:
     return True
 
 
+def _lock_dir() -> Path | None:
+    """The host-wide folder of port lock files (made world-writable, sticky), or None where it cannot be made."""
+    path = Path(tempfile.gettempdir()) / "tidal-ports"
+    try:
+        path.mkdir(mode=0o1777, exist_ok=True)
+        with contextlib.suppress(OSError):
+            path.chmod(0o1777)
+    except OSError as e:
+        logger.warning("port locks off (%s): concurrent jobs on this host rely on bind tests alone", e)
+        return None
+    return path
+
+
+class _HostLocks:
+    """Exclusive ``flock``s on ``PORT.lock`` files, held until :meth:`release` or this process's exit."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self._folder = folder
+        self._fds: dict[int, int] = {}
+
+    def take(self, ports: list[int]) -> bool:
+        """Lock every port of ``ports`` or none of them; False when another process holds one."""
+        if self._folder is None:
+            return True
+        taken = []
+        for port in ports:
+            try:
+                fd = os.open(self._folder / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError:
+                self.release(taken)
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                self.release(taken)
+                return False
+            self._fds[port] = fd
+            taken.append(port)
+        return True
+
+    def release(self, ports: list[int]) -> None:
+        for port in ports:
+            fd = self._fds.pop(port, None)
+            if fd is not None:
+                os.close(fd)  # closing the only descriptor drops the lock
+
+
 class _PortBook:
     """The state of one node's allocator: a cursor and every port reserved so far in this run."""
 
-    def __init__(self, low: int, high: int, span: int, offsets: tuple[int, ...]) -> None:
+    def __init__(
+        self, low: int, high: int, span: int, offsets: tuple[int, ...], *, lock_dir: Path | bool | None = True
+    ) -> None:
         self._low, self._high, self._span, self._offsets = low, high, span, offsets
         self._next = low
         self._reserved: set[int] = set()
+        self._locks = _HostLocks(_lock_dir() if lock_dir is True else (lock_dir or None))
 
     def _block(self, base: int) -> list[int]:
         return [base + off + i for off in self._offsets for i in range(self._span)]
@@ -71,7 +134,10 @@ class _PortBook:
             self._next = base + self._span if base + self._span < self._high else self._low
             tried += 1
             block = self._block(base)
-            if max(block) > 65535 or self._reserved.intersection(block) or not all(map(_is_free, block)):
+            if max(block) > 65535 or self._reserved.intersection(block) or not self._locks.take(block):
+                continue
+            if not all(map(_is_free, block)):
+                self._locks.release(block)
                 continue
             self._reserved.update(block)
             ports.append(base)
