@@ -1,5 +1,5 @@
-"""Every ``--flag`` that tidal's source names (messages, docstrings, comments) is one a user can pass, and every
-option is one config field whose flag, kind, default and help agree.
+"""Every ``--flag`` that tidal's source (messages, docstrings, comments) or a README names is one a user can pass,
+and every option is one config field whose flag, kind, default and help agree.
 
 A message that tells the user to pass a flag that does not exist, or one that tidal forwards to SGLang under
 another name, is worse than no advice. Names are checked against the ``train`` parser, ``train convert``'s
@@ -57,10 +57,22 @@ def sglang_router_options() -> set[str]:
     return {"--" + m for m in re.findall(r"f?\"--(?:\{prefix\})?([a-z0-9-]+)\"", text)}
 
 
-def named_flags() -> dict[str, list[str]]:
-    """``--flag`` -> where it appears, over every module of packages/*/src and apps/*/src."""
+# Placeholders and other tools' flags in the READMEs' prose.
+README_ONLY = {
+    "--package": "uv's (`uv run --package`)",
+    "--flag": "a placeholder for any flag",
+    "--x": "a placeholder for an SGLang option",
+    "--sglang-x": "a placeholder for an SGLang pass-through",
+}
+
+
+def named_flags(readmes: bool = False) -> dict[str, list[str]]:
+    """``--flag`` -> where it appears, over every module of packages/*/src and apps/*/src (or the READMEs)."""
     found: dict[str, list[str]] = {}
-    for path in sorted([*ROOT.glob("packages/*/src/**/*.py"), *ROOT.glob("apps/*/src/**/*.py")]):
+    sources = [*ROOT.glob("packages/*/src/**/*.py"), *ROOT.glob("apps/*/src/**/*.py")]
+    if readmes:
+        sources = [ROOT / "README.md", *ROOT.glob("packages/*/README.md"), *ROOT.glob("apps/*/README.md")]
+    for path in sorted(sources):
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             for flag in FLAG.findall(line):
                 found.setdefault(flag, []).append(f"{path.relative_to(ROOT)}:{number}")
@@ -75,12 +87,13 @@ def test_the_readers_of_sglang_options_still_find_them():
     assert {"--worker-urls", "--policy", "--cache-threshold", "--host"} <= router
 
 
-def test_every_flag_named_in_the_source_exists():
+@pytest.mark.parametrize("readmes", [False, True], ids=["source", "readmes"])
+def test_every_flag_named_in_the_source_exists(readmes):
     train = _options(build_parser())
-    known = train | _options(convert.build_parser()) | set(OTHER_TOOLS)
+    known = train | _options(convert.build_parser()) | set(OTHER_TOOLS) | (set(README_ONLY) if readmes else set())
     server, router = sglang_server_options(), sglang_router_options()
     wrong = {}
-    for flag, places in named_flags().items():
+    for flag, places in named_flags(readmes).items():
         if flag in known:
             continue
         if flag.startswith("--sglang-router-") and "--" + flag.removeprefix("--sglang-router-") in router:
