@@ -90,6 +90,11 @@ def test_a_negative_flag_in_a_config_file_means_what_it_says(tmp_path):
     assert not parse_job(["--config", str(path)]).actor.recompute_lm_head
     path.write_text("no-recompute-lm-head: false\n")
     assert parse_job(["--config", str(path)]).actor.recompute_lm_head
+    path.write_text("recompute_lm_head: false\ncheck-for-nan-in-loss-and-grad: false\n")  # the fields' names
+    job = parse_job(["--config", str(path)])
+    assert not job.actor.recompute_lm_head and not job.actor.check_for_nan_in_loss_and_grad
+    path.write_text("recompute-lm-head: true\n")
+    assert parse_job(["--config", str(path)]).actor.recompute_lm_head
 
 
 @pytest.mark.parametrize(

@@ -74,9 +74,11 @@ def config_to_argv(data: dict[str, Any], *, source: str) -> list[str]:
             raise ValueError(f"--config {source}: unknown option {raw_key!r}; see `train --help` for the names")
         flag = kind["flag"]
         action = kind.get("action")
-        if action in ("store_true", "store_false"):  # the key is the flag: `no-recompute-lm-head: true` passes it
+        if action in ("store_true", "store_false"):  # `no-recompute-lm-head: true` passes the flag
             if not isinstance(value, bool):
                 raise ValueError(f"--config {source}: {raw_key} must be true or false, got {value!r}")
+            if action == "store_false" and key in kinds:  # the field's name: `recompute-lm-head: false` negates it
+                value = not value
             argv += [flag] if value else []
         elif action is not None and action != "append":  # BooleanOptionalAction
             if not isinstance(value, bool):
