@@ -54,7 +54,8 @@ class PlacementConfig:
     """GPUs of one SGLang engine (its TP size); an engine never spans nodes."""
     colocate: bool = field(default=False, metadata={"negatable": True})
     """Actor and rollout share the same GPUs; off (slime's default): rollout gets its own GPUs, and the
-    job needs actor + rollout GPUs."""
+    job needs actor + rollout GPUs. `train` turns it on when --rollout-external-engine-addrs is given and this is
+    not: engines run elsewhere take no GPU of the job."""
     ray_address: str | None = None
     """Connect to this existing Ray cluster; None starts a local Ray."""
     num_gpus_local: int | None = None
