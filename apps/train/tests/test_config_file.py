@@ -90,3 +90,34 @@ def test_a_negative_flag_in_a_config_file_means_what_it_says(tmp_path):
     assert not parse_job(["--config", str(path)]).actor.recompute_lm_head
     path.write_text("no-recompute-lm-head: false\n")
     assert parse_job(["--config", str(path)]).actor.recompute_lm_head
+    path.write_text("recompute_lm_head: false\ncheck-for-nan-in-loss-and-grad: false\n")  # the fields' names
+    job = parse_job(["--config", str(path)])
+    assert not job.actor.recompute_lm_head and not job.actor.check_for_nan_in_loss_and_grad
+    path.write_text("recompute-lm-head: true\n")
+    assert parse_job(["--config", str(path)]).actor.recompute_lm_head
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # the embedded recipe
+        ["--recipe", "embedded", "--rollout-temperature", "0", "--no-colocate", "--context-parallel-size", "2",
+         "--actor-num-gpus-per-node", "2", "--use-router", "--sglang-router-cache-threshold", "0.5"],
+        ["--no-use-dynamic-batch-size", "--micro-batch-size", "2", "--no-check-for-nan-in-loss-and-grad",
+         "--rollout-stop-token-ids", "1", "2", "--rollout-external-engine-addrs", "h:1", "h:2"],
+    ],
+)  # fmt: skip
+def test_the_dumped_job_loads_back_as_the_same_job(tmp_path, argv):
+    job = parse_job([*argv, "--output-dir", str(tmp_path / "run")])
+    written = write_effective_config(job, tmp_path / "run")
+    assert parse_job(["--config", str(written)]) == job
+
+
+def test_a_config_file_may_name_the_recipe(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(f'recipe = "base"\nprompt-data = "{tmp_path / "d.jsonl"}"\n')
+    tmp_path.joinpath("d.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    with pytest.raises(ValueError, match="--rollout-batch-size is required"):
+        parse_job(["--config", str(path)])  # the base recipe sets no batch size
+    job = parse_job(["--config", str(path), "--rollout-batch-size", "4"])
+    assert job.actor.lr == 1e-6 and job.batching.rollout_batch_size == 4

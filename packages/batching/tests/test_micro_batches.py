@@ -104,3 +104,18 @@ def test_plan_from_config_follows_the_mode():
     plan = plan_from_config(fixed, lengths, dp_size=2)
     assert plan.token_budget is None and plan.num_micro_batches == 2
     assert plan_from_config(BatchingConfig(rollout_batch_size=8), lengths, dp_size=1).num_micro_batches == 8
+
+
+def test_plan_from_config_scales_the_token_budget_by_the_configs_context_parallel_size():
+    lengths = [300, 300, 300, 300]
+    cfg = BatchingConfig(rollout_batch_size=4, use_dynamic_batch_size=True, max_tokens_per_gpu=320)
+    cp2 = BatchingConfig(
+        rollout_batch_size=4, use_dynamic_batch_size=True, max_tokens_per_gpu=320, context_parallel_size=2
+    )
+    assert cp2.micro_batch_token_budget == 640 and cfg.micro_batch_token_budget == 320
+    assert plan_from_config(cfg, lengths, dp_size=1).num_micro_batches == 4
+    plan = plan_from_config(cp2, lengths, dp_size=1)  # each GPU holds half of every sequence: two per micro-batch
+    assert plan.token_budget == 640 and plan.num_micro_batches == 2
+    assert plan_from_config(cp2, lengths, dp_size=1, context_parallel_size=1).num_micro_batches == 4  # explicit wins
+    with pytest.raises(ValueError, match="--context-parallel-size must be >= 1"):
+        BatchingConfig(rollout_batch_size=4, context_parallel_size=0)

@@ -9,12 +9,14 @@ checked here. Every check raises ``ValueError`` with one line naming the flag, w
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -168,15 +170,17 @@ def check_pipeline(train, hf_config: dict[str, Any] | None, hf: str) -> None:
         )
 
 
-def check_token_budget(batching, rollout, train) -> None:
-    """With dynamic batch size, one micro-batch must hold at least one full-length response and its prompt."""
-    if not batching.use_dynamic_batch_size or batching.max_tokens_per_gpu is None:
-        return
-    pad, cp = batching.pad_to_multiple_of, train.context_parallel_size
-    budget = batching.max_tokens_per_gpu // pad * pad * cp
+def check_token_budget(batching, rollout) -> None:
+    """With dynamic batch size, one micro-batch must hold at least one full-length response and its prompt.
+
+    The budget is the batch planner's: --max-tokens-per-gpu aligned to --pad-to-multiple-of, times the
+    context-parallel size (``BatchingConfig.micro_batch_token_budget``).
+    """
+    budget = batching.micro_batch_token_budget
     response = rollout.rollout_max_response_len
-    if budget > response:
+    if budget is None or budget > response:
         return
+    pad, cp = batching.pad_to_multiple_of, batching.context_parallel_size
     suggestion = max(1024, 1 << (2 * (response + 1) - 1).bit_length())
     parts = [f" x --context-parallel-size {cp}"] if cp > 1 else []
     parts += [f" (aligned down to a multiple of --pad-to-multiple-of {pad})"] if pad > 1 else []
@@ -254,3 +258,89 @@ def check_wandb(train) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise ValueError("--use-wandb needs the wandb package: `uv pip install wandb` (it runs offline)")
+
+
+def check_data_files(train: dict[str, Any], problems: Problems) -> None:
+    """``--prompt-data`` is given, and each prompt file's first record holds the keys.
+
+    ``--eval-prompt-data`` left unset is ``--prompt-data``, filled in here.
+    """
+    from tidal.train.flags import section_defaults
+
+    if "prompt_data" not in train:
+        problems.add(
+            "--prompt-data is required (the base recipe has none): a JSONL file of prompts and labels, or "
+            "--recipe embedded for the shipped addition task"
+        )
+        return
+    train.setdefault("eval_prompt_data", train["prompt_data"])
+    defaults = section_defaults("train")
+    keys = {key: train.get(key) or defaults[key] for key in ("input_key", "label_key")}
+    for key in ("prompt_data", "eval_prompt_data"):
+        problems.run(check_prompt_file, f"--{key.replace('_', '-')}", train[key], **keys)
+
+
+def check_import_paths(rollout: dict[str, Any], problems: Problems) -> None:
+    """Every ``pkg.module:fn`` option imports (a malformed one is RolloutConfig's to report)."""
+    for key in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
+        if ":" in (rollout.get(key) or ""):
+            problems.run(check_import_path, f"--{key.replace('_', '-')}", rollout[key])
+
+
+def check_output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: dict[str, Any], problems) -> None:
+    """Every folder the run writes is a folder (or can be created as one); the run folder holds no other run."""
+    from tidal.train.run_folder import check_output_dir
+
+    save_hf = (train.get("save_hf") or "").replace("{rollout_id}", "0")
+    for flag, path in (
+        ("--output-dir", train["output_dir"]),
+        ("--save", ckpt["save"]),
+        ("--save-debug-rollout-data", rollout.get("save_debug_rollout_data")),
+        ("--save-hf", save_hf),
+    ):
+        if path:
+            problems.run(check_writable_dir, flag, path)
+    resuming, overwrite = bool(ckpt.get("load")), bool(train.get("overwrite_output_dir"))
+    problems.run(
+        check_output_dir, Path(train["output_dir"]), Path(ckpt["save"]), resuming=resuming, overwrite=overwrite
+    )
+
+
+def check_job(
+    problems: Problems,
+    *,
+    train,
+    placement,
+    rollout,
+    batching,
+    actor,
+    ckpt,
+    hf: str,
+    hf_config: dict[str, Any] | None,
+    colocate_given: bool | None,
+    given: dict[str, dict[str, Any]],
+) -> None:
+    """The checks that span sections, on every section that could be built (None: it already has a problem)."""
+    del actor  # its own fields are checked by ActorConfig; listed so that every section comes by name
+    if rollout is not None and placement is not None:
+        problems.run(check_router, rollout, placement)
+    if train is not None:
+        problems.run(check_pipeline, train, hf_config, hf)
+        problems.run(check_wandb, train)
+        if rollout is not None:
+            problems.run(check_modes, train, rollout, colocate_given=colocate_given)
+            _warn_without_fault_tolerance(given["rollout"], train)
+        if placement is not None:
+            dp = problems.run(check_model_parallel, train, placement)
+            if dp is not None and batching is not None:
+                problems.run(batching.resolve, dp_size=dp)
+    if batching is not None and rollout is not None:
+        problems.run(check_token_budget, batching, rollout)
+    if ckpt is not None:
+        problems.run(check_load, ckpt)
+
+
+def _warn_without_fault_tolerance(rollout: dict[str, Any], train) -> None:
+    for key in ("rollout_health_check_interval", "rollout_health_check_timeout"):
+        if key in rollout and not train.use_fault_tolerance:
+            logger.warning("--%s has no effect without --use-fault-tolerance", key.replace("_", "-"))

@@ -29,48 +29,34 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # The last line of a Python traceback: "pkg.module.SomeError: message".
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interrupt)): (.+)$")
 
-# The embedded default job (no --hf-checkpoint): sizes that suit the tiny addition model on a 2-core CPU.
-EMBEDDED_DEFAULTS: dict[str, Any] = {
-    # RL on the fixed-width addition task: measured in bench/rl_recipe_grid.py, reproduced on the real stack
-    # (bench/RESULTS.md). One optimizer step per rollout of 64 prompts x 8 samples.
-    "num_rollout": 150,
-    "rollout_batch_size": 64,
-    "n_samples_per_prompt": 8,
-    "rollout_max_response_len": 6,
-    "rollout_temperature": 1.0,
-    "rm_type": "numeric_match",
-    "lr": 3e-4,
-    "use_dynamic_batch_size": True,
-    "max_tokens_per_gpu": 8192,
-    "eval_interval": 10,
-    "num_eval_prompts": 256,
-    "colocate": True,  # one CPU box: actor and engine share the (logical) GPU
-}
-
 
 def parse_job(argv: list[str]) -> JobConfig:
     """Parse ``argv`` into a validated JobConfig; nothing heavy is imported and nothing starts.
+
+    The job starts from a recipe (``--recipe``, else :func:`tidal.train.recipes.default_recipe`), then the
+    ``--config`` file, then the flags; each option lands in the section of the package that owns it.
 
     Raises:
         ValueError: naming the flag and the fix; independent problems come together, one per line
             (:class:`tidal.train.checks.ConfigErrors`).
     """
     from tidal.train.config_file import expand_config
-    from tidal.train.flags import SECTIONS, build_parser, dest
+    from tidal.train.flags import SECTIONS, build_parser, options
+    from tidal.train.recipes import default_recipe, recipe_options
 
-    parser = build_parser()
+    parser = build_parser(("embedded", recipe_options("embedded")))  # --help shows the embedded recipe's values
     args, unknown = parser.parse_known_args(expand_config(argv))
     given = {k: v for k, v in vars(args).items() if v is not None}
-    given.pop("config", None)
-    embedded = "hf_checkpoint" not in given
-    values = {**EMBEDDED_DEFAULTS, **given} if embedded else dict(given)
+    for key in ("config", "list_recipes"):
+        given.pop(key, None)
+    values = {**recipe_options(given.pop("recipe", None) or default_recipe(given)), **given}
     if "colocate" not in values and values.get("rollout_external_engine_addrs"):
         values["colocate"] = True  # external engines take no GPU of this job: nothing to add to the actor's
-    sections = {
-        section: {dest(flag, kw): values[dest(flag, kw)] for flag, kw in flags if dest(flag, kw) in values}
-        for section, flags in SECTIONS.items()
-    }
-    return _build_job(sections, unknown, parser, embedded=embedded, colocate_given=given.get("colocate"))
+    sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for option in options():
+        if option.name in values:
+            sections[option.section][option.name] = values[option.name]
+    return _build_job(sections, unknown, parser, colocate_given=given.get("colocate"))
 
 
 def _unknown_problems(unknown: list[str], known: list[str]) -> list[str]:
@@ -96,7 +82,7 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, *, embedded: bool, colocate_given):
+def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, *, colocate_given) -> JobConfig:
     """Each package's config from its section, then the checks that span sections; every problem is collected."""
     from tidal.actor import ActorConfig
     from tidal.batching import BatchingConfig
@@ -105,83 +91,48 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     from tidal.rollout import RolloutConfig
     from tidal.train import checks
     from tidal.train.config import JobConfig, TrainConfig
-    from tidal.train.run_folder import check_output_dir, default_output_dir
+    from tidal.train.run_folder import default_output_dir
+    from tidal.train.shared import propagate_shared
 
     problems = checks.Problems()
     for line in _unknown_problems(unknown, sorted(parser._option_string_actions)):
         problems.add(line)
     _pass_through(sections, unknown, problems)
-    train, rollout, actor = sections["train"], sections["rollout"], sections["actor"]
+    train, rollout, actor, ckpt = sections["train"], sections["rollout"], sections["actor"], sections["ckpt"]
     train.setdefault("output_dir", str(default_output_dir()))  # runs/DATE-TIME; runs/latest links to it
-    _data_files(train, problems, embedded=embedded)
-    train_cfg = problems.run(TrainConfig, **train)
-    hf, hf_config = _model(train, problems, embedded=embedded)
-    for flag, key in (
-        ("--custom-rm-path", "custom_rm_path"),
-        ("--custom-generate-function-path", "custom_generate_function_path"),
-        ("--dynamic-sampling-filter-path", "dynamic_sampling_filter_path"),
-    ):
-        if ":" in (rollout.get(key) or ""):  # a malformed path is RolloutConfig's to report
-            problems.run(checks.check_import_path, flag, rollout[key])
-    if actor.pop("no_check_for_nan_in_loss_and_grad", False):
-        actor["check_for_nan_in_loss_and_grad"] = False
+    ckpt.setdefault("save", str(Path(train["output_dir"]) / "ckpt"))
+    checks.check_data_files(train, problems)
+    hf, hf_config = _model(train, problems)
+    propagate_shared(sections, {("train", "hf_checkpoint"): hf})
+    checks.check_import_paths(rollout, problems)
     if not actor.get("use_kl_loss") and actor.get("kl_loss_coef"):
         logger.warning("--kl-loss-coef %s is ignored without --use-kl-loss (slime's rule)", actor["kl_loss_coef"])
         actor["kl_loss_coef"] = 0.0
-    temperature = rollout.get("rollout_temperature", 1.0) or 1.0
-    actor_cfg = problems.run(ActorConfig, hf_checkpoint=hf, temperature=temperature, **actor)
-    batching_cfg = None
-    if "rollout_batch_size" in sections["batching"]:
-        n = rollout.get("n_samples_per_prompt", 1)
-        batching_cfg = problems.run(BatchingConfig, n_samples_per_prompt=n, **sections["batching"])
-    else:
+    if "rollout_batch_size" not in sections["batching"]:  # required: BatchingConfig has no default for it
         problems.add(
-            "--rollout-batch-size is required with --hf-checkpoint: the prompts per rollout "
+            "--rollout-batch-size is required (the base recipe has none): the prompts per rollout "
             "(e.g. --rollout-batch-size 32 --n-samples-per-prompt 8)"
         )
-    ckpt = sections["ckpt"]
-    ckpt.setdefault("save", str(Path(train["output_dir"]) / "ckpt"))
-    _output_folders(train, ckpt, rollout, problems)
-    resuming, overwrite = bool(ckpt.get("load")), bool(train.get("overwrite_output_dir"))
-    problems.run(
-        check_output_dir, Path(train["output_dir"]), Path(ckpt["save"]), resuming=resuming, overwrite=overwrite
-    )
-    ckpt_cfg = problems.run(CkptConfig, hf_checkpoint=hf, **sections["ckpt"])
-    placement_cfg = problems.run(PlacementConfig, **sections["placement"])
-    rollout_cfg = problems.run(RolloutConfig, **rollout)
-    if rollout_cfg is not None and placement_cfg is not None:
-        problems.run(checks.check_router, rollout_cfg, placement_cfg)
-    if train_cfg is not None:
-        problems.run(checks.check_pipeline, train_cfg, hf_config, hf)
-        problems.run(checks.check_wandb, train_cfg)
-        if rollout_cfg is not None:
-            problems.run(checks.check_modes, train_cfg, rollout_cfg, colocate_given=colocate_given)
-            _warn_without_fault_tolerance(rollout, train_cfg)
-        if placement_cfg is not None:
-            dp = problems.run(checks.check_model_parallel, train_cfg, placement_cfg)
-            if dp is not None and batching_cfg is not None:
-                problems.run(batching_cfg.resolve, dp_size=dp)
-        if batching_cfg is not None and rollout_cfg is not None:
-            problems.run(checks.check_token_budget, batching_cfg, rollout_cfg, train_cfg)
-    if ckpt_cfg is not None:
-        problems.run(checks.check_load, ckpt_cfg)
+    checks.check_output_folders(train, ckpt, rollout, problems)
+    batching = sections["batching"]
+    job = {  # in the order their problems are listed
+        "train": problems.run(TrainConfig, **train),
+        "actor": problems.run(ActorConfig, **actor),
+        "batching": problems.run(BatchingConfig, **batching) if "rollout_batch_size" in batching else None,
+        "ckpt": problems.run(CkptConfig, **ckpt),
+        "placement": problems.run(PlacementConfig, **sections["placement"]),
+        "rollout": problems.run(RolloutConfig, **rollout),
+    }
+    checks.check_job(problems, **job, hf=hf, hf_config=hf_config, colocate_given=colocate_given, given=sections)
     problems.raise_if_any()
-    return JobConfig(
-        train=train_cfg, placement=placement_cfg, rollout=rollout_cfg, batching=batching_cfg, actor=actor_cfg,
-        ckpt=ckpt_cfg,
-    )  # fmt: skip
-
-
-def _warn_without_fault_tolerance(rollout: dict[str, Any], train) -> None:
-    for key in ("rollout_health_check_interval", "rollout_health_check_timeout"):
-        if key in rollout and not train.use_fault_tolerance:
-            logger.warning("--%s has no effect without --use-fault-tolerance", key.replace("_", "-"))
+    return JobConfig(**job)
 
 
 def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], problems) -> None:
     """``--ray-env`` into a mapping, ``--sglang-*`` into SGLang's and the router's arguments, lists into tuples."""
     from tidal.placement import parse_ray_env
     from tidal.rollout import sglang_router_args, sglang_server_args
+    from tidal.train.flags import section_defaults
 
     placement, rollout = sections["placement"], sections["rollout"]
     placement["ray_env"] = problems.run(parse_ray_env, placement.pop("ray_env", [])) or {}
@@ -190,55 +141,24 @@ def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], probl
     if "--dtype" not in rollout["sglang_server_args"]:
         # SGLang serves a float32 checkpoint in float16 by default; rollout and training log-probs must come
         # from the same precision, so the engines run in the actor's dtype unless --sglang-dtype says otherwise.
-        dtype = sections["actor"].get("params_dtype", "float32")
+        dtype = sections["actor"].get("params_dtype") or section_defaults("actor")["params_dtype"]
         rollout["sglang_server_args"] = (*rollout["sglang_server_args"], "--dtype", dtype)
-    for key in ("rollout_stop_token_ids", "rollout_stop", "rollout_external_engine_addrs"):
-        if key in rollout:
-            rollout[key] = tuple(rollout[key])
+    for section in sections.values():
+        for key, value in section.items():
+            if isinstance(value, list):  # nargs="+" options: the configs hold tuples
+                section[key] = tuple(value)
 
 
-def _data_files(train: dict[str, Any], problems, *, embedded: bool) -> None:
-    """Fill in the shipped data for the embedded job; check each prompt file's first record."""
-    from tidal.train import checks
-    from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, shipped_path
-
-    if embedded:
-        train.setdefault("prompt_data", str(shipped_path(TRAIN_FILE)))
-        train.setdefault("eval_prompt_data", str(shipped_path(EVAL_FILE)))
-    if "prompt_data" not in train:
-        problems.add("--prompt-data is required with --hf-checkpoint: a JSONL file of prompts and labels")
-        return
-    train.setdefault("eval_prompt_data", train["prompt_data"])
-    keys = {"input_key": train.get("input_key") or "prompt", "label_key": train.get("label_key") or "label"}
-    for key in ("prompt_data", "eval_prompt_data"):
-        problems.run(checks.check_prompt_file, f"--{key.replace('_', '-')}", train[key], **keys)
-
-
-def _model(train: dict[str, Any], problems, *, embedded: bool) -> tuple[str, dict[str, Any] | None]:
+def _model(train: dict[str, Any], problems) -> tuple[str, dict[str, Any] | None]:
     """The model folder and its config.json (None when the embedded model is not built yet)."""
     from tidal.train import checks
     from tidal.train.embedded_model import embedded_model_path
 
-    if not embedded:
+    if train.get("hf_checkpoint"):
         return train["hf_checkpoint"], problems.run(checks.check_hf_checkpoint, train["hf_checkpoint"])
     hf = str(embedded_model_path())
     config = Path(hf) / "config.json"  # built on first use: its layers are checked against the pipeline then
     return hf, json.loads(config.read_text()) if config.is_file() else None
-
-
-def _output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: dict[str, Any], problems) -> None:
-    """Every folder the run writes is a folder (or can be created as one)."""
-    from tidal.train import checks
-
-    save_hf = (train.get("save_hf") or "").replace("{rollout_id}", "0")
-    for flag, path in (
-        ("--output-dir", train.get("output_dir") or "runs/latest"),
-        ("--save", ckpt["save"]),
-        ("--save-debug-rollout-data", rollout.get("save_debug_rollout_data")),
-        ("--save-hf", save_hf),
-    ):
-        if path:
-            problems.run(checks.check_writable_dir, flag, path)
 
 
 def check_local_gpus(job: JobConfig, *, detected_gpus: int | None = None) -> LocalGpus | None:
@@ -278,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.train.convert import convert_main
 
         return convert_main(argv[1:])
+    if "--list-recipes" in argv or _recipe_arg(argv) == "list":
+        from tidal.train.recipes import describe
+
+        sys.stdout.write(describe() + "\n")
+        return 0
     from tidal.placement import PlacementError
 
     try:
@@ -300,6 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         return _report(e, argv, out_dir=job.train.output_dir)
+
+
+def _recipe_arg(argv: list[str]) -> str | None:
+    """The value of ``--recipe`` in ``argv`` (``--recipe NAME`` or ``--recipe=NAME``), if given."""
+    for i, token in enumerate(argv):
+        if token == "--recipe" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith("--recipe="):
+            return token.split("=", 1)[1]
+    return None
 
 
 def _run(job: JobConfig) -> int:

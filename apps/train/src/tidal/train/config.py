@@ -18,61 +18,60 @@ class TrainConfig:
     """What the training loop itself owns: data, the number of rollouts, evaluation and outputs."""
 
     hf_checkpoint: str | None = None
-    """HF model dir to start from; None builds (or reuses) the embedded default model (--hf-checkpoint)."""
+    """HF model dir to train (config.json, tokenizer, weights); None: the embedded tiny Qwen2, built on first use
+    and cached."""
     prompt_data: str | None = None
-    """JSONL of training prompts; None uses the shipped addition task (--prompt-data)."""
+    """JSONL of training prompts and labels (required; the embedded recipe gives the shipped addition task)."""
     eval_prompt_data: str | None = None
-    """JSONL of held-out prompts; None uses the shipped held-out addition prompts (--eval-prompt-data)."""
+    """JSONL of held-out prompts; None: --prompt-data."""
     input_key: str = "prompt"
-    """Key of the prompt text in each JSONL record (--input-key)."""
+    """Key of the prompt text in each JSONL record."""
     label_key: str = "label"
-    """Key of the reference answer in each JSONL record (--label-key)."""
+    """Key of the reference answer in each JSONL record."""
     num_rollout: int = 3
-    """Rollouts to run, counted from rollout 0 (a resumed run stops at the same place) (--num-rollout)."""
+    """Rollouts to run, counted from rollout 0 (a resumed run stops at the same place)."""
     start_rollout_id: int | None = None
-    """First rollout id; None: 0, or the one after the rollout --load's checkpoint finished (--start-rollout-id)."""
+    """First rollout id; None: 0, or the one after the rollout --load's checkpoint finished."""
     eval_interval: int = 0
-    """Evaluate on held-out prompts every this many rollouts, and before the first; 0 only before and after
-    (--eval-interval)."""
+    """Evaluate on held-out prompts every this many rollouts, and before the first; 0 only before and after."""
     num_eval_prompts: int = 64
-    """Held-out prompts per evaluation (--num-eval-prompts)."""
-    output_dir: str = "runs/latest"
-    """Run folder: metrics, logs, weights handed to SGLang, checkpoints (--output-dir); `train` without it makes a
-    fresh runs/DATE-TIME and links runs/latest to it."""
+    """Held-out prompts per evaluation."""
+    output_dir: str | None = None
+    """Run folder: metrics, logs, weights handed to SGLang, checkpoints; None: a new runs/DATE-TIME, which
+    runs/latest links to."""
     overwrite_output_dir: bool = False
-    """Let a new run write over an earlier run's records in --output-dir (--overwrite-output-dir)."""
+    """Let a new run write over an earlier run's records in --output-dir."""
     seed: int = 1234
-    """Seed of data order and initialisation (--seed)."""
+    """Seed of data order and initialisation."""
     tensor_model_parallel_size: int = 1
-    """Tensor-parallel size of the actor (--tensor-model-parallel-size)."""
+    """Tensor-parallel size of the actor."""
     context_parallel_size: int = 1
-    """Context-parallel size of the actor (--context-parallel-size)."""
+    """Context-parallel size of the actor."""
     pipeline_model_parallel_size: int = 1
-    """Pipeline stages of the actor, Megatron's 1F1B schedule (--pipeline-model-parallel-size)."""
+    """Pipeline stages of the actor, Megatron's 1F1B schedule."""
     update_weights_interval: int = 1
-    """Hand the actor's weights to the engines every this many rollouts (--update-weights-interval)."""
+    """Hand the actor's weights to the engines every this many rollouts."""
     update_weight_buffer_size: int = 512 * 1024**2
-    """Bytes per weight-sync shard (the safetensors shard the engines reload) (--update-weight-buffer-size)."""
+    """Bytes per weight-sync shard (the safetensors shard the engines reload)."""
     save_hf: str | None = None
-    """Also write an HF checkpoint at every save; "{rollout_id}" in the path is filled in (--save-hf)."""
+    """Also write an HF checkpoint at every save; "{rollout_id}" in the path is filled in."""
     debug_rollout_only: bool = False
-    """Generate and score only: no actor is built and nothing trains (--debug-rollout-only)."""
+    """Generate and score only: no actor is built and nothing trains."""
     debug_train_only: bool = False
-    """Train only, on rollouts saved by --save-debug-rollout-data: no engine starts (--debug-train-only)."""
+    """Train only, on rollouts saved by --save-debug-rollout-data: no engine starts."""
     use_tensorboard: bool = False
-    """Write TensorBoard event files into the run folder's tensorboard/ (--use-tensorboard)."""
+    """Write TensorBoard event files into the run folder's tensorboard/."""
     use_wandb: bool = False
-    """Log to Weights & Biases in offline mode, into the run folder's wandb/ (--use-wandb)."""
+    """Log to Weights & Biases in offline mode, into the run folder's wandb/."""
     wandb_project: str = "tidal"
-    """W&B project name (--wandb-project)."""
+    """W&B project name."""
     use_fault_tolerance: bool = False
-    """Restart an engine that died during a rollout and retry its requests (--use-fault-tolerance)."""
+    """Restart an engine that died during a rollout and retry its requests."""
     reward_sanity_rollouts: int = 3
-    """Warn when every reward was identical for this many rollouts in a row; 0 disables (--reward-sanity-rollouts)."""
+    """Warn when every reward was identical for this many rollouts in a row; 0 disables."""
     mismatch_warn_threshold: float = 0.05
     """Warn when a rollout's mean |engine - actor log-prob| of the sampled tokens exceeds this many nats (bf16
-    serving next to an fp32 actor sits around 0.005-0.015, same-precision serving near 0); 0 disables
-    (--mismatch-warn-threshold)."""
+    serving next to an fp32 actor sits around 0.005-0.015, same-precision serving near 0); 0 disables."""
 
     def __post_init__(self) -> None:
         for flag, value, low in (

@@ -1,8 +1,10 @@
 """``--config FILE``: the same options as the flags, from YAML or TOML; the command line overrides the file.
 
 Keys are flag names without the leading dashes, with ``-`` or ``_`` (``rollout-batch-size`` or
-``rollout_batch_size``); ``sglang-*`` keys pass through to the SGLang server like the flags do. The file becomes
-argv tokens placed *before* the command line's, so argparse's "last one wins" gives flags the final say.
+``rollout_batch_size``), or ``recipe``; ``sglang-*`` keys pass through to the SGLang server like the flags do.
+The options and their kinds are the fields the command line is generated from (:mod:`tidal.train.flags`).
+The file becomes argv tokens placed *before* the command line's, so argparse's "last one wins" gives flags the
+final say.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def config_to_argv(data: dict[str, Any], *, source: str) -> list[str]:
         if key == "config":
             raise ValueError(f"--config {source}: a config file cannot name another config file")
         flag = "--" + key.replace("_", "-")
+        if key == "recipe":
+            argv += [flag, str(value)]
+            continue
         if key.startswith("sglang_") and key not in kinds:
             argv += [flag, _scalar(value)] if value is not True else [flag]
             continue
@@ -69,9 +74,11 @@ def config_to_argv(data: dict[str, Any], *, source: str) -> list[str]:
             raise ValueError(f"--config {source}: unknown option {raw_key!r}; see `train --help` for the names")
         flag = kind["flag"]
         action = kind.get("action")
-        if action in ("store_true", "store_false"):  # the key is the flag: `no-recompute-lm-head: true` passes it
+        if action in ("store_true", "store_false"):  # `no-recompute-lm-head: true` passes the flag
             if not isinstance(value, bool):
                 raise ValueError(f"--config {source}: {raw_key} must be true or false, got {value!r}")
+            if action == "store_false" and key in kinds:  # the field's name: `recompute-lm-head: false` negates it
+                value = not value
             argv += [flag] if value else []
         elif action is not None and action != "append":  # BooleanOptionalAction
             if not isinstance(value, bool):
@@ -108,43 +115,36 @@ _PER_INVOCATION = ("overwrite_output_dir",)  # said for one command, not part of
 
 
 def effective_options(job) -> dict[str, Any]:
-    """Every ``train`` option's value in ``job`` (a JobConfig), keyed by flag name: a file ``--config`` reads back."""
-    import dataclasses
+    """Every ``train`` option's value in ``job`` (a JobConfig), keyed by flag name: a file ``--config`` reads back.
 
-    from tidal.train.flags import SECTIONS, dest
+    Unset (None) and empty values are left out: they are every recipe's (a recipe sets values, never None).
+    """
+    from tidal.train.flags import options
 
-    sections = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
-    options: dict[str, Any] = {}
-    for section, flags in SECTIONS.items():
-        cfg = sections[section]
-        for flag, kw in flags:
-            name = dest(flag, kw)
-            if name == "no_check_for_nan_in_loss_and_grad":
-                options[flag[2:]] = not cfg.check_for_nan_in_loss_and_grad
-                continue
-            if not hasattr(cfg, name):
-                continue
-            value = getattr(cfg, name)
-            if value is None or (isinstance(value, tuple | list | dict) and not value):
-                continue
-            if name in _PER_INVOCATION or (name == "save" and value == str(Path(job.train.output_dir) / "ckpt")):
-                continue  # a rerun with another --output-dir must not write into this run's folder
-            if kw.get("action") == "store_false":  # --no-recompute-lm-head: the option is the negation of the field
-                options[flag[2:]] = not value
-                continue
-            if name == "ray_env":
-                value = [f"{k}={v}" for k, v in value.items()]
-            options[flag[2:]] = list(value) if isinstance(value, tuple) else value
+    found: dict[str, Any] = {}
+    for option in options():
+        value = getattr(getattr(job, option.section), option.name)
+        if value is None or (isinstance(value, tuple | list | dict) and not value):
+            continue
+        if option.name in _PER_INVOCATION or (
+            option.name == "save" and value == str(Path(job.train.output_dir) / "ckpt")
+        ):
+            continue  # a rerun with another --output-dir must not write into this run's folder
+        if option.kwargs.get("action") == "store_false":  # --no-recompute-lm-head: the option negates the field
+            value = not value
+        elif option.name == "ray_env":
+            value = [f"{k}={v}" for k, v in value.items()]
+        found[option.flag[2:]] = list(value) if isinstance(value, tuple) else value
     passthrough = (("sglang-", job.rollout.sglang_server_args), ("sglang-router-", job.rollout.sglang_router_args))
     for prefix, args in passthrough:
         args, i = list(args), 0
         while i < len(args):  # "--mem-fraction-static 0.5" -> sglang-mem-fraction-static: 0.5
             key = prefix + args[i][2:]
             if i + 1 < len(args) and not args[i + 1].startswith("--"):
-                options[key], i = args[i + 1], i + 2
+                found[key], i = args[i + 1], i + 2
             else:
-                options[key], i = True, i + 1
-    return options
+                found[key], i = True, i + 1
+    return found
 
 
 def write_effective_config(job, out_dir: str | Path) -> Path:

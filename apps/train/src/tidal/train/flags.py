@@ -1,196 +1,51 @@
-"""The ``train`` flags: slime's names, grouped by the package whose config section receives them.
+"""The ``train`` command line, generated from the fields of each package's config (argparse, standard library).
 
-Every flag's default is None, so "given" and "not given" stay distinguishable: a config file and the embedded
-defaults fill only what the command line left unset, and each package's config supplies its own defaults.
+An option is declared once: as a field of the config dataclass of the package that owns it (:data:`SECTIONS`).
+From the field come
+
+- the flag: the field's name with dashes (``rollout_batch_size`` -> ``--rollout-batch-size``, slime's names),
+  or the one its metadata names (``field(default=300.0, metadata={"flag": "--placement-timeout"})``);
+- the help: the docstring under the field; ``--help`` adds the field's default and the default recipe's value;
+- the argparse kind, from the field's type: ``bool`` is a switch (``store_true``; on a field that defaults to
+  True, a ``--no-...`` flag that stores False); ``bool | None``, or ``metadata={"negatable": True}``, is a
+  pair such as ``--colocate/--no-colocate`` (``BooleanOptionalAction``); ``int``/``float`` (or ``| None``)
+  parse as such; ``tuple[T, ...]`` takes one or more values; ``metadata={"action": "append"}`` repeats the
+  flag (``--ray-env``) and ``metadata={"metavar": ...}`` names the value in ``--help``.
+
+A field with ``metadata={"flag": None}`` is no option: the app fills it (a value shared between packages,
+:data:`tidal.train.shared.SHARED`, or the ``--sglang-*`` pass-through). argparse stays the parser (it is the
+standard library's); every flag's argparse default is None, so that "given" and "not given" stay distinct: a
+recipe and a ``--config`` file fill only what the command line left unset.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import sys
+import typing
+from dataclasses import dataclass
+from types import UnionType
 from typing import Any
 
-_BOOL = argparse.BooleanOptionalAction
+from tidal.actor.config import ActorConfig
+from tidal.batching.config import BatchingConfig
+from tidal.ckpt.config import CkptConfig
+from tidal.placement.config import PlacementConfig
+from tidal.rollout.config import RolloutConfig
+from tidal.train.config import TrainConfig
 
-# section -> [(flag, argparse kwargs)]. Sections: train, ckpt, placement, rollout, batching, actor.
-SECTIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
-    "train": [
-        ("--config", {"help": "YAML or TOML file of options (flag names without dashes); flags override it"}),
-        ("--hf-checkpoint", {"help": "HF model dir to train (default: build or reuse the embedded tiny model)"}),
-        ("--prompt-data", {"help": "training prompts, JSONL (default: the shipped addition task)"}),
-        ("--eval-prompt-data", {"help": "held-out prompts, JSONL (default: the shipped held-out addition prompts)"}),
-        ("--input-key", {"help": "prompt key in each record (default: prompt)"}),
-        ("--label-key", {"help": "answer key in each record (default: label)"}),
-        ("--num-rollout", {"type": int, "help": "rollouts to run"}),
-        ("--start-rollout-id", {"type": int, "help": "first rollout id (default: 0, or the one after --load's)"}),
-        ("--eval-interval", {"type": int, "help": "evaluate every N rollouts (always before and after)"}),
-        ("--num-eval-prompts", {"type": int, "help": "held-out prompts per evaluation"}),
-        ("--output-dir", {"help": "run folder (default: a new runs/DATE-TIME; runs/latest links to the newest)"}),
-        (
-            "--overwrite-output-dir",
-            {"action": "store_true", "default": None, "help": "write over an earlier run in --output-dir"},
-        ),
-        ("--seed", {"type": int, "help": "seed of data order and initialisation"}),
-        ("--tensor-model-parallel-size", {"type": int, "help": "actor tensor-parallel size"}),
-        ("--context-parallel-size", {"type": int, "help": "actor context-parallel size"}),
-        ("--pipeline-model-parallel-size", {"type": int, "help": "actor pipeline stages (1F1B schedule)"}),
-        ("--update-weight-buffer-size", {"type": int, "help": "bytes per weight-sync shard/bucket"}),
-        ("--update-weights-interval", {"type": int, "help": "sync weights to the engines every N rollouts"}),
-        ("--save-hf", {"help": "also write an HF checkpoint at every save; {rollout_id} in the path is filled in"}),
-        ("--debug-rollout-only", {"action": "store_true", "default": None, "help": "generate only, no actor"}),
-        ("--debug-train-only", {"action": "store_true", "default": None, "help": "train on --load-debug-rollout-data"}),
-        ("--use-tensorboard", {"action": "store_true", "default": None, "help": "TensorBoard events in the run dir"}),
-        ("--use-wandb", {"action": "store_true", "default": None, "help": "W&B in offline mode, in the run dir"}),
-        ("--wandb-project", {"help": "W&B project name (default: tidal)"}),
-        ("--use-fault-tolerance", {"action": "store_true", "default": None, "help": "restart an engine that died"}),
-        ("--reward-sanity-rollouts", {"type": int, "help": "warn after N rollouts of identical rewards"}),
-        (
-            "--mismatch-warn-threshold",
-            {"type": float, "help": "warn when mean |engine - actor log-prob| exceeds this (nats; 0.05; 0: off)"},
-        ),
-    ],
-    "ckpt": [
-        ("--load", {"help": "Megatron checkpoint dir to resume from (--load = --save resumes a run)"}),
-        ("--ref-load", {"help": "Megatron checkpoint dir of the reference model (default: --hf-checkpoint)"}),
-        ("--ckpt-step", {"type": int, "help": "iteration to load instead of the tracker's"}),
-        ("--no-load-optim", {"action": "store_true", "default": None, "help": "do not load optimizer state"}),
-        ("--no-load-rng", {"action": "store_true", "default": None, "help": "do not load RNG states"}),
-        ("--save", {"help": "Megatron checkpoint dir (default: OUTPUT_DIR/ckpt)"}),
-        ("--save-interval", {"type": int, "help": "save every N rollouts (always at the end)"}),
-        ("--keep-last", {"type": int, "help": "keep only the newest K checkpoints"}),
-        ("--async-save", {"action": "store_true", "default": None, "help": "write checkpoints in the background"}),
-        ("--max-shard-bytes", {"type": int, "help": "largest safetensors shard of an HF checkpoint (default 5 GiB)"}),
-    ],
-    "placement": [
-        (
-            "--colocate",
-            {"action": _BOOL, "help": "actor and rollout share GPUs (default: off, slime's; on for the embedded job)"},
-        ),
-        ("--actor-num-nodes", {"type": int, "help": "nodes of the actor"}),
-        ("--actor-num-gpus-per-node", {"type": int, "help": "actor GPUs per node"}),
-        ("--rollout-num-gpus", {"type": int, "help": "GPUs of all SGLang engines"}),
-        ("--rollout-num-gpus-per-engine", {"type": int, "help": "GPUs per SGLang engine (its TP size)"}),
-        ("--ray-address", {"help": "connect to this Ray cluster instead of starting a local one"}),
-        (
-            "--num-gpus-local",
-            {"type": int, "help": "GPUs of a local Ray (default: the CUDA GPUs found; none: CPU mode, logical GPUs)"},
-        ),
-        ("--num-cpus-local", {"type": int, "help": "CPUs of a local Ray (default 2)"}),
-        ("--num-cpus-per-bundle", {"type": float, "help": "CPU share of each GPU bundle (default 0.1)"}),
-        (
-            "--ray-propagate-uv-env",
-            {"action": "store_true", "default": None, "help": "under uv run, let Ray `uv run` every worker"},
-        ),
-        ("--placement-timeout", {"type": float, "dest": "placement_timeout_s", "help": "seconds to wait for GPUs"}),
-        ("--ray-env", {"action": "append", "metavar": "KEY=VALUE", "help": "env var for every Ray worker"}),
-    ],
-    "rollout": [
-        ("--n-samples-per-prompt", {"type": int, "help": "responses per prompt (one GRPO group)"}),
-        ("--rollout-max-response-len", {"type": int, "help": "most new tokens per response"}),
-        ("--rollout-temperature", {"type": float, "help": "sampling temperature"}),
-        ("--rollout-top-p", {"type": float, "help": "nucleus sampling mass"}),
-        ("--rollout-top-k", {"type": int, "help": "top-k sampling (-1: all)"}),
-        ("--rollout-stop-token-ids", {"type": int, "nargs": "+", "help": "extra token ids that end a response"}),
-        ("--rollout-stop", {"nargs": "+", "help": "strings that end a response"}),
-        ("--apply-chat-template", {"action": "store_true", "default": None, "help": "render prompts as chat"}),
-        ("--rm-type", {"help": "built-in reward: exact_match, numeric_match or math"}),
-        ("--custom-rm-path", {"help": "reward function by import path, pkg.module:fn"}),
-        ("--custom-generate-function-path", {"help": "per-sample generate function, pkg.module:fn"}),
-        ("--over-sampling-batch-size", {"type": int, "help": "prompts per round under dynamic sampling"}),
-        ("--dynamic-sampling-filter-path", {"help": "group filter (reward_variance or pkg.module:fn)"}),
-        ("--dynamic-sampling-max-rounds", {"type": int, "help": "most generation rounds to fill a batch (16)"}),
-        ("--generate-max-concurrency", {"type": int, "help": "custom generate calls in flight at once (64)"}),
-        ("--partial-rollout", {"action": "store_true", "default": None, "help": "resume aborted samples later"}),
-        (
-            "--mask-offpolicy-in-partial-rollout",
-            {"action": "store_true", "default": None, "help": "no loss on tokens older weights sampled"},
-        ),
-        ("--save-debug-rollout-data", {"help": "folder to write every rollout's samples to (one JSONL per rollout)"}),
-        ("--load-debug-rollout-data", {"help": "folder of saved rollouts to train on instead of generating"}),
-        ("--sglang-host", {"help": "address the SGLang servers listen on (default 127.0.0.1)"}),
-        ("--sglang-startup-timeout-s", {"type": float, "help": "longest wait for an SGLang server to be healthy"}),
-        ("--rollout-external", {"action": "store_true", "default": None, "help": "use SGLang servers run elsewhere"}),
-        (
-            "--rollout-external-engine-addrs",
-            {"nargs": "+", "metavar": "HOST:PORT", "help": "SGLang servers run elsewhere: none is launched"},
-        ),
-        ("--use-router", {"action": _BOOL, "help": "sglang-router in front of the engines (default: if several)"}),
-        (
-            "--rollout-request-timeout-s",
-            {"type": float, "help": "longest wait for one answer of an engine or router (default 600; then retried)"},
-        ),
-        (
-            "--rollout-request-retries",
-            {"type": int, "help": "resends of a request after a reset, refusal, timeout or 5xx (default 5)"},
-        ),
-        (
-            "--rollout-health-check-interval",
-            {"type": float, "help": "seconds between engine heartbeats with --use-fault-tolerance (10; 0: off)"},
-        ),
-        (
-            "--rollout-health-check-timeout",
-            {"type": float, "help": "a heartbeat unanswered this long kills the engine, to be restarted (default 5)"},
-        ),
-        ("--sglang-router-policy", {"help": "cache_aware, round_robin, random or power_of_two"}),
-    ],
-    "batching": [
-        ("--rollout-batch-size", {"type": int, "help": "prompts per rollout"}),
-        ("--global-batch-size", {"type": int, "help": "samples per optimizer step"}),
-        ("--num-steps-per-rollout", {"type": int, "help": "optimizer steps per rollout"}),
-        ("--use-dynamic-batch-size", {"action": _BOOL, "help": "pack by token budget"}),
-        ("--max-tokens-per-gpu", {"type": int, "help": "token budget per micro-batch (dynamic batch size)"}),
-        ("--micro-batch-size", {"type": int, "help": "sequences per micro-batch (without dynamic batch size)"}),
-        ("--pad-to-multiple-of", {"type": int, "help": "pad each micro-batch to a multiple of this"}),
-    ],
-    "actor": [
-        ("--lr", {"type": float, "help": "learning rate"}),
-        ("--lr-warmup-iters", {"type": int, "dest": "lr_warmup_steps", "help": "linear warm-up steps"}),
-        ("--weight-decay", {"type": float, "help": "AdamW weight decay"}),
-        ("--clip-grad", {"type": float, "help": "gradient-norm clip (0: off)"}),
-        ("--adam-beta1", {"type": float, "help": "AdamW beta1 (default 0.9)"}),
-        ("--adam-beta2", {"type": float, "help": "AdamW beta2 (default 0.98)"}),
-        ("--adam-eps", {"type": float, "help": "AdamW epsilon (default 1e-8)"}),
-        ("--advantage-estimator", {"help": "grpo, rloo or reinforce_plus_plus_baseline"}),
-        ("--disable-grpo-std-normalization", {"action": "store_true", "default": None, "help": "no std division"}),
-        ("--eps-clip", {"type": float, "help": "PPO lower clip range"}),
-        ("--eps-clip-high", {"type": float, "help": "PPO upper clip range (default: --eps-clip)"}),
-        ("--eps-clip-c", {"type": float, "help": "dual-clip bound for negative advantages (> 1; off by default)"}),
-        ("--use-kl-loss", {"action": "store_true", "default": None, "help": "KL-to-reference as a loss term"}),
-        ("--kl-loss-coef", {"type": float, "help": "weight of the KL-to-reference loss"}),
-        ("--kl-loss-type", {"help": "KL estimator: k1, k2 or k3"}),
-        ("--kl-coef", {"type": float, "help": "KL-to-reference penalty subtracted from the reward"}),
-        ("--entropy-coef", {"type": float, "help": "entropy bonus weight"}),
-        ("--calculate-per-token-loss", {"action": "store_true", "default": None, "help": "mean over all tokens"}),
-        ("--use-tis", {"action": "store_true", "default": None, "help": "truncated importance sampling"}),
-        ("--tis-clip", {"type": float, "help": "upper bound of the TIS weight (default 2)"}),
-        (
-            "--no-check-for-nan-in-loss-and-grad",
-            {"action": "store_true", "default": None, "help": "do not stop on a NaN/inf loss or gradient"},
-        ),
-        ("--params-dtype", {"help": "float32 or bfloat16"}),
-        ("--bf16", {"action": "store_true", "default": None, "help": "CUDA: bf16 autocast, fp32 weights and Adam"}),
-        ("--log-probs-chunk-size", {"type": int, "help": "tokens per LM-head chunk for log-probs (default 1024)"}),
-        (
-            "--fp32-main-params",
-            {"action": "store_true", "default": None, "help": "with bfloat16 params: fp32 main weights for Adam"},
-        ),
-        (
-            "--optimizer-cpu-offload",
-            {"action": "store_true", "default": None, "help": "Adam moments in host memory, update on the CPU"},
-        ),
-        (
-            "--recompute-activations",
-            {"action": "store_true", "default": None, "help": "recompute each layer in backward (less memory)"},
-        ),
-        (
-            "--no-recompute-lm-head",
-            {
-                "action": "store_false",
-                "dest": "recompute_lm_head",
-                "default": None,
-                "help": "keep the LM head's logits for backward (faster; ~2 bytes x tokens x vocab more memory)",
-            },
-        ),
-    ],
+# section -> its config class, in the order of `train --help`; JobConfig has one attribute per section.
+SECTIONS: dict[str, type] = {
+    "train": TrainConfig,
+    "ckpt": CkptConfig,
+    "placement": PlacementConfig,
+    "rollout": RolloutConfig,
+    "batching": BatchingConfig,
+    "actor": ActorConfig,
 }
 
 TITLES = {
@@ -203,6 +58,102 @@ TITLES = {
     "actor": "actor (tidal-actor)",
 }
 
+METADATA_KEYS = frozenset({"flag", "negatable", "action", "metavar"})
+"""What a field's metadata may say about its option (anything else is a mistake the generator refuses)."""
+
+# The app's own options: how the job is assembled, not a field of any section.
+APP_OPTIONS: dict[str, dict[str, Any]] = {
+    "--config": {"metavar": "FILE", "help": "YAML or TOML file of options (flag names without dashes); flags "
+                 "override it"},
+    "--recipe": {"metavar": "NAME", "help": "start from this recipe (`--recipe list` lists them); flags and "
+                 "--config override it (default: embedded without --hf-checkpoint, base with it)"},
+    "--list-recipes": {"action": "store_true", "help": "list the recipes and exit"},
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line option: the field it fills and how argparse reads it."""
+
+    section: str
+    """The JobConfig section (a key of SECTIONS)."""
+    name: str
+    """The field's name, also argparse's ``dest``."""
+    flag: str
+    """The flag: the field's name with dashes, unless the field's metadata names another."""
+    kwargs: dict[str, Any]
+    """argparse keyword arguments (action, type, nargs, metavar), without default and help."""
+    help: str
+    """The field's docstring, on one line."""
+    default: Any
+    """The field's default; ``dataclasses.MISSING`` for a required field."""
+
+
+@functools.cache
+def options() -> tuple[Option, ...]:
+    """Every option of ``train``, in --help order (section by section, field by field)."""
+    found: list[Option] = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            option = _option(section, f, hints[f.name], docs.get(f.name, ""))
+            if option is not None:
+                found.append(option)
+    return tuple(found)
+
+
+def _option(section: str, f: dataclasses.Field, tp: Any, doc: str) -> Option | None:
+    meta = dict(f.metadata)
+    unknown = set(meta) - METADATA_KEYS
+    if unknown:
+        raise TypeError(f"{section}.{f.name}: unknown option metadata {sorted(unknown)}; use {sorted(METADATA_KEYS)}")
+    flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+    if flag is None:
+        return None
+    default = f.default
+    if f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    return Option(section, f.name, flag, _kind(tp, default, flag, meta), " ".join(doc.split()), default)
+
+
+def _kind(tp: Any, default: Any, flag: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The argparse kwargs for a field of type ``tp``."""
+    args = typing.get_args(tp)
+    optional = isinstance(tp, UnionType) and type(None) in args
+    base = next(a for a in args if a is not type(None)) if optional else tp
+    kind: dict[str, Any] = {k: meta[k] for k in ("action", "metavar") if k in meta}
+    if base is bool:
+        if optional or meta.get("negatable"):
+            kind["action"] = argparse.BooleanOptionalAction
+        elif default is True:
+            if not flag.startswith("--no-"):
+                raise TypeError(f"{flag}: a switch on a field that defaults to True must be named --no-...")
+            kind["action"] = "store_false"
+        else:
+            kind["action"] = "store_true"
+    elif typing.get_origin(base) is tuple:
+        kind["nargs"] = "+"
+        item = typing.get_args(base)[0]
+        if item in (int, float):
+            kind["type"] = item
+    elif base in (int, float):
+        kind["type"] = base
+    return kind
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """``field name -> the docstring written under it`` in ``cls``'s source (attribute docstrings, PEP 257)."""
+    tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    docs: dict[str, str] = {}
+    for stmt, after in zip(node.body, node.body[1:], strict=False):
+        named = isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+        if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[stmt.target.id] = str(after.value.value)
+    return docs
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ValueError (one line, naming the flag) instead of printing usage and exiting."""
@@ -211,29 +162,62 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message}; see `train --help`")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``train`` argument parser, grouped by the package that owns each flag; every default is None.
+def build_parser(recipe: tuple[str, dict[str, Any]] | None = None) -> argparse.ArgumentParser:
+    """The ``train`` argument parser, grouped by the package that owns each option; every default is None.
 
+    ``recipe`` (a recipe's name and options) is shown in --help beside the fields' defaults where it differs.
     Abbreviations are off: ``--sglang-<option>`` must reach SGLang as written, never as a prefix of a tidal flag.
     """
     parser = _Parser(
         prog="train",
-        description="RL post-training: Megatron actor, SGLang rollouts. "
-        "`train convert --help`: HF <-> Megatron checkpoint conversion.",
+        description="RL post-training: Megatron actor, SGLang rollouts. A job starts from a recipe (--recipe; "
+        "without it, `embedded` when --hf-checkpoint is not given, else `base`: the defaults below), then "
+        "--config, then the flags. `train convert --help`: HF <-> Megatron checkpoint conversion.",
         allow_abbrev=False,
     )
-    for section, flags in SECTIONS.items():
-        group = parser.add_argument_group(TITLES[section])
-        for flag, kwargs in flags:
-            group.add_argument(flag, **{"default": None, **kwargs})
+    for flag, kwargs in APP_OPTIONS.items():
+        parser.add_argument(flag, default=None, **kwargs)
+    groups = {section: parser.add_argument_group(TITLES[section]) for section in SECTIONS}
+    name, values = recipe or ("", {})
+    for option in options():
+        text = help_text(option, name, values.get(option.name, option.default))
+        groups[option.section].add_argument(
+            option.flag, dest=option.name, default=None, help=text.replace("%", "%%"), **option.kwargs
+        )
     return parser
 
 
-def dest(flag: str, kwargs: dict[str, Any]) -> str:
-    """The attribute name argparse gives ``flag``."""
-    return kwargs.get("dest", flag.lstrip("-").replace("-", "_"))
+def help_text(option: Option, recipe: str, recipe_value: Any) -> str:
+    """The option's help: its field's docstring, its default, and ``recipe``'s value when that differs."""
+    default = "required" if option.default is dataclasses.MISSING else show(option, option.default)
+    if option.kwargs.get("action") == "store_false":  # the help describes the field; the flag switches it off
+        default = f"{option.name} {show(option, option.default)}; {option.flag} turns it off"
+    shown = f"default: {default}"
+    if recipe_value != option.default:
+        shown += f"; recipe {recipe}: {show(option, recipe_value)}"
+    return f"{option.help} ({shown})"
+
+
+def show(option: Option, value: Any) -> str:
+    """A value as --help shows it: booleans as on/off, empty as none."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or (isinstance(value, tuple | list | dict) and not value):
+        return "none"
+    return " ".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
 
 
 def flag_kinds() -> dict[str, dict[str, Any]]:
-    """``dest -> argparse kwargs`` of every flag (the config file reader needs each flag's kind)."""
-    return {dest(flag, kw): {"flag": flag, **kw} for flags in SECTIONS.values() for flag, kw in flags}
+    """``field name -> {"flag": ..., argparse kwargs}`` of every option (the config file reader needs each kind)."""
+    return {o.name: {"flag": o.flag, **o.kwargs} for o in options()}
+
+
+def section_defaults(section: str) -> dict[str, Any]:
+    """``field name -> default`` of every field of ``section`` that has one (options or not)."""
+    out = {}
+    for f in dataclasses.fields(SECTIONS[section]):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out

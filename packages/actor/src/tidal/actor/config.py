@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16")
 _KL_TYPES = ("k1", "k2", "k3")
@@ -13,73 +13,70 @@ _ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 class ActorConfig:
     """Model, optimizer and loss settings of the Megatron actor (parallel sizes go to ``init_distributed``)."""
 
-    hf_checkpoint: str
+    hf_checkpoint: str = field(metadata={"flag": None})
     """HF model dir (config.json + *.safetensors) the actor is built from and loads (``--hf-checkpoint``)."""
     params_dtype: str = "float32"
-    """Parameter dtype: "float32" or "bfloat16" (``--params-dtype``)."""
+    """Parameter dtype: "float32" or "bfloat16"."""
     bf16: bool = False
-    """On CUDA, run forward/backward under bf16 autocast with fp32 weights and Adam state (``--bf16``)."""
+    """On CUDA, run forward/backward under bf16 autocast with fp32 weights and Adam state."""
     fp32_main_params: bool = False
     """With a bf16/fp16 ``params_dtype``: keep fp32 main copies of the parameters for the optimizer (AdamW state,
-    update and gradient accumulation in fp32; Megatron-style mixed precision) (``--fp32-main-params``)."""
+    update and gradient accumulation in fp32; Megatron-style mixed precision)."""
     optimizer_cpu_offload: bool = False
     """Keep AdamW's moments in host memory and run the update on the CPU (``offload.CPUOffloadAdamW``): 8 bytes
-    per parameter less GPU memory for a slower step (``--optimizer-cpu-offload``)."""
-    fused_kernels: bool = True
+    per parameter less GPU memory for a slower step."""
+    fused_kernels: bool = field(default=True, metadata={"flag": None})
     """On CUDA, run q/k/v split + RoPE, SwiGLU, RMSNorm and the LM head's log-softmax/entropy as Triton kernels."""
-    recompute_lm_head: bool = True
+    recompute_lm_head: bool = field(default=True, metadata={"flag": "--no-recompute-lm-head"})
     """Recompute each LM-head chunk's logits in backward (memory: one chunk) instead of keeping them (faster;
-    memory ~2 bytes x tokens x vocab / tp per micro-batch: 10 GB at 32k tokens, 152k vocab)
-    (``--no-recompute-lm-head`` turns it off)."""
+    memory ~2 bytes x tokens x vocab / tp per micro-batch: 10 GB at 32k tokens, 152k vocab)."""
     recompute_activations: bool = False
-    """Recompute each transformer layer in backward instead of storing its activations (``--recompute-activations``)."""
+    """Recompute each transformer layer in backward instead of storing its activations."""
     lr: float = 1e-6
-    """Peak learning rate (``--lr``)."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up optimizer steps from 0 to ``lr`` (``--lr-warmup-iters``)."""
+    """Peak learning rate."""
+    lr_warmup_steps: int = field(default=0, metadata={"flag": "--lr-warmup-iters"})
+    """Linear warm-up optimizer steps from 0 to ``lr``."""
     weight_decay: float = 0.0
-    """AdamW weight decay (``--weight-decay``)."""
+    """AdamW weight decay."""
     adam_beta1: float = 0.9
-    """AdamW beta1 (``--adam-beta1``)."""
+    """AdamW beta1."""
     adam_beta2: float = 0.98
-    """AdamW beta2 (``--adam-beta2``)."""
+    """AdamW beta2."""
     adam_eps: float = 1e-8
-    """AdamW epsilon (``--adam-eps``)."""
+    """AdamW epsilon."""
     clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 disables clipping (``--clip-grad``)."""
+    """Global gradient-norm clip; 0 disables clipping."""
     eps_clip: float = 0.2
-    """PPO lower clip range (``--eps-clip``)."""
+    """PPO lower clip range."""
     eps_clip_high: float | None = None
-    """PPO upper clip range; None means equal to ``eps_clip`` (``--eps-clip-high``)."""
+    """PPO upper clip range; None means equal to ``eps_clip``."""
     kl_loss_coef: float = 0.0
-    """Weight of the KL-to-reference loss; needs "ref_log_probs" in the batch when non-zero (``--kl-loss-coef``)."""
+    """Weight of the KL-to-reference loss; needs "ref_log_probs" in the batch when non-zero."""
     kl_loss_type: str = "k3"
-    """KL estimator: "k1", "k2" or "k3" (``--kl-loss-type``)."""
+    """KL estimator: "k1", "k2" or "k3"."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (``--entropy-coef``)."""
+    """Weight of the entropy bonus."""
     advantage_estimator: str = "grpo"
-    """How rewards become advantages: grpo, rloo or reinforce_plus_plus_baseline (``--advantage-estimator``)."""
+    """How rewards become advantages: grpo, rloo or reinforce_plus_plus_baseline."""
     disable_grpo_std_normalization: bool = False
-    """GRPO without dividing by the group's reward std (``--disable-grpo-std-normalization``)."""
+    """GRPO without dividing by the group's reward std."""
     eps_clip_c: float | None = None
-    """Dual-clip PPO bound for negative advantages, > 1; None: off (``--eps-clip-c``)."""
+    """Dual-clip PPO bound for negative advantages, > 1; None: off."""
     use_kl_loss: bool = False
-    """Add ``kl_loss_coef`` x KL(pi || pi_ref) to the loss (``--use-kl-loss``)."""
+    """Add ``kl_loss_coef`` x KL(pi || pi_ref) to the loss."""
     kl_coef: float = 0.0
-    """KL-to-reference penalty subtracted from each token's advantage (reward shaping) (``--kl-coef``)."""
+    """KL-to-reference penalty subtracted from each token's advantage (reward shaping)."""
     calculate_per_token_loss: bool = False
-    """Mean the loss over every response token of the step; default: mean per sample, then over samples
-    (``--calculate-per-token-loss``)."""
+    """Mean the loss over every response token of the step; default: mean per sample, then over samples."""
     use_tis: bool = False
-    """Truncated importance sampling between the engine's and the actor's old log-probs (``--use-tis``)."""
+    """Truncated importance sampling between the engine's and the actor's old log-probs."""
     tis_clip: float = 2.0
-    """Upper bound of the TIS weight (``--tis-clip``)."""
-    check_for_nan_in_loss_and_grad: bool = True
-    """Stop with an error on a NaN/inf loss or gradient; False skips such steps with a warning
-    (``--no-check-for-nan-in-loss-and-grad``)."""
+    """Upper bound of the TIS weight."""
+    check_for_nan_in_loss_and_grad: bool = field(default=True, metadata={"flag": "--no-check-for-nan-in-loss-and-grad"})
+    """Stop with an error on a NaN/inf loss or gradient; False skips such steps with a warning."""
     log_probs_chunk_size: int = 1024
-    """Tokens per LM-head chunk when computing log-probs (bounds logits memory) (``--log-probs-chunk-size``)."""
-    temperature: float = 1.0
+    """Tokens per LM-head chunk when computing log-probs (bounds logits memory)."""
+    temperature: float = field(default=1.0, metadata={"flag": None})
     """Rollout sampling temperature; logits are divided by it before log-softmax (``--rollout-temperature``)."""
 
     def _check_model(self) -> None:

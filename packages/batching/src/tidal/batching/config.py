@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal.batching.arithmetic import BatchArithmetic, resolve_batch_arithmetic
 
@@ -15,27 +15,31 @@ class BatchingConfig:
     """Batch sizes and micro-batching (slime's flag names, dashed, in the messages)."""
 
     rollout_batch_size: int
-    """Prompts per rollout (--rollout-batch-size)."""
-    n_samples_per_prompt: int = 1
+    """Prompts per rollout."""
+    n_samples_per_prompt: int = field(default=1, metadata={"flag": None})
     """Samples generated per prompt (--n-samples-per-prompt)."""
     global_batch_size: int | None = None
-    """Samples per optimizer step (--global-batch-size); derived from --num-steps-per-rollout when None."""
+    """Samples per optimizer step; derived from --num-steps-per-rollout when None."""
     num_steps_per_rollout: int | None = None
-    """Optimizer steps per rollout (--num-steps-per-rollout); derived, or 1, when None."""
-    use_dynamic_batch_size: bool = False
-    """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed count (--use-dynamic-batch-size)."""
+    """Optimizer steps per rollout; derived, or 1, when None."""
+    use_dynamic_batch_size: bool = field(default=False, metadata={"negatable": True})
+    """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed count."""
     max_tokens_per_gpu: int | None = None
-    """Token budget of one micro-batch on one GPU, with dynamic batch size (--max-tokens-per-gpu)."""
+    """Token budget of one micro-batch on one GPU, with dynamic batch size."""
     micro_batch_size: int | None = None
-    """Sequences per micro-batch without dynamic batch size (--micro-batch-size); 1 when None."""
+    """Sequences per micro-batch without dynamic batch size; 1 when None."""
     pad_to_multiple_of: int = 1
-    """Pad each micro-batch's token count to a multiple of this for kernel alignment (--pad-to-multiple-of)."""
+    """Pad each micro-batch's token count to a multiple of this for kernel alignment."""
+    context_parallel_size: int = field(default=1, metadata={"flag": None})
+    """Context-parallel size of the trainer: each GPU holds 1/CP of every sequence, so a micro-batch holds
+    --max-tokens-per-gpu x CP tokens of whole sequences (the app copies it from --context-parallel-size)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
             ("--max-tokens-per-gpu", self.max_tokens_per_gpu),
             ("--micro-batch-size", self.micro_batch_size),
             ("--pad-to-multiple-of", self.pad_to_multiple_of),
+            ("--context-parallel-size", self.context_parallel_size),
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -51,6 +55,18 @@ class BatchingConfig:
             )
         # Checks everything that does not depend on the data-parallel size (raises ValueError with the fix).
         self.resolve(dp_size=1)
+
+    @property
+    def micro_batch_token_budget(self) -> int | None:
+        """Tokens of whole sequences one micro-batch may hold with dynamic batch size (None without it).
+
+        ``--max-tokens-per-gpu`` aligned down to ``--pad-to-multiple-of``, times the context-parallel size: the
+        budget the micro-batch planner uses.
+        """
+        if not self.use_dynamic_batch_size or self.max_tokens_per_gpu is None:
+            return None
+        pad = self.pad_to_multiple_of
+        return self.max_tokens_per_gpu // pad * pad * self.context_parallel_size
 
     def resolve(self, *, dp_size: int) -> BatchArithmetic:
         """Resolve global batch size and steps per rollout for ``dp_size`` data-parallel ranks.

@@ -44,7 +44,7 @@ def plan_from_config(
     lengths: Sequence[int] | np.ndarray,
     *,
     dp_size: int,
-    context_parallel_size: int = 1,
+    context_parallel_size: int | None = None,
     tensor_model_parallel_size: int = 1,
     sequence_parallel: bool = False,
 ) -> MicroBatchPlan:
@@ -54,7 +54,8 @@ def plan_from_config(
         cfg: the batching config.
         lengths: token count of each sample of the global batch (one optimizer step's samples).
         dp_size: data-parallel size.
-        context_parallel_size: context-parallel size.
+        context_parallel_size: context-parallel size; None: ``cfg.context_parallel_size``. The token budget of a
+            micro-batch is ``cfg.max_tokens_per_gpu`` times it (each GPU holds 1/CP of every sequence).
         tensor_model_parallel_size: tensor-parallel size (matters for alignment with sequence parallelism).
         sequence_parallel: whether sequence parallelism is on.
 
@@ -62,6 +63,8 @@ def plan_from_config(
         The plan; pack each rank's part with :func:`pack_micro_batches` and the same alignment
         (:func:`alignment_multiple`).
     """
+    if context_parallel_size is None:
+        context_parallel_size = cfg.context_parallel_size
     multiple = alignment_multiple(
         cfg.pad_to_multiple_of,
         tensor_model_parallel_size=tensor_model_parallel_size,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -16,27 +16,27 @@ class CkptConfig:
     """Checkpoint flags (slime's names, dashed, in the messages)."""
 
     load: str | None = None
-    """Megatron checkpoint dir to resume the actor from (--load); None starts from --hf-checkpoint."""
+    """Megatron checkpoint dir to resume the actor from; None starts from --hf-checkpoint."""
     ref_load: str | None = None
-    """Megatron checkpoint dir of the reference model (--ref-load); None uses --hf-checkpoint."""
-    hf_checkpoint: str | None = None
+    """Megatron checkpoint dir of the reference model; None uses --hf-checkpoint."""
+    hf_checkpoint: str | None = field(default=None, metadata={"flag": None})
     """Hugging Face checkpoint dir: config.json, tokenizer, *.safetensors (--hf-checkpoint)."""
     ckpt_step: int | None = None
-    """Iteration to load from --load instead of the one named by latest_checkpointed_iteration.txt (--ckpt-step)."""
+    """Iteration to load from --load instead of the one named by latest_checkpointed_iteration.txt."""
     no_load_optim: bool = False
-    """Do not load optimizer (and LR scheduler) state from --load (--no-load-optim)."""
+    """Do not load optimizer (and LR scheduler) state from --load."""
     no_load_rng: bool = False
-    """Do not load RNG states from --load (--no-load-rng); needed when the world size changed."""
+    """Do not load RNG states from --load; needed when the world size changed."""
     save: str | None = None
-    """Directory to save Megatron checkpoints into (--save)."""
+    """Directory to save Megatron checkpoints into; None saves none (`train` then saves into OUTPUT_DIR/ckpt)."""
     save_interval: int | None = None
-    """Save every this many rollouts (--save-interval); None saves only at the end."""
+    """Save every this many rollouts; None saves only at the end."""
     keep_last: int | None = None
-    """Keep only the newest K iterations in --save (--keep-last); None keeps all."""
+    """Keep only the newest K iterations in --save; None keeps all."""
     async_save: bool = False
-    """Write checkpoints in a background process; published at the next save or at exit (--async-save)."""
+    """Write checkpoints in a background process; published at the next save or at exit."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-    """Largest safetensors shard written for an HF checkpoint (--max-shard-bytes)."""
+    """Largest safetensors shard written for an HF checkpoint."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--ckpt-step", self.ckpt_step),):

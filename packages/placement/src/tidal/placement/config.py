@@ -45,31 +45,32 @@ class PlacementConfig:
     """Where the actor (trainer) and the rollout engines run, and how tidal talks to Ray."""
 
     actor_num_nodes: int = 1
-    """--actor-num-nodes: nodes the actor (Megatron trainer) spans."""
+    """Nodes the actor (Megatron trainer) spans."""
     actor_num_gpus_per_node: int = 1
-    """--actor-num-gpus-per-node: actor ranks (GPUs) on each of those nodes."""
+    """Actor ranks (GPUs) on each of those nodes."""
     rollout_num_gpus: int = 1
-    """--rollout-num-gpus: GPUs for all SGLang engines together."""
+    """GPUs for all SGLang engines together."""
     rollout_num_gpus_per_engine: int = 1
-    """--rollout-num-gpus-per-engine: GPUs of one SGLang engine (its TP size); an engine never spans nodes."""
-    colocate: bool = False
-    """--colocate: actor and rollout share the same GPUs; off (slime's default): rollout gets its own GPUs, and the
-    job needs actor + rollout GPUs."""
+    """GPUs of one SGLang engine (its TP size); an engine never spans nodes."""
+    colocate: bool = field(default=False, metadata={"negatable": True})
+    """Actor and rollout share the same GPUs; off (slime's default): rollout gets its own GPUs, and the
+    job needs actor + rollout GPUs. `train` turns it on when --rollout-external-engine-addrs is given and this is
+    not: engines run elsewhere take no GPU of the job."""
     ray_address: str | None = None
-    """--ray-address: connect to this existing Ray cluster; None starts a local Ray."""
+    """Connect to this existing Ray cluster; None starts a local Ray."""
     num_gpus_local: int | None = None
-    """--num-gpus-local: GPUs a local Ray declares (None: the CUDA GPUs detected; on a machine without any, as many
+    """GPUs a local Ray declares (None: the CUDA GPUs detected; on a machine without any, as many
     logical GPUs as the job needs; see tidal.placement.devices)."""
     num_cpus_local: int = 2
-    """--num-cpus-local: CPUs a local Ray declares."""
+    """CPUs a local Ray declares."""
     num_cpus_per_bundle: float = 0.1
-    """--num-cpus-per-bundle: CPU share of each GPU bundle (actors in a bundle ask a fraction of it)."""
-    placement_timeout_s: float = 300.0
-    """--placement-timeout: seconds to wait for the placement group before failing with what is pending."""
-    ray_env: Mapping[str, str] = field(default_factory=dict)
-    """--ray-env KEY=VALUE: environment variables for every Ray worker (the job's runtime env)."""
+    """CPU share of each GPU bundle (actors in a bundle ask a fraction of it)."""
+    placement_timeout_s: float = field(default=300.0, metadata={"flag": "--placement-timeout"})
+    """Seconds to wait for the placement group before failing with what is pending."""
+    ray_env: Mapping[str, str] = field(default_factory=dict, metadata={"action": "append", "metavar": "KEY=VALUE"})
+    """Environment variables for every Ray worker (the job's runtime env)."""
     ray_propagate_uv_env: bool = False
-    """--ray-propagate-uv-env: under `uv run`, let Ray ship the working dir and `uv run` every worker (off:
+    """Under `uv run`, let Ray ship the working dir and `uv run` every worker (off:
     workers use the driver's interpreter, which is right when all nodes share the environment)."""
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class RolloutConfig:
 
     n_samples_per_prompt: int = 1
     """Responses sampled per prompt (one GRPO group)."""
+    rollout_batch_size: int | None = field(default=None, metadata={"flag": None})
+    """Prompts (groups) per rollout; the app copies it from --rollout-batch-size (None: not set, standalone use)."""
     rollout_max_response_len: int = 1024
     """Most new tokens per response (SGLang max_new_tokens)."""
     rollout_temperature: float = 1.0
@@ -102,7 +104,7 @@ class RolloutConfig:
     """Directory of saved rollouts to replay instead of generating (debug training without any server)."""
     sglang_host: str = "127.0.0.1"
     """Address the SGLang servers listen on."""
-    sglang_server_args: tuple[str, ...] = ()
+    sglang_server_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     """Extra sglang.launch_server arguments, already mapped from --sglang-* (see sglang_server_args())."""
     partial_rollout: bool = False
     """Once the batch is full, abort the requests still running and resume them next rollout (slime's flag)."""
@@ -112,11 +114,11 @@ class RolloutConfig:
     """Send requests through sglang-router; None: only when there are several engines."""
     sglang_router_policy: str = "cache_aware"
     """sglang-router policy: cache_aware, round_robin, random or power_of_two."""
-    sglang_router_args: tuple[str, ...] = ()
+    sglang_router_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     """Extra sglang_router.launch_router arguments, already mapped from --sglang-router-* (see sglang_router_args())."""
     rollout_external: bool = False
     """slime's switch for external engines; needs ``rollout_external_engine_addrs`` (which alone implies it)."""
-    rollout_external_engine_addrs: tuple[str, ...] = ()
+    rollout_external_engine_addrs: tuple[str, ...] = field(default=(), metadata={"metavar": "HOST:PORT"})
     """``HOST:PORT`` of SGLang servers started elsewhere: tidal launches no engine, waits until these answer
     ``/health``, generates on them and loads weights into them, and never restarts or stops them."""
     sglang_startup_timeout_s: float = 600.0

@@ -1,0 +1,82 @@
+"""Recipes: named functions returning a job's options on top of the configs' own defaults.
+
+A recipe is a function registered by name (as torchtitan's config registry does) that returns
+``{field name: value}`` for the options it sets; every other option keeps its config field's default. A job
+starts from one recipe, then a ``--config`` file, then the flags: each overrides the one before.
+
+Which recipe: ``--recipe NAME``; without it ``embedded`` when ``--hf-checkpoint`` is not given (``uv run train``
+alone runs it), else ``base``. ``train --recipe list`` (or ``--list-recipes``) lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Recipe = Callable[[], dict[str, Any]]
+
+RECIPES: dict[str, Recipe] = {}
+"""Every recipe by name, in the order registered."""
+
+
+def register(fn: Recipe) -> Recipe:
+    """Register ``fn`` as the recipe named like the function (``embedded`` -> ``--recipe embedded``)."""
+    RECIPES[fn.__name__] = fn
+    return fn
+
+
+@register
+def base() -> dict[str, Any]:
+    """The configs' own defaults (slime's): give --prompt-data and --rollout-batch-size (and --hf-checkpoint)."""
+    return {}
+
+
+@register
+def embedded() -> dict[str, Any]:
+    """The embedded tiny Qwen2 on the shipped fixed-width addition task, GRPO on one co-located (logical) GPU."""
+    from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, shipped_path
+
+    # Measured in bench/rl_recipe_grid.py and reproduced on the real stack (bench/RESULTS.md): one optimizer step
+    # per rollout of 64 prompts x 8 samples; sizes that suit the ~1M-parameter model on a 2-core CPU.
+    return {
+        "prompt_data": str(shipped_path(TRAIN_FILE)),
+        "eval_prompt_data": str(shipped_path(EVAL_FILE)),
+        "num_rollout": 150,
+        "rollout_batch_size": 64,
+        "n_samples_per_prompt": 8,
+        "rollout_max_response_len": 6,
+        "rollout_temperature": 1.0,
+        "rm_type": "numeric_match",
+        "lr": 3e-4,
+        "use_dynamic_batch_size": True,
+        "max_tokens_per_gpu": 8192,
+        "eval_interval": 10,
+        "num_eval_prompts": 256,
+        "colocate": True,  # one CPU box: actor and engine share the (logical) GPU
+    }
+
+
+def default_recipe(given: dict[str, Any]) -> str:
+    """The recipe a job without ``--recipe`` starts from: ``embedded`` unless ``--hf-checkpoint`` is given."""
+    return "base" if given.get("hf_checkpoint") else "embedded"
+
+
+def recipe_options(name: str) -> dict[str, Any]:
+    """The options recipe ``name`` sets.
+
+    Raises:
+        ValueError: no recipe has that name (the message lists them).
+    """
+    if name not in RECIPES:
+        raise ValueError(f"--recipe {name!r} is not a recipe; pick one of {sorted(RECIPES)} (`train --recipe list`)")
+    return RECIPES[name]()
+
+
+def describe() -> str:
+    """One line per recipe: its name and what it is (``train --recipe list``)."""
+    width = max(map(len, RECIPES))
+    lines = []
+    for name, fn in RECIPES.items():
+        summary = (fn.__doc__ or "").strip().splitlines()[0]
+        lines.append(f"{name:<{width}}  {summary}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Recipes: `train` alone runs the embedded one; --recipe picks one; a field's default never depends on other flags."""
+
+import dataclasses
+import json
+
+import pytest
+from tidal.train.cli import main, parse_job
+from tidal.train.flags import options, section_defaults
+from tidal.train.recipes import RECIPES, default_recipe, recipe_options
+
+# The embedded job's values: the README's main command and its learning result (bench/RESULTS.md) rest on them.
+EMBEDDED = {
+    "num_rollout": 150,
+    "rollout_batch_size": 64,
+    "n_samples_per_prompt": 8,
+    "rollout_max_response_len": 6,
+    "rollout_temperature": 1.0,
+    "rm_type": "numeric_match",
+    "lr": 3e-4,
+    "use_dynamic_batch_size": True,
+    "max_tokens_per_gpu": 8192,
+    "eval_interval": 10,
+    "num_eval_prompts": 256,
+    "colocate": True,
+}
+
+
+@pytest.fixture
+def user(tmp_path) -> list[str]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 4}))
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(tmp_path / "data.jsonl"), "--output-dir",
+            str(tmp_path / "run")]  # fmt: skip
+
+
+def _value(job, name: str):
+    section = next(o.section for o in options() if o.name == name)
+    return getattr(getattr(job, section), name)
+
+
+def test_train_alone_runs_the_embedded_recipe_with_its_values(tmp_path):
+    job = parse_job(["--output-dir", str(tmp_path / "run")])
+    assert {name: _value(job, name) for name in EMBEDDED} == EMBEDDED
+    assert job.train.hf_checkpoint is None and job.train.prompt_data.endswith("addition_train.jsonl")
+    assert parse_job(["--recipe", "embedded", "--output-dir", str(tmp_path / "run")]) == job
+
+
+def test_the_default_recipe_is_embedded_unless_hf_checkpoint_is_given(user):
+    assert default_recipe({}) == "embedded" and default_recipe({"hf_checkpoint": "DIR"}) == "base"
+    job = parse_job([*user, "--rollout-batch-size", "4"])
+    assert job.actor.lr == section_defaults("actor")["lr"] and not job.placement.colocate
+    recipe = parse_job([*user, "--recipe", "embedded"])  # asked for: the recipe's values on the user's model
+    assert recipe.actor.lr == EMBEDDED["lr"] and recipe.actor.hf_checkpoint == user[1]
+    assert recipe.train.prompt_data == user[3]  # flags override the recipe
+
+
+def test_a_fields_default_is_the_same_whatever_other_flags_are_given(user, tmp_path):
+    # Every option no recipe sets has its field's default, with and without --hf-checkpoint.
+    embedded = parse_job(["--output-dir", str(tmp_path / "run")])
+    base = parse_job([*user, "--rollout-batch-size", "4"])
+    for o in options():
+        if o.name in RECIPES["embedded"]() or o.default is dataclasses.MISSING:
+            continue
+        if o.name in ("hf_checkpoint", "prompt_data", "output_dir", "save", "eval_prompt_data"):
+            continue  # given in `user`, or derived from what is (OUTPUT_DIR/ckpt, --prompt-data)
+        assert _value(embedded, o.name) == _value(base, o.name) == o.default, o.flag
+
+
+def test_base_recipe_asks_for_what_it_does_not_set(tmp_path):
+    with pytest.raises(ValueError) as info:
+        parse_job(["--recipe", "base", "--output-dir", str(tmp_path / "run")])
+    assert "--rollout-batch-size is required" in str(info.value) and "--prompt-data is required" in str(info.value)
+
+
+def test_an_unknown_recipe_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"--recipe 'nope' is not a recipe; pick one of \['base', 'embedded'\]"):
+        parse_job(["--recipe", "nope"])
+
+
+@pytest.mark.parametrize("argv", [["--recipe", "list"], ["--list-recipes"], ["--recipe=list"]])
+def test_recipe_list_lists_them(argv, capsys):
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(RECIPES)
+
+
+def test_recipes_set_only_options_and_every_switch_they_turn_on_can_be_turned_off():
+    kinds = {o.name: o for o in options()}
+    for name in RECIPES:
+        for key, value in recipe_options(name).items():
+            assert key in kinds, f"recipe {name} sets {key}, which is no option"
+            if value is True:  # a store_true switch could not be undone on the command line
+                assert kinds[key].kwargs["action"].__name__ == "BooleanOptionalAction", (name, key)
