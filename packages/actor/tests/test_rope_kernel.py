@@ -1,7 +1,8 @@
 """The Triton q/k/v split + RoPE kernels (CUDA path of ``fused.split_rope_qkv``) against the eager function.
 
 Run on CPU under Triton's interpreter in a child process (``TRITON_INTERPRET`` must be set before the kernels are
-defined). fp32 must match exactly (to 1e-5 with qk-norm, whose sums run in another order); bf16 to one bf16 ulp (the interpreter rounds bf16 differently from the GPU).
+defined). fp32 must match exactly (to 1e-5 with qk-norm, whose sums run in another order); bf16 to one bf16
+ulp (the interpreter rounds bf16 differently from the GPU).
 """
 
 import os
