@@ -61,7 +61,9 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
             )
             yield Cluster(rollouts=rollouts, actors=actors)
         finally:
-            rollouts.shutdown()  # the router, then the engines' servers (their process groups)
-            if actors is not None:
-                actors.kill()
-            placement.remove()
+            try:
+                rollouts.shutdown()  # the router, then the engines' servers (their process groups)
+            finally:
+                if actors is not None:
+                    actors.kill()
+                placement.remove()
