@@ -18,8 +18,9 @@ rollout K begins (``--kill-rollout``); then run B, the same command plus ``--loa
 - every rollout's prompts (saved samples) equal the batch an uninterrupted run draws for it;
 - B's processes are all gone after it.
 
-Phases are seen by running the driver through this file (``--driver``), which wraps tidal.train.loop's phase
-functions to append one line per phase start to ``OUT/phases.txt`` before calling the real ``train`` entry point
+Phases are seen by running the driver through this file (``--driver``), which wraps the phase methods of the
+rollout manager and the actor group (and tidal.train.loop's checkpoint step) to append one line per phase start to
+``OUT/phases.txt`` before calling the real ``train`` entry point
 (the code under test is unchanged), and kills the target 20 ms into the chosen phase from a timer thread (phases of
 the tiny model last 0.1-0.5 s: a poll from outside would miss them); it notes what was on disk at the kill.
 The runs that do not kill the server attach to one shared SGLang server started here
@@ -78,7 +79,9 @@ def run_driver(phases: Path, argv: list[str]) -> int:
     phase, from a timer thread of this process (so the kill cannot miss a phase shorter than a poll interval).
     """
     import tidal.train.loop as loop
+    from tidal.train.actor_group import ActorGroup
     from tidal.train.cli import main
+    from tidal.train.rollout_manager import RolloutManager
 
     plan = os.environ.get("TIDAL_CHAOS_KILL", "").split(":")
     counts: dict[str, int] = {}
@@ -94,11 +97,11 @@ def run_driver(phases: Path, argv: list[str]) -> int:
 
         return wrapper
 
-    loop.generate = marked("generation", loop.generate)
-    loop.evaluate = marked("evaluation", loop.evaluate)
-    loop.sync_weights = marked("weight_sync", loop.sync_weights)
+    RolloutManager.generate = marked("generation", RolloutManager.generate)
+    RolloutManager.evaluate = marked("evaluation", RolloutManager.evaluate)
+    ActorGroup.sync_weights = marked("weight_sync", ActorGroup.sync_weights)
     loop._save = marked("checkpoint", loop._save)
-    loop._rollout_data = marked("training", loop._rollout_data)  # called just before the actor's train call
+    ActorGroup.train = marked("training", ActorGroup.train)
     return main(argv)
 
 

@@ -1,8 +1,9 @@
 """Rollouts the driver generates itself over HTTP: partial rollout, DAPO over-sampling, or a router in front.
 
-The plain path (one batched request per engine, inside each engine's Ray actor) stays in ``cluster.generate``;
+The plain path (one batched request per engine, inside each engine's Ray actor) is the rollout manager's own;
 these strategies need to see every group as it finishes, so the driver talks to the router or the engine
-directly through tidal.rollout.
+directly through tidal.rollout. Engines are reached through the rollout manager (``driver_target``,
+``restart_dead_engines``), never through Ray here.
 """
 
 from __future__ import annotations
@@ -16,20 +17,27 @@ logger = logging.getLogger(__name__)
 class DriverRollouts:
     """Per-rollout generation through ``tidal.rollout.generate_partial_rollout`` (carry-over kept between calls)."""
 
-    def __init__(self, job, cluster, train_data, reward_fn, *, tokenizer) -> None:
-        """Decide whether this job needs the driver-side path; nothing starts here."""
-        rollout = job.rollout
-        self.job, self.cluster, self.data, self.reward_fn = job, cluster, train_data, reward_fn
+    def __init__(self, job, engines, train_data, reward_fn, *, tokenizer) -> None:
+        """Load the group filter, if any; nothing starts here.
+
+        ``engines`` is the rollout manager: its ``engines`` and ``router`` decide the path, its
+        ``driver_target()`` and ``restart_dead_engines()`` reach them.
+        """
+        self.job, self.engines, self.data, self.reward_fn = job, engines, train_data, reward_fn
         self.tokenizer = tokenizer
-        self.driver_side = bool(cluster.engines) and (
-            rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None or cluster.router is not None
-        )
         self.carry: list = []
         self.group_filter = None
-        if rollout.dynamic_sampling_filter_path is not None:
+        if job.rollout.dynamic_sampling_filter_path is not None:
             from tidal.rollout import resolve_group_filter
 
-            self.group_filter = resolve_group_filter(rollout.dynamic_sampling_filter_path)
+            self.group_filter = resolve_group_filter(job.rollout.dynamic_sampling_filter_path)
+
+    @property
+    def driver_side(self) -> bool:
+        """Whether rollouts take this path: engines run, and partial rollout, dynamic sampling or a router is on."""
+        rollout = self.job.rollout
+        wanted = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
+        return bool(self.engines.engines) and (wanted or self.engines.router is not None)
 
     def carry_state(self) -> list[list[dict[str, Any]]] | None:
         """Partial rollout's unfinished groups as plain data for the checkpoint (None when nothing is carried)."""
@@ -57,7 +65,6 @@ class DriverRollouts:
     def generate(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
         """Scored samples of ``rollout_batch_size`` finished groups, and the strategy's metrics."""
         from tidal.rollout import RolloutError, generate_partial_rollout
-        from tidal.train.cluster import driver_target
 
         job = self.job
         wanted = job.batching.rollout_batch_size
@@ -66,7 +73,7 @@ class DriverRollouts:
 
         def attempt():
             return generate_partial_rollout(
-                driver_target(self.cluster, job),
+                self.engines.driver_target(),
                 [list(p.ids) for p in prompts],
                 job.rollout.sampling_params(),
                 num_groups=wanted,
@@ -86,7 +93,7 @@ class DriverRollouts:
             # The engines live in their Ray actors: restart the dead ones there, then the router (its circuit
             # breaker keeps a restarted engine marked unhealthy), and run the rollout once more from its start.
             logger.warning("rollout %d failed (%s); restarting dead engines and retrying it", rollout_id, e)
-            self._restart_dead_engines()
+            self.engines.restart_dead_engines()
             result = attempt()
         self.carry = list(result.carry_over) if job.rollout.partial_rollout else []
         if len(result.samples) != wanted * job.rollout.n_samples_per_prompt:
@@ -95,11 +102,3 @@ class DriverRollouts:
                 f"{job.rollout.n_samples_per_prompt}; raise --over-sampling-batch-size or loosen the group filter"
             )
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}
-
-    def _restart_dead_engines(self) -> None:
-        import ray
-
-        restarted = ray.get([engine.ensure_alive.remote() for engine in self.cluster.engines])
-        if self.cluster.router is not None:
-            self.cluster.router.restart()
-        logger.info("restarted %d engine(s)%s", sum(restarted), " and the router" if self.cluster.router else "")

@@ -37,12 +37,13 @@ class RolloutData:
 
 @ray.remote
 class ActorWorker:
-    """One rank of the Megatron actor (tidal.actor) on its bundle."""
+    """One rank of the Megatron actor (tidal.actor) on its bundle, with its checkpoint IO (tidal.ckpt)."""
 
     def __init__(
         self,
         actor_cfg,
         batching_cfg,
+        ckpt_cfg,
         *,
         rank: int,
         world_size: int,
@@ -52,11 +53,11 @@ class ActorWorker:
         tensor_model_parallel_size: int = 1,
         context_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
-        ref_load: str | None = None,
     ) -> None:
         setup_logging(f"actor r{rank}")
         _limit_cpu_threads()
         from tidal.actor import Actor, init_distributed
+        from tidal.ckpt import CheckpointIO
 
         init_distributed(
             rank=rank,
@@ -70,14 +71,15 @@ class ActorWorker:
         )
         self.dp_size = world_size // (tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size)
         self.rank = rank
-        self.world_size = world_size
         self.batching_cfg = batching_cfg
+        self.hf_checkpoint = actor_cfg.hf_checkpoint
+        self.checkpoints = CheckpointIO.from_config(ckpt_cfg)
         self.actor = Actor(actor_cfg)
         self.reference = None
         if actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0:  # frozen, offloaded to CPU between rollouts
             from tidal.actor import ReferenceModel
 
-            self.reference = ReferenceModel(actor_cfg, load_dir=ref_load)
+            self.reference = ReferenceModel(actor_cfg, load_dir=ckpt_cfg.ref_load)
 
     def ready(self) -> bool:
         """True once the model is built and loaded (the constructor finished)."""
@@ -100,52 +102,33 @@ class ActorWorker:
             reference=self.reference,
         )
 
-    def save_hf(self, out_dir: str, source_dir: str, max_shard_bytes: int | None = None) -> str:
-        """Write the current weights as an HF checkpoint (rank 0 writes; every rank gathers TP shards)."""
-        from tidal.ckpt import save_hf_checkpoint
+    def save_hf(self, out_dir: str, max_shard_bytes: int | None = None) -> str:
+        """Write the current weights as an HF checkpoint beside --hf-checkpoint's config and tokenizer.
 
+        Rank 0 writes (shards of ``max_shard_bytes``, default --max-shard-bytes); every rank gathers TP shards.
+        """
         tensors = self.actor.named_hf_tensors()
         if self.rank != 0:
             for _ in tensors:
                 pass
             return out_dir
-        shard = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
-        return str(save_hf_checkpoint(out_dir, tensors, source_dir=source_dir, **shard))
-
-    def save_checkpoint(self, ckpt_cfg, iteration: int, common_state: dict[str, Any]) -> str:
-        """Save a Megatron checkpoint of model, optimizer and this rank's RNG states (every rank takes part)."""
-        from tidal.ckpt import RNG_STATE_KEY, rng_state_sharded_object, save_checkpoint
-
-        state = self.actor.sharded_state_dict()
-        state[RNG_STATE_KEY] = rng_state_sharded_object()
-        saved = save_checkpoint(
-            ckpt_cfg.save,
-            iteration,
-            state,
-            common_state=common_state,
-            keep_last=ckpt_cfg.keep_last,
-            async_save=ckpt_cfg.async_save,  # published by the next save, or by finalize_saves()
+        return self.checkpoints.save_hf(
+            out_dir, tensors, source_dir=self.hf_checkpoint, max_shard_bytes=max_shard_bytes
         )
-        return str(getattr(saved, "path", saved))
+
+    def save_checkpoint(self, iteration: int, common_state: dict[str, Any]) -> str:
+        """Save model, optimizer and this rank's RNG states into --save (every rank takes part)."""
+        return self.checkpoints.save(iteration, self.actor.sharded_state_dict(), common_state=common_state)
 
     def finalize_saves(self) -> list[str]:
         """Wait for a pending --async-save to be durable and published (every rank calls it)."""
-        from tidal.ckpt import finalize_async_saves
+        return self.checkpoints.finalize()
 
-        return [str(p) for p in finalize_async_saves()]
-
-    def load_checkpoint(self, ckpt_cfg) -> dict[str, Any]:
-        """Load ``--load`` (model, optimizer unless --no-load-optim, RNG unless --no-load-rng); its common state."""
-        from tidal.ckpt import RNG_STATE_KEY, load_checkpoint, restore_rng_state, rng_state_sharded_object
-
-        state = self.actor.sharded_state_dict(with_optimizer=not ckpt_cfg.no_load_optim)
-        if not ckpt_cfg.no_load_rng:
-            state[RNG_STATE_KEY] = rng_state_sharded_object()
-        loaded, common = load_checkpoint(ckpt_cfg.load, state, ckpt_step=ckpt_cfg.ckpt_step)
-        rng = loaded.pop(RNG_STATE_KEY, None)
+    def load_checkpoint(self) -> dict[str, Any]:
+        """Load --load (model, optimizer unless --no-load-optim, RNG unless --no-load-rng); its common state."""
+        state = self.actor.sharded_state_dict(with_optimizer=self.checkpoints.load_optimizer)
+        loaded, common = self.checkpoints.load(state)
         self.actor.load_state_dict(loaded)
-        if rng is not None:
-            restore_rng_state(rng)
         return common
 
 
@@ -177,13 +160,12 @@ class EngineWorker:
 
     def __init__(
         self,
+        rollout_cfg,
         model_path: str,
         *,
-        host: str,
-        port: int,
-        nccl_port: int,
+        port: int = 0,
+        nccl_port: int | None = None,
         log_dir: str,
-        rollout_cfg,
         env: dict[str, str] | None = None,
         fault_tolerant: bool = False,
         external_url: str | None = None,
@@ -205,23 +187,11 @@ class EngineWorker:
         # --rollout-external-engine-addrs: a server someone else runs; tidal only talks to it (never starts,
         # restarts or stops it).
         self.external = external_url is not None
-        requests = {
-            "request_timeout_s": rollout_cfg.rollout_request_timeout_s,
-            "max_retries": rollout_cfg.rollout_request_retries,
-        }
         self.engine = (
-            SGLangClient(external_url, **requests)
+            SGLangClient.from_config(rollout_cfg, external_url)
             if self.external
-            else SGLangEngine(
-                model_path,
-                host=host,
-                port=port,
-                nccl_port=nccl_port,
-                log_dir=Path(log_dir),
-                extra_server_args=rollout_cfg.sglang_server_args,
-                startup_timeout_s=rollout_cfg.sglang_startup_timeout_s,
-                env=env,
-                **requests,
+            else SGLangEngine.from_config(
+                rollout_cfg, model_path, port=port, nccl_port=nccl_port, log_dir=Path(log_dir), env=env
             )
         )
         self.health_check = (rollout_cfg.rollout_health_check_interval, rollout_cfg.rollout_health_check_timeout)

@@ -23,6 +23,7 @@ from tidal.ckpt.errors import (
 if TYPE_CHECKING:
     from tidal.ckpt.async_save import AsyncSave, finalize_async_saves
     from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
+    from tidal.ckpt.checkpoint_io import CheckpointIO
     from tidal.ckpt.hf import iter_hf_tensors, save_hf_checkpoint
     from tidal.ckpt.layout import TRACKER_FILENAME, iteration_dir_name, list_iterations, resolve_checkpoint
     from tidal.ckpt.state import (
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "AsyncSave": "async_save",
     "finalize_async_saves": "async_save",
+    "CheckpointIO": "checkpoint_io",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
     "iter_hf_tensors": "hf",
@@ -70,6 +72,7 @@ __all__ = [
     "TRACKER_FILENAME",
     "AsyncSave",
     "CheckpointError",
+    "CheckpointIO",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CkptConfig",

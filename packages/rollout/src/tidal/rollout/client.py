@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
@@ -22,6 +22,9 @@ from tidal.rollout.transport import (
     is_transient,
     never_sent,
 )
+
+if TYPE_CHECKING:
+    from tidal.rollout.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,11 @@ class SGLangClient:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._retries = 0
         self._retries_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, url: str) -> SGLangClient:
+        """A client of ``url`` with ``cfg``'s request timeout and retries (an external server, or one engine)."""
+        return cls(url, request_timeout_s=cfg.rollout_request_timeout_s, max_retries=cfg.rollout_request_retries)
 
     @property
     def http_retries(self) -> int:

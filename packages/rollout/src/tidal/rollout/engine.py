@@ -7,11 +7,14 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.rollout.errors import RolloutError
 from tidal.rollout.server_process import ManagedServer
 from tidal.rollout.transport import DEFAULT_RETRIES
+
+if TYPE_CHECKING:
+    from tidal.rollout.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +137,35 @@ class SGLangEngine(ManagedServer):
         self.cpu = cpu
         # The last weights loaded from disk, re-applied by restart() so that a restarted engine serves them.
         self._disk_weights: dict[str, Any] | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: RolloutConfig,
+        model_path: str | os.PathLike[str],
+        *,
+        port: int,
+        nccl_port: int | None = None,
+        log_dir: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+    ) -> SGLangEngine:
+        """An engine as ``cfg`` describes it, on the ports and in the log folder the caller's placement chose.
+
+        ``cfg`` gives the host (``--sglang-host``), the pass-through server flags (``--sglang-*``), the start-up
+        timeout, and the request timeout and retries; nothing starts until :meth:`start`.
+        """
+        return cls(
+            model_path,
+            host=cfg.sglang_host,
+            port=port,
+            nccl_port=nccl_port,
+            log_dir=log_dir,
+            extra_server_args=cfg.sglang_server_args,
+            startup_timeout_s=cfg.sglang_startup_timeout_s,
+            request_timeout_s=cfg.rollout_request_timeout_s,
+            max_retries=cfg.rollout_request_retries,
+            env=env,
+        )
 
     def command(self) -> list[str]:
         """The server command line this engine runs (CPU flags resolved)."""

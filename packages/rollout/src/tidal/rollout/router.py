@@ -16,12 +16,16 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 from tidal.rollout.client import SGLangClient
 from tidal.rollout.config import ROUTER_POLICIES
 from tidal.rollout.server_process import ManagedServer
 from tidal.rollout.transport import DEFAULT_RETRIES
+
+if TYPE_CHECKING:
+    from tidal.rollout.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +96,24 @@ class RolloutRouter(ManagedServer):
             SGLangClient(url, api_key=api_key, request_timeout_s=request_timeout_s, max_retries=max_retries)
             for url in self.engine_urls
         ]
+
+    @classmethod
+    def from_config(
+        cls, cfg: RolloutConfig, engine_urls: Sequence[str], *, port: int, log_dir: str | os.PathLike[str]
+    ) -> RolloutRouter:
+        """A router over ``engine_urls`` as ``cfg`` describes it: policy, ``--sglang-router-*`` flags, timeouts.
+
+        The port and log folder are the caller's placement; nothing starts until :meth:`start`.
+        """
+        return cls(
+            engine_urls,
+            port=port,
+            log_dir=log_dir,
+            policy=cfg.sglang_router_policy,
+            extra_router_args=cfg.sglang_router_args,
+            request_timeout_s=cfg.rollout_request_timeout_s,
+            max_retries=cfg.rollout_request_retries,
+        )
 
     def command(self) -> list[str]:
         """The router command line."""

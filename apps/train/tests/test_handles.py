@@ -1,0 +1,47 @@
+"""The loop's two handles without a cluster: the rollout manager's replay path and the actor group's training data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from tidal.rollout import Sample, save_rollout_data
+from tidal.train.actor_group import rollout_data
+from tidal.train.cli import parse_job
+from tidal.train.rollout_manager import RolloutManager
+
+
+def _sample(prompt: list[int], response: list[int], reward: float) -> Sample:
+    return Sample(
+        prompt_ids=prompt,
+        response_ids=response,
+        response_log_probs=[-0.5] * len(response),
+        finish_reason="stop",
+        reward=reward,
+        weight_version="1",
+    )
+
+
+def test_training_data_puts_zero_log_probs_on_prompt_tokens():
+    data = rollout_data([_sample([1, 2, 3], [4, 5], 1.0), _sample([1], [6], 0.0)], group_size=2)
+    assert data.tokens == [[1, 2, 3, 4, 5], [1, 6]]
+    assert data.loss_masks == [[0, 0, 0, 1, 1], [0, 1]]
+    assert data.rollout_log_probs == [[0.0, 0.0, 0.0, -0.5, -0.5], [0.0, -0.5]]
+    assert data.rewards == [1.0, 0.0]
+    assert data.group_size == 2
+
+
+def test_replayed_rollouts_come_from_disk_without_engines(tmp_path: Path):
+    saved = [_sample([1, 2], [3], 1.0), _sample([1, 2], [4], 0.0)]
+    save_rollout_data(tmp_path, 5, saved)
+    job = parse_job(
+        ["--debug-train-only", "--load-debug-rollout-data", str(tmp_path), "--output-dir", str(tmp_path / "o")]
+    )
+    rollouts = RolloutManager(job, SimpleNamespace(tokenizer=None), log_dir=tmp_path / "logs")
+    rollouts.wait_ready()  # nothing was started: no engine, no router
+    assert not rollouts.has_engines and not rollouts.external
+    samples, times = rollouts.generate(5)
+    assert samples == saved
+    assert list(times) == ["time/generate"]  # no engine time: nothing was generated
+    assert rollouts.http_retries() == 0
+    assert rollouts.carry_state() is None
