@@ -263,9 +263,7 @@ def _hf_dtype(hf_dir: str):
 def _build_model(hf_dir: str, tp: int):
     """The actor's GPTModel for ``hf_dir``'s config, in float32 (holds bf16/fp16 weights exactly), on CPU."""
     import torch
-    from tidal.actor import read_hf_config
-    from tidal.actor.bridge import build_gpt_model
-    from tidal.actor.hf_config import to_transformer_config
+    from tidal.actor import build_gpt_model, read_hf_config, to_transformer_config
 
     spec = read_hf_config(hf_dir)
     config = to_transformer_config(
@@ -275,7 +273,7 @@ def _build_model(hf_dir: str, tp: int):
 
 
 def _hf_to_megatron(job: ConvertJob, rank: int) -> None:
-    from tidal.actor.bridge import load_hf_weights
+    from tidal.actor import load_hf_weights
     from tidal.ckpt import save_checkpoint
 
     model, spec = _build_model(job.hf_checkpoint, job.tensor_model_parallel_size)
@@ -294,7 +292,7 @@ def _hf_to_megatron(job: ConvertJob, rank: int) -> None:
 
 def _megatron_to_hf(job: ConvertJob, rank: int) -> None:
     import torch.distributed as dist
-    from tidal.actor.bridge import named_hf_tensors
+    from tidal.actor import named_hf_tensors
     from tidal.ckpt import load_checkpoint, save_hf_checkpoint
 
     model, spec = _build_model(job.hf_checkpoint, job.tensor_model_parallel_size)
