@@ -110,3 +110,32 @@ def test_config_reads_qwen2_facts(qwen2_dir):
     assert spec.model_type == "qwen2" and spec.qkv_bias and not spec.qk_norm
     assert spec.head_dim == raw["hidden_size"] // raw["num_attention_heads"]
     assert spec.num_key_value_heads == 2
+
+
+def test_fused_kernels_is_each_models_own_setting(dist_env, qwen3_dir, monkeypatch):
+    """Two models in one process keep their own ``fused_kernels``; megatron's RoPE (compat patch 5) sees a layer's
+    choice only while that layer runs."""
+    from megatron.core.transformer.attention import SelfAttention
+    from tidal.actor import fused
+
+    spec = read_hf_config(qwen3_dir)  # q/k norm: megatron's own attention forward and its THD RoPE
+    config = to_transformer_config(spec, use_cpu_initialization=True)
+    on, off = build_gpt_model(spec, config, fused_kernels=True), build_gpt_model(spec, config)
+    kinds = (fused.PackedSelfAttention, fused.FusedSwiGLUMLP, fused.FusedRMSNorm)
+
+    def flags(model):
+        return {(type(m).__name__, m.fused_kernels) for m in model.modules() if isinstance(m, kinds)}
+
+    names = ("PackedSelfAttention", "FusedSwiGLUMLP", "FusedRMSNorm")
+    assert flags(on) == {(name, True) for name in names} and flags(off) == {(name, False) for name in names}
+    seen = []
+    forward = SelfAttention.forward
+    monkeypatch.setattr(
+        SelfAttention, "forward", lambda self, *a, **k: seen.append(fused.COMPILED_ROPE.get()) or forward(self, *a, **k)
+    )
+    packed_logits(on.eval(), SEQS)
+    packed_logits(off.eval(), SEQS)
+    assert seen == [True] * spec.num_layers + [False] * spec.num_layers
+    assert fused.COMPILED_ROPE.get() is False
+    fused.set_fused_kernels(on, False)
+    assert flags(on) == {(name, False) for name in names}

@@ -17,7 +17,7 @@ Any other input takes megatron's own path unchanged.
 The arithmetic is megatron's ``_apply_rotary_pos_emb_bshd`` (``t * cos + rotate_half(t) * sin``) on fp32 values
 with an fp32 cos/sin table, rounded once to ``t``'s dtype (megatron casts the table to ``t``'s dtype and rounds
 after each op: in bf16 1.6x the rounding floor, issue 24); equal to megatron's on fp32 input, tested on CPU.
-With ``set_fused_kernels(True)`` (the Actor's ``fused_kernels`` on CUDA)
+With ``fused_kernels`` set on the layer (``set_fused_kernels``: the Actor's ``fused_kernels`` on CUDA)
 ``split_rope_qkv`` runs as two Triton kernels (``rope_kernel.py``: one forward, one backward, plus the bias
 gradient's sum); on CPU, and for a head dim that is not a power of two, it runs eagerly.
 """
@@ -25,6 +25,7 @@ gradient's sum); on CPU, and for a head dim that is not a power of two, it runs 
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -36,25 +37,23 @@ from tidal.actor.attention import _varlen_attn_supports_gqa
 
 logger = logging.getLogger(__name__)
 
-# set_fused_kernels(True): split_rope_qkv, SwiGLU and the layers' RMSNorm run as Triton kernels (CUDA tensors only;
-# rope_kernel.py, swiglu_kernel.py, norm_kernel.py).
-_FUSED = [False]
+# Whether the self-attention running now fuses its kernels, for compat patch 5 (megatron's THD RoPE function, which
+# sees no layer): set by PackedSelfAttention around megatron's own forward, reset when it returns.
+COMPILED_ROPE: ContextVar[bool] = ContextVar("tidal_compiled_rope", default=False)
 # The last table: (freqs, cu_seqlens, tokens, inference mode) -> (cos, sin). Strong references keep the
 # keys alive, so an identity match cannot be a recycled object.
 _TABLE: list[tuple[Any, ...] | None] = [None]
 
 
-def set_fused_kernels(enabled: bool) -> None:
-    """Fuse the CUDA kernels of the model (the Actor's ``fused_kernels``).
+def set_fused_kernels(model: torch.nn.Module, enabled: bool) -> None:
+    """Fuse the CUDA kernels of ``model``'s layers, or not (the Actor's ``fused_kernels``).
 
-    ``split_rope_qkv``, SwiGLU and RMSNorm run as Triton kernels, ``compat`` patch 5's RoPE through torch.compile.
+    ``split_rope_qkv``, SwiGLU and RMSNorm run as Triton kernels, ``compat`` patch 5's RoPE through torch.compile,
+    on CUDA tensors only; on CPU every layer runs eagerly either way.
     """
-    _FUSED[0] = enabled
-
-
-def fused_kernels_enabled() -> bool:
-    """Whether ``set_fused_kernels(True)`` is in effect."""
-    return _FUSED[0]
+    for module in model.modules():
+        if isinstance(module, (PackedSelfAttention, FusedSwiGLUMLP, FusedRMSNorm)):
+            module.fused_kernels = enabled
 
 
 def positions(cu_seqlens: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
@@ -142,6 +141,8 @@ class PackedSelfAttention(SelfAttention):
     Constructed exactly like ``SelfAttention`` (the layer spec passes the same arguments).
     """
 
+    fused_kernels: bool = False
+    """Run ``split_rope_qkv`` as Triton kernels on CUDA (``set_fused_kernels``)."""
     _pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _fusable(self, rotary_pos_emb: Any, packed_seq_params: Any, kwargs: dict[str, Any]) -> bool:
@@ -169,7 +170,11 @@ class PackedSelfAttention(SelfAttention):
         rotary_pos_emb = kwargs.get("rotary_pos_emb")
         packed_seq_params = kwargs.get("packed_seq_params")
         if args or not self._fusable(rotary_pos_emb, packed_seq_params, kwargs):
-            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            token = COMPILED_ROPE.set(self.fused_kernels)
+            try:
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            finally:
+                COMPILED_ROPE.reset(token)
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
         self._pending = cached_rope_table(rotary_pos_emb, cu, hidden_states.size(0))
@@ -196,7 +201,7 @@ class PackedSelfAttention(SelfAttention):
         cos, sin = self._pending
         fn = split_rope_qkv
         dim = self.hidden_size_per_attention_head
-        if _FUSED[0] and mixed.is_cuda and dim & (dim - 1) == 0:
+        if self.fused_kernels and mixed.is_cuda and dim & (dim - 1) == 0:
             from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
         # varlen_attn without grouped-query support would repeat k/v itself: write them repeated right away
         expand = mixed.is_cuda and not _varlen_attn_supports_gqa()
@@ -211,11 +216,14 @@ class FusedSwiGLUMLP(MLP):
     Constructed exactly like ``MLP`` (the layer spec passes the same arguments).
     """
 
+    fused_kernels: bool = False
+    """Run SwiGLU as Triton kernels on CUDA (``set_fused_kernels``)."""
+
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs: Any):
         """``MLP.forward``; fc1, the Triton SwiGLU, fc2 on CUDA with fused kernels."""
         cfg = self.config
         if not (
-            _FUSED[0]
+            self.fused_kernels
             and hidden_states.is_cuda
             and per_token_scale is None
             and cfg.gated_linear_unit
@@ -236,16 +244,20 @@ class FusedSwiGLUMLP(MLP):
 class FusedRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` built like megatron's ``WrappedTorchNorm``, run as Triton kernels with ``fused_kernels``.
 
-    On CUDA with ``set_fused_kernels(True)`` it calls ``norm_kernel.rms_norm``; otherwise torch's own RMSNorm. The
-    parameter is ``weight``, as in torch's.
+    On CUDA with ``fused_kernels`` it calls ``norm_kernel.rms_norm``; otherwise torch's own RMSNorm. The parameter
+    is ``weight``, as in torch's.
     """
+
+    fused_kernels: bool = False
+    """Run as Triton kernels on CUDA (``set_fused_kernels``)."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(normalized_shape=hidden_size, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` over its last dim."""
-        if _FUSED[0] and x.is_cuda and self.weight is not None and self.eps is not None and x.size(-1) <= 16384:
+        fusable = self.weight is not None and self.eps is not None and x.size(-1) <= 16384
+        if self.fused_kernels and x.is_cuda and fusable:
             from tidal.actor.norm_kernel import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
