@@ -21,15 +21,13 @@ from tidal.ckpt.errors import (
 )
 
 if TYPE_CHECKING:
-    from tidal.ckpt.async_save import AsyncSave, finalize_async_saves
-    from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
+    from tidal.ckpt.checkpoint import CheckpointSaver, load_checkpoint, save_checkpoint
     from tidal.ckpt.hf import save_hf_checkpoint
     from tidal.ckpt.layout import TRACKER_FILENAME, list_iterations, resolve_checkpoint
     from tidal.ckpt.state import RNG_STATE_KEY, TrainerState, restore_rng_state, rng_state_sharded_object
 
 _LAZY = {
-    "AsyncSave": "async_save",
-    "finalize_async_saves": "async_save",
+    "CheckpointSaver": "checkpoint",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
     "save_hf_checkpoint": "hf",
@@ -59,17 +57,16 @@ def __dir__() -> list[str]:
 __all__ = [
     "RNG_STATE_KEY",
     "TRACKER_FILENAME",
-    "AsyncSave",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointSaver",
     "CkptConfig",
     "HFCheckpointError",
     "IterationNotFoundError",
     "NotAMegatronCheckpointError",
     "TrackerFileMissingError",
     "TrainerState",
-    "finalize_async_saves",
     "list_iterations",
     "load_checkpoint",
     "resolve_checkpoint",
