@@ -73,6 +73,7 @@ class ActorWorker:
         self.world_size = world_size
         self.batching_cfg = batching_cfg
         self.actor = Actor(actor_cfg)
+        self.saver = None  # tidal.ckpt.CheckpointSaver of --save, made at the first save
         self.reference = None
         if actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0:  # frozen, offloaded to CPU between rollouts
             from tidal.actor import ReferenceModel
@@ -114,25 +115,18 @@ class ActorWorker:
 
     def save_checkpoint(self, ckpt_cfg, iteration: int, common_state: dict[str, Any]) -> str:
         """Save a Megatron checkpoint of model, optimizer and this rank's RNG states (every rank takes part)."""
-        from tidal.ckpt import RNG_STATE_KEY, rng_state_sharded_object, save_checkpoint
+        from tidal.ckpt import RNG_STATE_KEY, CheckpointSaver, rng_state_sharded_object
 
         state = self.actor.sharded_state_dict()
         state[RNG_STATE_KEY] = rng_state_sharded_object()
-        saved = save_checkpoint(
-            ckpt_cfg.save,
-            iteration,
-            state,
-            common_state=common_state,
-            keep_last=ckpt_cfg.keep_last,
-            async_save=ckpt_cfg.async_save,  # published by the next save, or by finalize_saves()
-        )
+        if self.saver is None:  # --async-save: published by the next save, or by finalize_saves()
+            self.saver = CheckpointSaver(ckpt_cfg.save, keep_last=ckpt_cfg.keep_last, async_save=ckpt_cfg.async_save)
+        saved = self.saver.save(iteration, state, common_state=common_state)
         return str(getattr(saved, "path", saved))
 
     def finalize_saves(self) -> list[str]:
         """Wait for a pending --async-save to be durable and published (every rank calls it)."""
-        from tidal.ckpt import finalize_async_saves
-
-        return [str(p) for p in finalize_async_saves()]
+        return [] if self.saver is None else [str(p) for p in self.saver.finalize()]
 
     def load_checkpoint(self, ckpt_cfg) -> dict[str, Any]:
         """Load ``--load`` (model, optimizer unless --no-load-optim, RNG unless --no-load-rng); its common state."""
