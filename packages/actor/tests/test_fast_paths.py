@@ -1,4 +1,4 @@
-"""The fast paths of issue 11 against the code they replace: TP=1 log-softmax, fused RoPE arithmetic, LM-head kept."""
+"""The fast paths against the code they stand in for: TP=1 log-softmax, fused RoPE arithmetic, LM-head kept."""
 
 import pytest
 import torch

@@ -4,7 +4,7 @@ Megatron's ``SelfAttention`` adds the QKV bias in a separate broadcast add, spli
 (``[T, groups, (heads/groups + 2) * dim]``) into q/k/v views, copies q into ``[T, heads, dim]`` (the reshape cannot be
 a view), rotates q and k per layer from the ``freqs`` table (a cos and a sin per element, recomputed in every layer,
 forward and backward), and ``packed_causal_attention`` repeats k/v per q head (torch 2.11's ``varlen_attn`` has no
-grouped-query flag): on the H200 about 0.2 s of a 2.2 s training step (issue 11's profile).
+grouped-query flag): on the H200 about 0.2 s of a 2.2 s training step (``bench/bench_actor_gpu.py --profile``).
 
 ``PackedSelfAttention`` takes ``SelfAttention``'s place in the layer spec (context parallel size 1). For packed THD
 input with plain RoPE (non-interleaved, full rotary dim, no YaRN ``mscale``, no q/k norm, no output gate) it asks
@@ -16,7 +16,8 @@ Any other input takes megatron's own path unchanged.
 
 The arithmetic is megatron's ``_apply_rotary_pos_emb_bshd`` (``t * cos + rotate_half(t) * sin``) on fp32 values
 with an fp32 cos/sin table, rounded once to ``t``'s dtype (megatron casts the table to ``t``'s dtype and rounds
-after each op: in bf16 1.6x the rounding floor, issue 24); equal to megatron's on fp32 input, tested on CPU.
+after each op: in bf16 1.6x the rounding floor, ``tests/test_long_parity.py``); equal to megatron's on fp32 input,
+tested on CPU.
 With ``fused_kernels`` set on the layer (``set_fused_kernels``: the Actor's ``fused_kernels`` on CUDA)
 ``split_rope_qkv`` runs as two Triton kernels (``rope_kernel.py``: one forward, one backward, plus the bias
 gradient's sum); on CPU, and for a head dim that is not a power of two, it runs eagerly.
@@ -67,7 +68,7 @@ def rope_table(freqs: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tenso
     """Cos and sin ``[T, 1, dim]`` in fp32 at ``position [T]`` from megatron's fp32 ``freqs [max_len, 1, 1, dim]``.
 
     Always fp32, also for bf16 activations: a table rounded to bf16 (as megatron's and HF's are) puts up to 2**-9 of
-    relative error into every rotation (issue 24: with bf16 ops, 1.6x the floor of one rounding).
+    relative error into every rotation (with bf16 ops, 1.6x the floor of one rounding: ``tests/test_long_parity.py``).
     """
     f = freqs[position].reshape(position.numel(), 1, freqs.size(-1)).float()
     return f.cos(), f.sin()
