@@ -113,8 +113,8 @@ def test_config_reads_qwen2_facts(qwen2_dir):
 
 
 def test_fused_kernels_is_each_models_own_setting(dist_env, qwen3_dir, monkeypatch):
-    """Two models in one process keep their own ``fused_kernels``; megatron's RoPE (compat patch 5) sees a layer's
-    choice only while that layer runs."""
+    """Two models in one process keep their own ``fused_kernels`` and RoPE table cache; megatron's RoPE (compat
+    patch 5) sees a layer only while that layer runs."""
     from megatron.core.transformer.attention import SelfAttention
     from tidal.actor import fused
 
@@ -128,14 +128,22 @@ def test_fused_kernels_is_each_models_own_setting(dist_env, qwen3_dir, monkeypat
 
     names = ("PackedSelfAttention", "FusedSwiGLUMLP", "FusedRMSNorm")
     assert flags(on) == {(name, True) for name in names} and flags(off) == {(name, False) for name in names}
+    tables = [
+        {id(m.rope_tables) for m in model.modules() if isinstance(m, fused.PackedSelfAttention)} for model in (on, off)
+    ]
+    assert all(len(t) == 1 for t in tables) and tables[0] != tables[1]  # one cache per model
     seen = []
     forward = SelfAttention.forward
-    monkeypatch.setattr(
-        SelfAttention, "forward", lambda self, *a, **k: seen.append(fused.COMPILED_ROPE.get()) or forward(self, *a, **k)
-    )
+
+    def recording(self, *args, **kwargs):
+        running = fused.RUNNING_ATTENTION.get()
+        seen.append((running is self, running.fused_kernels))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(SelfAttention, "forward", recording)
     packed_logits(on.eval(), SEQS)
     packed_logits(off.eval(), SEQS)
-    assert seen == [True] * spec.num_layers + [False] * spec.num_layers
-    assert fused.COMPILED_ROPE.get() is False
+    assert seen == [(True, True)] * spec.num_layers + [(True, False)] * spec.num_layers
+    assert fused.RUNNING_ATTENTION.get() is None
     fused.set_fused_kernels(on, False)
     assert flags(on) == {(name, False) for name in names}

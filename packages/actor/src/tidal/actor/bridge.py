@@ -33,7 +33,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
 from tidal.actor.cp_attention import ContextParallelCoreAttention
-from tidal.actor.fused import FusedRMSNorm, FusedSwiGLUMLP, PackedSelfAttention, set_fused_kernels
+from tidal.actor.fused import (
+    FusedRMSNorm,
+    FusedSwiGLUMLP,
+    PackedSelfAttention,
+    set_fused_kernels,
+    share_rope_tables,
+)
 from tidal.actor.hf_config import HFModelSpec
 from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 from tidal.actor.rope_scaling import apply_rope_scaling
@@ -89,6 +95,7 @@ def build_gpt_model(
     if stage.last:
         install_padded_logits_mask(model, spec.vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank())
     set_fused_kernels(model, fused_kernels)
+    share_rope_tables(model)
     return model
 
 

@@ -20,11 +20,12 @@ patch wrong or unnecessary):
    sequence, per layer, for q and k). The replacement gathers each token's frequencies by its
    position inside its sequence (computed on the device from ``cu_seqlens``) and rotates all tokens
    at once: the same arithmetic, one pass, no host sync. The rotation is ``fused.rope_with_table`` on fp32 cos/sin
-   tables built once per forward (``fused.cached_rope_table``), in fp32 and rounded once (megatron rounds the table
-   and each op to the input's dtype: in bf16 1.6x the rounding floor); in a layer with ``fused_kernels`` on CUDA
-   (``fused.COMPILED_ROPE``) through ``torch.compile`` (one kernel instead of ~8). The layers of a cp = 1 model
-   take ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models that path does not cover
-   (q/k norm, output gate, YaRN); context parallelism (cp > 1) keeps megatron's original.
+   tables built once per forward (the running layer's ``fused.RopeTables``, shared by its model), in fp32 and
+   rounded once (megatron rounds the table and each op to the input's dtype: in bf16 1.6x the rounding floor); in a
+   layer with ``fused_kernels`` on CUDA through ``torch.compile`` (one kernel instead of ~8). The running layer is
+   ``fused.RUNNING_ATTENTION``, set by ``fused.PackedSelfAttention`` around megatron's forward. The layers of a
+   cp = 1 model take ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models that path does
+   not cover (q/k norm, output gate, YaRN); context parallelism (cp > 1) keeps megatron's original.
 6. ``flashinfer`` hidden on machines without an NVIDIA driver (in the package ``__init__``, before megatron's
    first import): megatron-core imports it at import time (~8 s per process) for MoE and inference kernels
    tidal-actor never calls, always under ``except ImportError``; ``None`` in ``sys.modules`` skips it.
@@ -128,15 +129,16 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
     cp_group = kwargs.get("cp_group")
     if cp_group is None or cp_group.size() != 1 or args or kwargs.get("multi_latent_attention") is not None:
         return original(t, cu_seqlens, freqs, *args, **kwargs)
-    from tidal.actor.fused import COMPILED_ROPE, cached_rope_table, positions  # cos/sin once per forward
+    from tidal.actor.fused import RUNNING_ATTENTION, packed_rope_table, positions, rope_with_table
 
     plain = not kwargs.get("rotary_interleaved") and not kwargs.get("mla_rotary_interleaved")
     if plain and kwargs.get("mscale", 1.0) == 1.0 and freqs.size(-1) == t.size(-1):
-        # fp32 table and arithmetic, rounded once; compiled into one kernel on CUDA in a layer with fused kernels
-        from tidal.actor.fused import rope_with_table
-
-        fn = _compiled_rope() if COMPILED_ROPE.get() and t.is_cuda else rope_with_table
-        return fn(t, *cached_rope_table(freqs, cu_seqlens, t.size(0)))
+        # fp32 table (once per forward: the layer's model shares it) and arithmetic, rounded once; compiled into one
+        # kernel on CUDA in a layer with fused kernels
+        layer = RUNNING_ATTENTION.get()
+        tables = layer.rope_tables.get if layer is not None and layer.rope_tables is not None else packed_rope_table
+        fn = _compiled_rope() if layer is not None and layer.fused_kernels and t.is_cuda else rope_with_table
+        return fn(t, *tables(freqs, cu_seqlens, t.size(0)))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
         freqs[positions(cu_seqlens, t.size(0), t.device)],

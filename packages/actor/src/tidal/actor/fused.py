@@ -11,8 +11,8 @@ input with plain RoPE (non-interleaved, full rotary dim, no YaRN ``mscale``, no 
 megatron's QKV projection for its output without the bias and calls ``split_rope_qkv``: one function that adds
 the bias and returns contiguous, rotated q and k and a contiguous v (k/v already repeated per q head where the
 attention kernel needs it), with the rotation's cos/sin tables (``rope_table``) built once per forward and
-shared by every layer (``cached_rope_table``). Megatron then skips its own RoPE (it receives no ``rotary_pos_emb``).
-Any other input takes megatron's own path unchanged.
+shared by every layer of the model (``RopeTables``). Megatron then skips its own RoPE (it receives no
+``rotary_pos_emb``). Any other input takes megatron's own path unchanged.
 
 The arithmetic is megatron's ``_apply_rotary_pos_emb_bshd`` (``t * cos + rotate_half(t) * sin``) on fp32 values
 with an fp32 cos/sin table, rounded once to ``t``'s dtype (megatron casts the table to ``t``'s dtype and rounds
@@ -38,12 +38,17 @@ from tidal.actor.attention import _varlen_attn_supports_gqa
 
 logger = logging.getLogger(__name__)
 
-# Whether the self-attention running now fuses its kernels, for compat patch 5 (megatron's THD RoPE function, which
-# sees no layer): set by PackedSelfAttention around megatron's own forward, reset when it returns.
-COMPILED_ROPE: ContextVar[bool] = ContextVar("tidal_compiled_rope", default=False)
-# The last table: (freqs, cu_seqlens, tokens, inference mode) -> (cos, sin). Strong references keep the
-# keys alive, so an identity match cannot be a recycled object.
-_TABLE: list[tuple[Any, ...] | None] = [None]
+# The PackedSelfAttention running megatron's own forward now, for compat patch 5 (megatron's THD RoPE function, which
+# sees no layer): its fused_kernels and rope_tables. Set around that forward, reset when it returns.
+RUNNING_ATTENTION: ContextVar[PackedSelfAttention | None] = ContextVar("tidal_running_attention", default=None)
+
+
+def share_rope_tables(model: torch.nn.Module) -> None:
+    """Give every ``PackedSelfAttention`` of ``model`` one ``RopeTables``: a forward's layers build one table."""
+    tables = RopeTables()
+    for module in model.modules():
+        if isinstance(module, PackedSelfAttention):
+            module.rope_tables = tables
 
 
 def set_fused_kernels(model: torch.nn.Module, enabled: bool) -> None:
@@ -74,22 +79,34 @@ def rope_table(freqs: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tenso
     return f.cos(), f.sin()
 
 
-def cached_rope_table(freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_table`` for ``n`` packed tokens, reused while the same ``freqs`` and ``cu_seqlens`` objects come back.
+def packed_rope_table(freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_table`` for ``n`` packed tokens whose sequences restart at ``cu_seqlens`` (no autograd history)."""
+    with torch.no_grad():
+        return rope_table(freqs, positions(cu_seqlens, n, freqs.device))
+
+
+class RopeTables:
+    """One model's last RoPE table, reused while the same ``freqs`` and ``cu_seqlens`` objects come back.
 
     Every layer of one forward passes the same two objects, so the table is built once per micro-batch instead of
-    twice per layer. A new micro-batch (a new ``cu_seqlens``) or grad mode builds a new one.
+    twice per layer. A new micro-batch (a new ``cu_seqlens``) or grad mode builds a new one. The key holds strong
+    references, so an identity match cannot be a recycled object.
     """
-    key = (freqs, cu_seqlens, n, torch.is_inference_mode_enabled())
-    last = _TABLE[0]
-    if last is not None and all(
-        a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(last[0], key, strict=True)
-    ):
-        return last[1]
-    with torch.no_grad():
-        table = rope_table(freqs, positions(cu_seqlens, n, freqs.device))
-    _TABLE[0] = (key, table)
-    return table
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def get(self, freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``packed_rope_table(freqs, cu_seqlens, n)``, built once for a run of calls with the same objects."""
+        key = (freqs, cu_seqlens, n, torch.is_inference_mode_enabled())
+        last = self._last
+        if last is not None and all(
+            a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(last[0], key, strict=True)
+        ):
+            return last[1]
+        table = packed_rope_table(freqs, cu_seqlens, n)
+        self._last = (key, table)
+        return table
 
 
 def rope_with_table(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,6 +161,8 @@ class PackedSelfAttention(SelfAttention):
 
     fused_kernels: bool = False
     """Run ``split_rope_qkv`` as Triton kernels on CUDA (``set_fused_kernels``)."""
+    rope_tables: RopeTables | None = None
+    """The cos/sin cache this layer shares with the rest of its model (``share_rope_tables``); None: no cache."""
     _pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _fusable(self, rotary_pos_emb: Any, packed_seq_params: Any, kwargs: dict[str, Any]) -> bool:
@@ -171,14 +190,15 @@ class PackedSelfAttention(SelfAttention):
         rotary_pos_emb = kwargs.get("rotary_pos_emb")
         packed_seq_params = kwargs.get("packed_seq_params")
         if args or not self._fusable(rotary_pos_emb, packed_seq_params, kwargs):
-            token = COMPILED_ROPE.set(self.fused_kernels)
+            token = RUNNING_ATTENTION.set(self)
             try:
                 return super().forward(hidden_states, attention_mask, *args, **kwargs)
             finally:
-                COMPILED_ROPE.reset(token)
+                RUNNING_ATTENTION.reset(token)
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        self._pending = cached_rope_table(rotary_pos_emb, cu, hidden_states.size(0))
+        tables = self.rope_tables.get if self.rope_tables is not None else packed_rope_table
+        self._pending = tables(rotary_pos_emb, cu, hidden_states.size(0))
         try:
             return super().forward(hidden_states, attention_mask, **(kwargs | {"rotary_pos_emb": None}))
         finally:
