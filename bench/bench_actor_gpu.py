@@ -463,7 +463,7 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         first = [lp.clone() for lp in outs]
         actor._fused = False
         actor.model.config.bias_activation_fusion = False
-        fused.set_fused_kernels(False)
+        fused.set_fused_kernels(actor.model, False)
         try:
             measure_logprob("tidal_logprob_unfused")
             report["fused_vs_unfused_logprob_max_abs_diff"] = max(
@@ -473,7 +473,7 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         finally:
             actor._fused = True
             actor.model.config.bias_activation_fusion = True
-            fused.set_fused_kernels(True)
+            fused.set_fused_kernels(actor.model, True)
     if args.profile and CUDA:
         biggest = train_mbs(max(fits or args.max_tokens_train[:1]))
         profile(report, args, lambda: actor.train_step(biggest), "train")

@@ -223,12 +223,10 @@ def variant(name: str):
             return f.cos().to(torch.bfloat16), f.sin().to(torch.bfloat16)
 
         fused.rope_table = bf16_table
-        fused._TABLE[0] = None
     try:
         yield
     finally:
         fused.rope_table = saved
-        fused._TABLE[0] = None
 
 
 def tidal_scores(path: Path, dtype: str, fused_kernels: bool, seqs, weights, num_layers: int):

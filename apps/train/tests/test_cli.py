@@ -56,7 +56,7 @@ BAD = [
     (["--rollout-external-engine-addrs", "h:1", "h:1"], "--rollout-external-engine-addrs"),
     (["--rollout-external-engine-addrs", "h:1", "--use-fault-tolerance"], "--use-fault-tolerance"),
     (["--rollout-external-engine-addrs", "h:1", "--no-colocate"], "--no-colocate"),
-    # issue 17: what a new user met, each now one line before anything starts
+    # mistakes a new user makes: each is one line before anything starts
     (
         ["--hf-checkpoint", "{model}", "--prompt-data", "{data}", "--rm-type", "math", "--num-rollout", "100"],
         "--rollout-batch-size is required",

@@ -2,7 +2,8 @@ import math
 
 import pytest
 import torch
-from tidal.actor import Actor, ActorConfig, grpo_advantages
+from tidal.actor import Actor, ActorConfig
+from tidal.actor.loss import grpo_advantages
 from tidal.batching import pack, unpack
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77]]

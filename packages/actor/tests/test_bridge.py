@@ -110,3 +110,40 @@ def test_config_reads_qwen2_facts(qwen2_dir):
     assert spec.model_type == "qwen2" and spec.qkv_bias and not spec.qk_norm
     assert spec.head_dim == raw["hidden_size"] // raw["num_attention_heads"]
     assert spec.num_key_value_heads == 2
+
+
+def test_fused_kernels_is_each_models_own_setting(dist_env, qwen3_dir, monkeypatch):
+    """Two models in one process keep their own ``fused_kernels`` and RoPE table cache; megatron's RoPE (compat
+    patch 5) sees a layer only while that layer runs."""
+    from megatron.core.transformer.attention import SelfAttention
+    from tidal.actor import fused
+
+    spec = read_hf_config(qwen3_dir)  # q/k norm: megatron's own attention forward and its THD RoPE
+    config = to_transformer_config(spec, use_cpu_initialization=True)
+    on, off = build_gpt_model(spec, config, fused_kernels=True), build_gpt_model(spec, config)
+    kinds = (fused.PackedSelfAttention, fused.FusedSwiGLUMLP, fused.FusedRMSNorm)
+
+    def flags(model):
+        return {(type(m).__name__, m.fused_kernels) for m in model.modules() if isinstance(m, kinds)}
+
+    names = ("PackedSelfAttention", "FusedSwiGLUMLP", "FusedRMSNorm")
+    assert flags(on) == {(name, True) for name in names} and flags(off) == {(name, False) for name in names}
+    tables = [
+        {id(m.rope_tables) for m in model.modules() if isinstance(m, fused.PackedSelfAttention)} for model in (on, off)
+    ]
+    assert all(len(t) == 1 for t in tables) and tables[0] != tables[1]  # one cache per model
+    seen = []
+    forward = SelfAttention.forward
+
+    def recording(self, *args, **kwargs):
+        running = fused.RUNNING_ATTENTION.get()
+        seen.append((running is self, running.fused_kernels))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(SelfAttention, "forward", recording)
+    packed_logits(on.eval(), SEQS)
+    packed_logits(off.eval(), SEQS)
+    assert seen == [(True, True)] * spec.num_layers + [(True, False)] * spec.num_layers
+    assert fused.RUNNING_ATTENTION.get() is None
+    fused.set_fused_kernels(on, False)
+    assert flags(on) == {(name, False) for name in names}

@@ -1,4 +1,4 @@
-"""The fast paths of issue 11 against the code they replace: TP=1 log-softmax, fused RoPE arithmetic, LM-head kept."""
+"""The fast paths against the code they stand in for: TP=1 log-softmax, fused RoPE arithmetic, LM-head kept."""
 
 import pytest
 import torch
@@ -95,10 +95,12 @@ def test_rope_table_equals_rope_at_positions(dtype):
     assert out.dtype == dtype
     torch.testing.assert_close(out, compat.rope_at_positions(t.float(), freqs, position).to(dtype), atol=0, rtol=0)
     # built once per (freqs, cu_seqlens) pair: every layer of a forward reuses it, a new micro-batch rebuilds it
-    first = fused.cached_rope_table(freqs, cu, 23)
+    tables = fused.RopeTables()
+    first = tables.get(freqs, cu, 23)
     assert first[0].dtype == torch.float32
-    assert fused.cached_rope_table(freqs, cu, 23) is first
-    again = fused.cached_rope_table(freqs, cu.clone(), 23)
+    assert tables.get(freqs, cu, 23) is first
+    assert fused.RopeTables().get(freqs, cu, 23) is not first  # another model's cache
+    again = tables.get(freqs, cu.clone(), 23)
     assert again is not first
     torch.testing.assert_close(again, first, atol=0, rtol=0)
 

@@ -1,8 +1,8 @@
-"""Parity at real lengths against a float64 reference (issue 24, item 2).
+"""Parity at real lengths against a float64 reference.
 
 Sequences of thousands of tokens packed with short ones, rope_theta other than 10000, a checkpoint saved in bf16:
 tidal's CPU paths and their GPU twins (the Triton RoPE kernel under ``TRITON_INTERPRET=1``) are compared with float64
-arithmetic per position bucket. The pass rules are issue 24's: tidal fp32 matches transformers fp32, and tidal bf16
+arithmetic per position bucket. The pass rules: tidal fp32 matches transformers fp32, and tidal bf16
 is no further from float64 than transformers bf16 is (x 1.5), in every bucket; a bf16 error that grows with position
 (a rounded RoPE table, bf16 angles) fails them.
 """
@@ -51,7 +51,7 @@ def test_rope_in_bf16_stays_at_the_rounding_floor_to_8k_positions(theta):
     # one bf16 rounding of O(1) values: mean |error| ~ 2**-10; flat in position
     assert max(ours_err) < 1.3e-3, ours_err
     assert ours_err[-1] <= 1.1 * max(ours_err[1:-1]), ours_err
-    # megatron's (and HF's) arithmetic: table and each op rounded to bf16; ours is what replaced it (issue 24)
+    # megatron's (and HF's) arithmetic: table and each op rounded to bf16; ours rounds once
     megatron = rope_utils._apply_rotary_pos_emb_bshd(x.unsqueeze(1), freqs[position]).squeeze(1)
     megatron_err = _bucket_errors((megatron.double() - ref).abs())
     assert all(m > 1.3 * o for m, o in zip(megatron_err[1:], ours_err[1:], strict=True)), (megatron_err, ours_err)

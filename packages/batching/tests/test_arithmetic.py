@@ -1,7 +1,8 @@
 import logging
 
 import pytest
-from tidal.batching import BatchingConfig, resolve_batch_arithmetic
+from tidal.batching import BatchingConfig
+from tidal.batching.arithmetic import resolve_batch_arithmetic
 
 
 def test_derives_global_batch_size_from_steps():

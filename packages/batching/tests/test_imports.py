@@ -7,7 +7,7 @@ import tidal.batching
 def test_config_imports_without_torch_or_numpy():
     code = (
         "import sys\n"
-        "from tidal.batching import BatchingConfig, resolve_batch_arithmetic\n"
+        "from tidal.batching import BatchingConfig\n"
         "BatchingConfig(rollout_batch_size=4).resolve(dp_size=2)\n"
         "heavy = sorted(m for m in ('torch', 'numpy') if m in sys.modules)\n"
         "assert not heavy, heavy\n"

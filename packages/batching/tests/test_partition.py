@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tidal.batching import MicroBatchPlan, plan_micro_batches
-from tidal.batching.partition import assign_ranks
+from tidal.batching import plan_micro_batches
+from tidal.batching.partition import MicroBatchPlan, assign_ranks
 
 
 @st.composite

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
-from tidal.batching import batch_stats, pack, plan_micro_batches, plan_stats, token_stats
+from tidal.batching import pack, plan_micro_batches, plan_stats
+from tidal.batching.stats import batch_stats, token_stats
 
 
 def test_token_stats_values():

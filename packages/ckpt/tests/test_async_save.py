@@ -17,13 +17,13 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from tidal.ckpt import (
     TRACKER_FILENAME,
-    AsyncSave,
     CheckpointError,
+    CheckpointSaver,
     TrainerState,
-    finalize_async_saves,
     load_checkpoint,
     save_checkpoint,
 )
+from tidal.ckpt.async_save import AsyncSave
 
 FULL_W = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
 FULL_V = torch.arange(4 * 10, dtype=torch.bfloat16).reshape(4, 10)
@@ -60,7 +60,7 @@ def test_caller_regains_control_before_the_write_and_the_result_equals_a_sync_sa
         state = _state(rank, world)
         save_checkpoint(root / "sync", 2, state, common_state=trainer)
         gate_writer(root / "gate", root / f"writer{rank}.pid")
-        handle = save_checkpoint(root / "async", 2, state, common_state=trainer, async_save=True)
+        handle = CheckpointSaver(root / "async", async_save=True).save(2, state, common_state=trainer)
         seen = {
             "handle": isinstance(handle, AsyncSave),
             "listing": _visible(root / "async"),  # neither the iteration nor the tracker yet
@@ -96,11 +96,12 @@ def test_caller_regains_control_before_the_write_and_the_result_equals_a_sync_sa
 def test_pending_saves_publish_in_order_and_keep_last_prunes_after_publishing(ranks, tmp_path):
     def body(rank, world, save_dir):
         listings = []
+        saver = CheckpointSaver(save_dir, keep_last=2, async_save=True)
         for iteration in (1, 2, 3):
-            handle = save_checkpoint(save_dir, iteration, _state(rank, world), keep_last=2, async_save=True)
+            handle = saver.save(iteration, _state(rank, world))
             listings.append(_visible(save_dir))  # each save first publishes the one before it
-        published = finalize_async_saves()
-        return listings, published, finalize_async_saves(), handle.done(), _visible(save_dir)
+        published = saver.finalize()
+        return listings, published, saver.finalize(), handle.done(), _visible(save_dir)
 
     listings, published, again, done, final = ranks(1, body, tmp_path / "ckpt")[0]
     assert listings == [
@@ -125,10 +126,11 @@ def test_a_failed_async_save_raises_on_every_rank_and_publishes_nothing(ranks, t
             FileSystemWriterAsync.write_preloaded_data = staticmethod(_disk_full)
         else:
             gate_writer(save_dir.parent / "never", save_dir.parent / f"writer{rank}.pid")
-        handle = save_checkpoint(save_dir, 2, _state(rank, world), async_save=True)
+        saver = CheckpointSaver(save_dir, async_save=True)
+        handle = saver.save(2, _state(rank, world))
         with pytest.raises(CheckpointError) as e:
             handle.wait(timeout_s=0.5 if failure == "timeout" else 60.0)
-        return str(e.value), finalize_async_saves(), _visible(save_dir)
+        return str(e.value), saver.finalize(), _visible(save_dir)
 
     for message, pending, listing in ranks(2, body, tmp_path / "ckpt"):
         expected = "No space left on device" if failure == "write_error" else "did not finish within 0.5 s"
@@ -146,7 +148,7 @@ def test_async_save_of_cuda_tensors_over_nccl_snapshots_before_returning(ranks, 
         for tensor in state["model"].values():
             tensor.data = tensor.data.cuda()
         save_checkpoint(root / "sync", 2, state)
-        handle = save_checkpoint(root / "async", 2, state, async_save=True)
+        handle = CheckpointSaver(root / "async", async_save=True).save(2, state)
         for tensor in state["model"].values():  # training goes on, on the GPU
             tensor.data.mul_(-1)
         handle.wait()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 from tidal.ckpt import TRACKER_FILENAME, load_checkpoint, resolve_checkpoint, save_checkpoint
+from tidal.ckpt.checkpoint import CheckpointSaver
 
 
 def _state(value: float) -> dict:
@@ -69,11 +70,11 @@ def _child(save_dir: Path, point: str, store: Path, gate_writer) -> None:
     if point == "async_writing":  # the trainer dies while its writer process is busy writing
         writer_pid = save_dir.parent / "writer.pid"
         gate_writer(save_dir.parent / "never", writer_pid)
-        save_checkpoint(save_dir, 2, _state(2.0), keep_last=1, async_save=True)
+        CheckpointSaver(save_dir, keep_last=1, async_save=True).save(2, _state(2.0))
         _wait_for(writer_pid)
         _die()
     elif point == "async_publishing":  # the data is durable; the trainer dies in wait() before the rename
-        handle = save_checkpoint(save_dir, 2, _state(2.0), keep_last=1, async_save=True)
+        handle = CheckpointSaver(save_dir, keep_last=1, async_save=True).save(2, _state(2.0))
         _install("before_rename")
         handle.wait()
     else:

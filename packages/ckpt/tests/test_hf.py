@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 from safetensors.torch import save_file
-from tidal.ckpt import HFCheckpointError, iter_hf_tensors, save_hf_checkpoint
+from tidal.ckpt import HFCheckpointError, save_hf_checkpoint
+from tidal.ckpt.hf import iter_hf_tensors
 
 TENSORS = {
     "model.embed_tokens.weight": torch.randn(32, 16),

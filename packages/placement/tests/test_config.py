@@ -1,6 +1,7 @@
 import pytest
-from tidal.placement import NodeResources, PlacementConfig, ResourcePlan, ResourceShortageError, check_resources
+from tidal.placement import PlacementConfig, ResourceShortageError
 from tidal.placement.config import parse_ray_env
+from tidal.placement.plan import NodeResources, ResourcePlan, check_resources
 
 
 def test_gpu_arithmetic_colocated_and_decoupled():

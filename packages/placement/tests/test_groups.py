@@ -5,15 +5,9 @@ import time
 import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table
-from tidal.placement import (
-    PlacementConfig,
-    PlacementError,
-    ResourceShortageError,
-    create_placement,
-    groups,
-    read_cluster,
-    wait_for_placement_group,
-)
+from tidal.placement import PlacementConfig, PlacementError, ResourceShortageError, create_placement, groups
+from tidal.placement.groups import wait_for_placement_group
+from tidal.placement.lifecycle import read_cluster
 
 from .conftest import GPUS_PER_NODE, TEST_ENV
 

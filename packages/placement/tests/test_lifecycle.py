@@ -4,7 +4,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tidal.placement import PlacementConfig, runtime_env
+from tidal.placement import PlacementConfig
+from tidal.placement.lifecycle import runtime_env
 
 
 def _processes_of(session):

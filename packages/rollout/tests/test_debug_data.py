@@ -10,13 +10,13 @@ from tidal.rollout import (
     SGLangEngine,
     generate_samples,
     load_rollout_data,
-    numeric_match,
-    rollout_data_path,
     sample_records,
     samples_from_records,
     save_rollout_data,
     score_samples,
 )
+from tidal.rollout.debug_data import rollout_data_path
+from tidal.rollout.rewards import numeric_match
 
 
 def test_saved_rollouts_replay_exactly(sglang_server: SGLangEngine, tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tidal.rollout import CPU_SERVER_ARGS, RolloutError, SGLangClient, SGLangEngine
+from tidal.rollout import RolloutError, SGLangClient, SGLangEngine
+from tidal.rollout.engine import CPU_SERVER_ARGS
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 

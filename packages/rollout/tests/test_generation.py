@@ -7,8 +7,9 @@ import logging
 from pathlib import Path
 
 import pytest
-from tidal.rollout import Sample, SGLangEngine, numeric_match, score_samples
+from tidal.rollout import Sample, SGLangEngine, score_samples
 from tidal.rollout.generation import check_stop_tokens, filter_uniform_groups, generate_samples, rollout_metrics
+from tidal.rollout.rewards import numeric_match
 from transformers import AutoTokenizer
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tidal.rollout import Sample, SGLangEngine, generate_samples, resume_samples
+from tidal.rollout import Sample, SGLangEngine, generate_samples
+from tidal.rollout.partial_rollout import resume_samples
 
 MAX_NEW = 200
 
@@ -83,7 +84,8 @@ def test_resume_keeps_the_length_limit_and_validates_versions() -> None:
 
 
 def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_server: SGLangEngine, tiny_model_dir):
-    from tidal.rollout import generate_partial_rollout, numeric_match
+    from tidal.rollout import generate_partial_rollout
+    from tidal.rollout.rewards import numeric_match
 
     full_len = 60
     params = {"n": 2, "max_new_tokens": full_len, "temperature": 1.0, "ignore_eos": True}
@@ -144,7 +146,7 @@ def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_s
 
 
 def test_mask_offpolicy_tokens_keeps_tool_masks() -> None:
-    from tidal.rollout import mask_offpolicy_tokens
+    from tidal.rollout.partial_rollout import mask_offpolicy_tokens
 
     s = Sample(prompt_ids=[1], response_ids=[2, 3, 4], response_log_probs=[-1.0, 0.0, -1.0], finish_reason="stop",
                response_loss_mask=[1, 0, 1], response_weight_versions=["1", "2", "2"], weight_version="2")  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tidal.rollout import GenerationProgress
+from tidal.rollout.progress import GenerationProgress
 
 
 def test_progress_logs_done_total_rate_and_eta(caplog: pytest.LogCaptureFixture) -> None:

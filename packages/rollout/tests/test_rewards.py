@@ -7,17 +7,8 @@ import textwrap
 import time
 
 import pytest
-from tidal.rollout import (
-    Sample,
-    exact_match,
-    extract_boxed,
-    last_number,
-    load_reward_fn,
-    math_answer,
-    numeric_match,
-    resolve_reward_fn,
-    score_samples,
-)
+from tidal.rollout import Sample, resolve_reward_fn, score_samples
+from tidal.rollout.rewards import exact_match, extract_boxed, last_number, load_reward_fn, math_answer, numeric_match
 
 
 def _sample(text: str, label: object, group: int = 0) -> Sample:

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 from tidal.rollout import (
     RolloutConfig,
-    RolloutRouter,
     SGLangEngine,
     generate_samples,
     sglang_router_args,
     sglang_server_args,
-    start_router,
 )
+from tidal.rollout.router import RolloutRouter, start_router
 from tidal.rollout.server_process import process_group_alive
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]

@@ -20,7 +20,7 @@ FAST = {"retry_backoff_s": 0.05}
 def test_a_connection_the_server_closed_on_keep_alive_is_never_fatal(
     sglang_server: SGLangEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The race of issue 17: urllib3 checks that a pooled connection is open, then the server's keep-alive
+    # The race: urllib3 checks that a pooled connection is open, then the server's keep-alive
     # closes it, then the request is written into it. Wait past the server's keep-alive and make the check
     # miss the close, as it does when the two happen in the same instant.
     assert sglang_server.keep_alive_s <= 2, "the session server runs with a short keep-alive (conftest.py)"

@@ -125,7 +125,7 @@ def check_writable_dir(flag: str, path: str) -> None:
 
 def check_import_path(flag: str, path: str) -> None:
     """``pkg.module:fn`` imports and names a callable (the module is imported here, as the run would)."""
-    from tidal.rollout.import_path import load_callable
+    from tidal.rollout import load_callable
 
     fix = "give an importable module (installed, or on PYTHONPATH) and a function in it, as pkg.module:fn"
     try:

@@ -22,17 +22,16 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.ckpt import CheckpointError, CheckpointMismatchError
+from tidal.train.logs import setup_logging
 
 logger = logging.getLogger("tidal.train.convert")
 
 PROG = "train convert"
 _WORKER_ARG = "_worker"
-_LOG_FORMAT = "[tidal {role}] %(asctime)s %(levelname)s %(name)s: %(message)s"
 _HF_DTYPES = ("float32", "bfloat16", "float16")
 _DIST_TIMEOUT_S = 1800.0
 _PORT_TAKEN = 75
@@ -222,7 +221,7 @@ def convert_main(argv: list[str], *, timeout_s: float | None = None) -> int:
         timeout_s: stop the workers and fail after this many seconds (None: no limit).
     """
     if not logging.getLogger().handlers:
-        _setup_logging("convert")
+        setup_logging("convert")
     try:
         job = parse_convert(argv)
     except SystemExit as e:  # --help
@@ -244,13 +243,6 @@ def convert_main(argv: list[str], *, timeout_s: float | None = None) -> int:
 # ---- worker side (one process per TP rank) ----
 
 
-def _setup_logging(role: str, level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format=_LOG_FORMAT.format(role=role), datefmt="%H:%M:%S", force=True)
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|absl).*", category=UserWarning)
-    warnings.filterwarnings("ignore", category=SyntaxWarning, module=r"megatron\..*")
-    warnings.filterwarnings("ignore", message=r".*full scope is deprecated.*")
-
-
 def _hf_dtype(hf_dir: str):
     """The dtype config.json declares for the weights (float32 when absent or unusual)."""
     import torch
@@ -263,9 +255,7 @@ def _hf_dtype(hf_dir: str):
 def _build_model(hf_dir: str, tp: int):
     """The actor's GPTModel for ``hf_dir``'s config, in float32 (holds bf16/fp16 weights exactly), on CPU."""
     import torch
-    from tidal.actor import read_hf_config
-    from tidal.actor.bridge import build_gpt_model
-    from tidal.actor.hf_config import to_transformer_config
+    from tidal.actor import build_gpt_model, read_hf_config, to_transformer_config
 
     spec = read_hf_config(hf_dir)
     config = to_transformer_config(
@@ -275,7 +265,7 @@ def _build_model(hf_dir: str, tp: int):
 
 
 def _hf_to_megatron(job: ConvertJob, rank: int) -> None:
-    from tidal.actor.bridge import load_hf_weights
+    from tidal.actor import load_hf_weights
     from tidal.ckpt import save_checkpoint
 
     model, spec = _build_model(job.hf_checkpoint, job.tensor_model_parallel_size)
@@ -294,7 +284,7 @@ def _hf_to_megatron(job: ConvertJob, rank: int) -> None:
 
 def _megatron_to_hf(job: ConvertJob, rank: int) -> None:
     import torch.distributed as dist
-    from tidal.actor.bridge import named_hf_tensors
+    from tidal.actor import named_hf_tensors
     from tidal.ckpt import load_checkpoint, save_hf_checkpoint
 
     model, spec = _build_model(job.hf_checkpoint, job.tensor_model_parallel_size)
@@ -317,7 +307,7 @@ def _worker_main(argv: list[str]) -> int:
     """One rank: ``python -m tidal.train.convert _worker RANK WORLD PORT JOB_JSON``."""
     rank, world, port = (int(x) for x in argv[:3])
     job = ConvertJob(**json.loads(argv[3]))
-    _setup_logging(f"convert r{rank}", logging.INFO if rank == 0 else logging.WARNING)
+    setup_logging(f"convert r{rank}", logging.INFO if rank == 0 else logging.WARNING)
     # megatron-core imports flashinfer and FA4's flash_attn.cute (sglang's, with the CUTLASS DSL) when installed,
     # only for GPU inference/MoE/attention kernels that a CPU conversion never runs: two thirds of this process's
     # import time. Every such import is guarded by `except ImportError`, which None in sys.modules raises.

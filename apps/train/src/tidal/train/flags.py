@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from types import UnionType
 from typing import Any
 
-from tidal.actor.config import ActorConfig
-from tidal.batching.config import BatchingConfig
-from tidal.ckpt.config import CkptConfig
-from tidal.placement.config import PlacementConfig
-from tidal.rollout.config import RolloutConfig
+from tidal.actor import ActorConfig
+from tidal.batching import BatchingConfig
+from tidal.ckpt import CkptConfig
+from tidal.placement import PlacementConfig
+from tidal.rollout import RolloutConfig
 from tidal.train.config import TrainConfig
 
 # section -> its config class, in the order of `train --help`; JobConfig has one attribute per section.

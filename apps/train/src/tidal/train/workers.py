@@ -87,7 +87,7 @@ class ActorWorker:
 
     def train(self, rollout: RolloutData) -> dict[str, float]:
         """Old log-probs, advantages, then the rollout's optimizer steps; metrics of the rollout."""
-        from tidal.actor.trainer import train_on_rollout
+        from tidal.actor import train_on_rollout
 
         return train_on_rollout(
             self.actor,

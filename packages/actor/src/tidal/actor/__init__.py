@@ -26,26 +26,26 @@ from tidal.actor.errors import ActorError  # noqa: E402
 
 if TYPE_CHECKING:
     from tidal.actor.actor import Actor
-    from tidal.actor.compat import apply_cpu_compat
+    from tidal.actor.bridge import build_gpt_model, load_hf_weights, named_hf_tensors
     from tidal.actor.distributed import data_parallel_rank_and_size, destroy_distributed, init_distributed
-    from tidal.actor.hf_config import HFModelSpec, read_hf_config
+    from tidal.actor.hf_config import read_hf_config, to_transformer_config
     from tidal.actor.hf_export import HFTensorBucket
-    from tidal.actor.loss import grpo_advantages, kl_penalty, ppo_clip_loss
     from tidal.actor.reference import ReferenceModel
+    from tidal.actor.trainer import train_on_rollout
 
 _LAZY = {
     "Actor": "actor",
-    "apply_cpu_compat": "compat",
+    "build_gpt_model": "bridge",
+    "load_hf_weights": "bridge",
+    "named_hf_tensors": "bridge",
     "data_parallel_rank_and_size": "distributed",
     "destroy_distributed": "distributed",
     "init_distributed": "distributed",
-    "HFModelSpec": "hf_config",
-    "HFTensorBucket": "hf_export",
     "read_hf_config": "hf_config",
-    "grpo_advantages": "loss",
-    "kl_penalty": "loss",
-    "ppo_clip_loss": "loss",
+    "to_transformer_config": "hf_config",
+    "HFTensorBucket": "hf_export",
     "ReferenceModel": "reference",
+    "train_on_rollout": "trainer",
 }
 
 
@@ -66,15 +66,15 @@ __all__ = [
     "Actor",
     "ActorConfig",
     "ActorError",
-    "HFModelSpec",
     "HFTensorBucket",
     "ReferenceModel",
-    "apply_cpu_compat",
+    "build_gpt_model",
     "data_parallel_rank_and_size",
     "destroy_distributed",
-    "grpo_advantages",
     "init_distributed",
-    "kl_penalty",
-    "ppo_clip_loss",
+    "load_hf_weights",
+    "named_hf_tensors",
     "read_hf_config",
+    "to_transformer_config",
+    "train_on_rollout",
 ]

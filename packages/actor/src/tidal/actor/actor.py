@@ -13,7 +13,6 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from megatron.core.packed_seq_params import PackedSeqParams
-from tidal.actor import fused
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
 from tidal.actor.compat import apply_cpu_compat
 from tidal.actor.config import ActorConfig
@@ -59,7 +58,6 @@ class Actor:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
         self._fused = cfg.fused_kernels and self.device.type == "cuda"
-        fused.set_fused_kernels(self._fused)
         self._recompute_lm_head = cfg.recompute_lm_head
         self._exporters: dict[tuple, HFExporter] = {}
         self.spec = read_hf_config(cfg.hf_checkpoint)
@@ -74,7 +72,7 @@ class Actor:
             pipeline_model_parallel_size=self.stage.size,
         )
         # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
-        model = build_gpt_model(self.spec, config, self.stage)
+        model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused)
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage)
         if cfg.recompute_activations:

@@ -33,7 +33,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
 from tidal.actor.cp_attention import ContextParallelCoreAttention
-from tidal.actor.fused import FusedRMSNorm, FusedSwiGLUMLP, PackedSelfAttention
+from tidal.actor.fused import (
+    FusedRMSNorm,
+    FusedSwiGLUMLP,
+    PackedSelfAttention,
+    set_fused_kernels,
+    share_rope_tables,
+)
 from tidal.actor.hf_config import HFModelSpec
 from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 from tidal.actor.rope_scaling import apply_rope_scaling
@@ -46,8 +52,14 @@ logger = logging.getLogger(__name__)
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def build_gpt_model(spec: HFModelSpec, config: TransformerConfig, stage: PipelineStage | None = None) -> GPTModel:
-    """A GPTModel with Megatron's local layer spec and tidal's packed core attention (``stage``'s share of it)."""
+def build_gpt_model(
+    spec: HFModelSpec, config: TransformerConfig, stage: PipelineStage | None = None, *, fused_kernels: bool = False
+) -> GPTModel:
+    """A GPTModel with Megatron's local layer spec and tidal's packed core attention (``stage``'s share of it).
+
+    ``fused_kernels`` runs the layers' q/k/v split + RoPE, SwiGLU and RMSNorm as Triton kernels on CUDA
+    (``fused.set_fused_kernels``).
+    """
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     core_attention = PackedCoreAttention if config.context_parallel_size == 1 else ContextParallelCoreAttention
@@ -82,6 +94,8 @@ def build_gpt_model(spec: HFModelSpec, config: TransformerConfig, stage: Pipelin
     )
     if stage.last:
         install_padded_logits_mask(model, spec.vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    set_fused_kernels(model, fused_kernels)
+    share_rope_tables(model)
     return model
 
 

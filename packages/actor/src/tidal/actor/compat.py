@@ -19,13 +19,13 @@ patch wrong or unnecessary):
    loops over the packed sequences in Python (``.tolist()`` host sync, ~10 small kernels per
    sequence, per layer, for q and k). The replacement gathers each token's frequencies by its
    position inside its sequence (computed on the device from ``cu_seqlens``) and rotates all tokens
-   at once: the same arithmetic, one pass, no host sync. Context parallelism (cp > 1) keeps the
-   original. The rotation is ``fused.rope_with_table`` on fp32 cos/sin tables built once per forward
-   (``fused.cached_rope_table``), in fp32 and rounded once (megatron rounds the table and each op to the input's
-   dtype: in bf16 1.6x the rounding floor, issue 24); with ``fused.set_fused_kernels(True)`` (the Actor's
-   ``fused_kernels`` on CUDA) through ``torch.compile`` (one kernel instead of ~8). Since issue 11's third pass the
-   layers of a cp = 1 model take ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models it
-   does not cover (q/k norm, output gate, YaRN); cp > 1 keeps megatron's original.
+   at once: the same arithmetic, one pass, no host sync. The rotation is ``fused.rope_with_table`` on fp32 cos/sin
+   tables built once per forward (the running layer's ``fused.RopeTables``, shared by its model), in fp32 and
+   rounded once (megatron rounds the table and each op to the input's dtype: in bf16 1.6x the rounding floor); in a
+   layer with ``fused_kernels`` on CUDA through ``torch.compile`` (one kernel instead of ~8). The running layer is
+   ``fused.RUNNING_ATTENTION``, set by ``fused.PackedSelfAttention`` around megatron's forward. The layers of a
+   cp = 1 model take ``fused.PackedSelfAttention``'s q/k/v path instead; this patch serves the models that path does
+   not cover (q/k norm, output gate, YaRN); context parallelism (cp > 1) keeps megatron's original.
 6. ``flashinfer`` hidden on machines without an NVIDIA driver (in the package ``__init__``, before megatron's
    first import): megatron-core imports it at import time (~8 s per process) for MoE and inference kernels
    tidal-actor never calls, always under ``except ImportError``; ``None`` in ``sys.modules`` skips it.
@@ -53,14 +53,17 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-_applied = False
-# "module.attr" -> the function a patch replaced (tests call these to show the patch is still needed).
+# "module.attr" -> the function a patch replaced: the record of what this process patched (the patches change
+# third-party modules, so they are process-wide by nature), and the originals tests call to show a patch is needed.
 ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
 def _replace(module: Any, attr: str, new: Callable[..., Any]) -> None:
-    ORIGINALS.setdefault(f"{module.__name__}.{attr}", getattr(module, attr))
-    setattr(module, attr, new)
+    """Put ``new`` in place of ``module.attr`` unless a patch already replaced it (applying twice changes nothing)."""
+    key = f"{module.__name__}.{attr}"
+    if key not in ORIGINALS:
+        ORIGINALS[key] = getattr(module, attr)
+        setattr(module, attr, new)
 
 
 def apply_flash_mla_guard() -> None:
@@ -126,15 +129,16 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
     cp_group = kwargs.get("cp_group")
     if cp_group is None or cp_group.size() != 1 or args or kwargs.get("multi_latent_attention") is not None:
         return original(t, cu_seqlens, freqs, *args, **kwargs)
-    from tidal.actor.fused import cached_rope_table, fused_kernels_enabled, positions  # cos/sin once per forward
+    from tidal.actor.fused import RUNNING_ATTENTION, packed_rope_table, positions, rope_with_table
 
     plain = not kwargs.get("rotary_interleaved") and not kwargs.get("mla_rotary_interleaved")
     if plain and kwargs.get("mscale", 1.0) == 1.0 and freqs.size(-1) == t.size(-1):
-        # fp32 table and arithmetic, rounded once (issue 24); compiled into one kernel on CUDA with fused kernels
-        from tidal.actor.fused import rope_with_table
-
-        fn = _compiled_rope() if fused_kernels_enabled() and t.is_cuda else rope_with_table
-        return fn(t, *cached_rope_table(freqs, cu_seqlens, t.size(0)))
+        # fp32 table (once per forward: the layer's model shares it) and arithmetic, rounded once; compiled into one
+        # kernel on CUDA in a layer with fused kernels
+        layer = RUNNING_ATTENTION.get()
+        tables = layer.rope_tables.get if layer is not None and layer.rope_tables is not None else packed_rope_table
+        fn = _compiled_rope() if layer is not None and layer.fused_kernels and t.is_cuda else rope_with_table
+        return fn(t, *tables(freqs, cu_seqlens, t.size(0)))
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1),
         freqs[positions(cu_seqlens, t.size(0), t.device)],
@@ -166,8 +170,7 @@ def _compiled_rope():
 def _patch_packed_rope() -> None:
     from megatron.core.models.common.embeddings import rope_utils
 
-    if "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd" not in ORIGINALS:
-        _replace(rope_utils, "_apply_rotary_pos_emb_thd", _packed_rope_thd)
+    _replace(rope_utils, "_apply_rotary_pos_emb_thd", _packed_rope_thd)
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
@@ -226,18 +229,17 @@ def apply_cpu_compat() -> bool:
     Returns:
         True when the CPU patches (2–4, 7, 8) are in effect, False on a CUDA machine.
     """
-    global _applied
     apply_flash_mla_guard()
     _patch_packed_rope()
     if torch.cuda.is_available():
         return False
-    if not _applied:
-        _patch_rng()
-        _patch_current_device()
-        _patch_causal_mask()
-        _patch_pipeline_schedule()
-        _patch_synchronize()
-        _applied = True
+    patched = len(ORIGINALS)
+    _patch_rng()
+    _patch_current_device()
+    _patch_causal_mask()
+    _patch_pipeline_schedule()
+    _patch_synchronize()
+    if len(ORIGINALS) > patched:
         logger.info(
             "applied megatron-core CPU compatibility patches (rng, current_device, causal mask, pipeline schedule, "
             "synchronize)"

@@ -4,20 +4,21 @@ Megatron's ``SelfAttention`` adds the QKV bias in a separate broadcast add, spli
 (``[T, groups, (heads/groups + 2) * dim]``) into q/k/v views, copies q into ``[T, heads, dim]`` (the reshape cannot be
 a view), rotates q and k per layer from the ``freqs`` table (a cos and a sin per element, recomputed in every layer,
 forward and backward), and ``packed_causal_attention`` repeats k/v per q head (torch 2.11's ``varlen_attn`` has no
-grouped-query flag): on the H200 about 0.2 s of a 2.2 s training step (issue 11's profile).
+grouped-query flag): on the H200 about 0.2 s of a 2.2 s training step (``bench/bench_actor_gpu.py --profile``).
 
 ``PackedSelfAttention`` takes ``SelfAttention``'s place in the layer spec (context parallel size 1). For packed THD
 input with plain RoPE (non-interleaved, full rotary dim, no YaRN ``mscale``, no q/k norm, no output gate) it asks
 megatron's QKV projection for its output without the bias and calls ``split_rope_qkv``: one function that adds
 the bias and returns contiguous, rotated q and k and a contiguous v (k/v already repeated per q head where the
 attention kernel needs it), with the rotation's cos/sin tables (``rope_table``) built once per forward and
-shared by every layer (``cached_rope_table``). Megatron then skips its own RoPE (it receives no ``rotary_pos_emb``).
-Any other input takes megatron's own path unchanged.
+shared by every layer of the model (``RopeTables``). Megatron then skips its own RoPE (it receives no
+``rotary_pos_emb``). Any other input takes megatron's own path unchanged.
 
 The arithmetic is megatron's ``_apply_rotary_pos_emb_bshd`` (``t * cos + rotate_half(t) * sin``) on fp32 values
 with an fp32 cos/sin table, rounded once to ``t``'s dtype (megatron casts the table to ``t``'s dtype and rounds
-after each op: in bf16 1.6x the rounding floor, issue 24); equal to megatron's on fp32 input, tested on CPU.
-With ``set_fused_kernels(True)`` (the Actor's ``fused_kernels`` on CUDA)
+after each op: in bf16 1.6x the rounding floor, ``tests/test_long_parity.py``); equal to megatron's on fp32 input,
+tested on CPU.
+With ``fused_kernels`` set on the layer (``set_fused_kernels``: the Actor's ``fused_kernels`` on CUDA)
 ``split_rope_qkv`` runs as two Triton kernels (``rope_kernel.py``: one forward, one backward, plus the bias
 gradient's sum); on CPU, and for a head dim that is not a power of two, it runs eagerly.
 """
@@ -25,6 +26,7 @@ gradient's sum); on CPU, and for a head dim that is not a power of two, it runs 
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,25 +39,28 @@ from tidal.actor.attention import _varlen_attn_supports_gqa
 
 logger = logging.getLogger(__name__)
 
-# set_fused_kernels(True): split_rope_qkv, SwiGLU and the layers' RMSNorm run as Triton kernels (CUDA tensors only;
-# rope_kernel.py, swiglu_kernel.py, norm_kernel.py).
-_FUSED = [False]
-# The last table: (freqs, cu_seqlens, tokens, inference mode) -> (cos, sin). Strong references keep the
-# keys alive, so an identity match cannot be a recycled object.
-_TABLE: list[tuple[Any, ...] | None] = [None]
+# The PackedSelfAttention running megatron's own forward now, for compat patch 5 (megatron's THD RoPE function, which
+# sees no layer): its fused_kernels and rope_tables. Set around that forward, reset when it returns.
+RUNNING_ATTENTION: ContextVar[PackedSelfAttention | None] = ContextVar("tidal_running_attention", default=None)
 
 
-def set_fused_kernels(enabled: bool) -> None:
-    """Fuse the CUDA kernels of the model (the Actor's ``fused_kernels``).
+def share_rope_tables(model: torch.nn.Module) -> None:
+    """Give every ``PackedSelfAttention`` of ``model`` one ``RopeTables``: a forward's layers build one table."""
+    tables = RopeTables()
+    for module in model.modules():
+        if isinstance(module, PackedSelfAttention):
+            module.rope_tables = tables
 
-    ``split_rope_qkv``, SwiGLU and RMSNorm run as Triton kernels, ``compat`` patch 5's RoPE through torch.compile.
+
+def set_fused_kernels(model: torch.nn.Module, enabled: bool) -> None:
+    """Fuse the CUDA kernels of ``model``'s layers, or not (the Actor's ``fused_kernels``).
+
+    ``split_rope_qkv``, SwiGLU and RMSNorm run as Triton kernels, ``compat`` patch 5's RoPE through torch.compile,
+    on CUDA tensors only; on CPU every layer runs eagerly either way.
     """
-    _FUSED[0] = enabled
-
-
-def fused_kernels_enabled() -> bool:
-    """Whether ``set_fused_kernels(True)`` is in effect."""
-    return _FUSED[0]
+    for module in model.modules():
+        if isinstance(module, (PackedSelfAttention, FusedSwiGLUMLP, FusedRMSNorm)):
+            module.fused_kernels = enabled
 
 
 def positions(cu_seqlens: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
@@ -69,28 +74,40 @@ def rope_table(freqs: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tenso
     """Cos and sin ``[T, 1, dim]`` in fp32 at ``position [T]`` from megatron's fp32 ``freqs [max_len, 1, 1, dim]``.
 
     Always fp32, also for bf16 activations: a table rounded to bf16 (as megatron's and HF's are) puts up to 2**-9 of
-    relative error into every rotation (issue 24: with bf16 ops, 1.6x the floor of one rounding).
+    relative error into every rotation (with bf16 ops, 1.6x the floor of one rounding: ``tests/test_long_parity.py``).
     """
     f = freqs[position].reshape(position.numel(), 1, freqs.size(-1)).float()
     return f.cos(), f.sin()
 
 
-def cached_rope_table(freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope_table`` for ``n`` packed tokens, reused while the same ``freqs`` and ``cu_seqlens`` objects come back.
+def packed_rope_table(freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_table`` for ``n`` packed tokens whose sequences restart at ``cu_seqlens`` (no autograd history)."""
+    with torch.no_grad():
+        return rope_table(freqs, positions(cu_seqlens, n, freqs.device))
+
+
+class RopeTables:
+    """One model's last RoPE table, reused while the same ``freqs`` and ``cu_seqlens`` objects come back.
 
     Every layer of one forward passes the same two objects, so the table is built once per micro-batch instead of
-    twice per layer. A new micro-batch (a new ``cu_seqlens``) or grad mode builds a new one.
+    twice per layer. A new micro-batch (a new ``cu_seqlens``) or grad mode builds a new one. The key holds strong
+    references, so an identity match cannot be a recycled object.
     """
-    key = (freqs, cu_seqlens, n, torch.is_inference_mode_enabled())
-    last = _TABLE[0]
-    if last is not None and all(
-        a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(last[0], key, strict=True)
-    ):
-        return last[1]
-    with torch.no_grad():
-        table = rope_table(freqs, positions(cu_seqlens, n, freqs.device))
-    _TABLE[0] = (key, table)
-    return table
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def get(self, freqs: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``packed_rope_table(freqs, cu_seqlens, n)``, built once for a run of calls with the same objects."""
+        key = (freqs, cu_seqlens, n, torch.is_inference_mode_enabled())
+        last = self._last
+        if last is not None and all(
+            a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(last[0], key, strict=True)
+        ):
+            return last[1]
+        table = packed_rope_table(freqs, cu_seqlens, n)
+        self._last = (key, table)
+        return table
 
 
 def rope_with_table(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -167,6 +184,10 @@ class PackedSelfAttention(SelfAttention):
     Constructed exactly like ``SelfAttention`` (the layer spec passes the same arguments).
     """
 
+    fused_kernels: bool = False
+    """Run ``split_rope_qkv`` as Triton kernels on CUDA (``set_fused_kernels``)."""
+    rope_tables: RopeTables | None = None
+    """The cos/sin cache this layer shares with the rest of its model (``share_rope_tables``); None: no cache."""
     _pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _fusable(self, rotary_pos_emb: Any, packed_seq_params: Any, kwargs: dict[str, Any]) -> bool:
@@ -207,10 +228,15 @@ class PackedSelfAttention(SelfAttention):
         rotary_pos_emb = kwargs.get("rotary_pos_emb")
         packed_seq_params = kwargs.get("packed_seq_params")
         if args or not self._fusable(rotary_pos_emb, packed_seq_params, kwargs):
-            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            token = RUNNING_ATTENTION.set(self)
+            try:
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            finally:
+                RUNNING_ATTENTION.reset(token)
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        self._pending = cached_rope_table(rotary_pos_emb, cu, hidden_states.size(0))
+        tables = self.rope_tables.get if self.rope_tables is not None else packed_rope_table
+        self._pending = tables(rotary_pos_emb, cu, hidden_states.size(0))
         try:
             return super().forward(hidden_states, attention_mask, **(kwargs | {"rotary_pos_emb": None}))
         finally:
@@ -234,7 +260,7 @@ class PackedSelfAttention(SelfAttention):
         cos, sin = self._pending
         fn = split_rope_qkv
         dim = self.hidden_size_per_attention_head
-        if _FUSED[0] and mixed.is_cuda and dim & (dim - 1) == 0:
+        if self.fused_kernels and mixed.is_cuda and dim & (dim - 1) == 0:
             from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
         # varlen_attn without grouped-query support would repeat k/v itself: write them repeated right away
         expand = mixed.is_cuda and not _varlen_attn_supports_gqa()
@@ -250,11 +276,14 @@ class FusedSwiGLUMLP(MLP):
     Constructed exactly like ``MLP`` (the layer spec passes the same arguments).
     """
 
+    fused_kernels: bool = False
+    """Run SwiGLU as Triton kernels on CUDA (``set_fused_kernels``)."""
+
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs: Any):
         """``MLP.forward``; fc1, the Triton SwiGLU, fc2 on CUDA with fused kernels."""
         cfg = self.config
         if not (
-            _FUSED[0]
+            self.fused_kernels
             and hidden_states.is_cuda
             and per_token_scale is None
             and cfg.gated_linear_unit
@@ -275,16 +304,20 @@ class FusedSwiGLUMLP(MLP):
 class FusedRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` built like megatron's ``WrappedTorchNorm``, run as Triton kernels with ``fused_kernels``.
 
-    On CUDA with ``set_fused_kernels(True)`` it calls ``norm_kernel.rms_norm``; otherwise torch's own RMSNorm. The
-    parameter is ``weight``, as in torch's.
+    On CUDA with ``fused_kernels`` it calls ``norm_kernel.rms_norm``; otherwise torch's own RMSNorm. The parameter
+    is ``weight``, as in torch's.
     """
+
+    fused_kernels: bool = False
+    """Run as Triton kernels on CUDA (``set_fused_kernels``)."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(normalized_shape=hidden_size, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x`` over its last dim."""
-        if _FUSED[0] and x.is_cuda and self.weight is not None and self.eps is not None and x.size(-1) <= 16384:
+        fusable = self.weight is not None and self.eps is not None and x.size(-1) <= 16384
+        if self.fused_kernels and x.is_cuda and fusable:
             from tidal.actor.norm_kernel import rms_norm
 
             return rms_norm(x, self.weight, self.eps)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tidal.batching.arithmetic import BatchArithmetic, resolve_batch_arithmetic
 from tidal.batching.config import BatchingConfig
 from tidal.batching.errors import BatchingError
 
@@ -27,8 +26,8 @@ if TYPE_CHECKING:
         unpack_micro_batches,
     )
     from tidal.batching.packing import pack, unpack
-    from tidal.batching.partition import MicroBatchPlan, plan_micro_batches
-    from tidal.batching.stats import batch_stats, plan_stats, token_stats
+    from tidal.batching.partition import plan_micro_batches
+    from tidal.batching.stats import plan_stats
     from tidal.batching.types import PackedBatch
 
 _LAZY = {
@@ -41,11 +40,8 @@ _LAZY = {
     "unpack_micro_batches": "micro_batches",
     "pack": "packing",
     "unpack": "packing",
-    "MicroBatchPlan": "partition",
     "plan_micro_batches": "partition",
-    "batch_stats": "stats",
     "plan_stats": "stats",
-    "token_stats": "stats",
     "PackedBatch": "types",
 }
 
@@ -64,23 +60,18 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "BatchArithmetic",
     "BatchingConfig",
     "BatchingError",
     "ContextParallelShard",
-    "MicroBatchPlan",
     "PackedBatch",
     "alignment_multiple",
-    "batch_stats",
     "gather_from_context_parallel",
     "pack",
     "pack_micro_batches",
     "plan_from_config",
     "plan_micro_batches",
     "plan_stats",
-    "resolve_batch_arithmetic",
     "split_for_context_parallel",
-    "token_stats",
     "unpack",
     "unpack_micro_batches",
 ]

@@ -21,36 +21,21 @@ from tidal.ckpt.errors import (
 )
 
 if TYPE_CHECKING:
-    from tidal.ckpt.async_save import AsyncSave, finalize_async_saves
     from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
     from tidal.ckpt.checkpoint_io import CheckpointIO
-    from tidal.ckpt.hf import iter_hf_tensors, save_hf_checkpoint
-    from tidal.ckpt.layout import TRACKER_FILENAME, iteration_dir_name, list_iterations, resolve_checkpoint
-    from tidal.ckpt.state import (
-        RNG_STATE_KEY,
-        TrainerState,
-        capture_rng_state,
-        restore_rng_state,
-        rng_state_sharded_object,
-    )
+    from tidal.ckpt.hf import save_hf_checkpoint
+    from tidal.ckpt.layout import TRACKER_FILENAME, list_iterations, resolve_checkpoint
+    from tidal.ckpt.state import TrainerState
 
 _LAZY = {
-    "AsyncSave": "async_save",
-    "finalize_async_saves": "async_save",
     "CheckpointIO": "checkpoint_io",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
-    "iter_hf_tensors": "hf",
     "save_hf_checkpoint": "hf",
     "TRACKER_FILENAME": "layout",
-    "iteration_dir_name": "layout",
     "list_iterations": "layout",
     "resolve_checkpoint": "layout",
-    "RNG_STATE_KEY": "state",
     "TrainerState": "state",
-    "capture_rng_state": "state",
-    "restore_rng_state": "state",
-    "rng_state_sharded_object": "state",
 }
 
 
@@ -68,9 +53,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "RNG_STATE_KEY",
     "TRACKER_FILENAME",
-    "AsyncSave",
     "CheckpointError",
     "CheckpointIO",
     "CheckpointMismatchError",
@@ -81,15 +64,9 @@ __all__ = [
     "NotAMegatronCheckpointError",
     "TrackerFileMissingError",
     "TrainerState",
-    "capture_rng_state",
-    "finalize_async_saves",
-    "iter_hf_tensors",
-    "iteration_dir_name",
     "list_iterations",
     "load_checkpoint",
     "resolve_checkpoint",
-    "restore_rng_state",
-    "rng_state_sharded_object",
     "save_checkpoint",
     "save_hf_checkpoint",
 ]

@@ -6,7 +6,8 @@ forked process (``TemporalAsyncCaller``); the caller gets control back as soon a
 tensors it writes are a snapshot: GPU tensors are copied to host memory before the fork (megatron's
 ``preload_fn``), CPU tensors are the fork's copy-on-write pages, so training may change the live tensors at once.
 
-Finalization is collective and happens in ``AsyncSave.wait()`` / ``done()`` / ``finalize_async_saves()``:
+Finalization is collective and happens in ``AsyncSave.wait()`` / ``done()`` (``CheckpointSaver`` holds the handles
+of the saves it started and waits on them before its next save and in ``finalize()``):
 megatron writes ``.metadata`` and ``metadata.json``, then tidal publishes the directory by rename and moves the
 tracker. Until then the tracker names the previous checkpoint, so killing the process at any moment of an
 async save leaves that one loadable. The writer process dies with its parent (``PR_SET_PDEATHSIG`` on Linux), so
@@ -42,9 +43,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_WAIT_TIMEOUT_S = 3600.0
 _PROGRESS_EVERY_S = 30.0
 _PR_SET_PDEATHSIG = 1
-
-_PENDING: list[AsyncSave] = []
-"""Async saves of this process not yet finalized, oldest first (a new save finalizes them first)."""
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -89,10 +87,16 @@ class AsyncSave:
         self._calls = calls
         self._manager = manager
         self._finalized = False
+        self._closed = False
 
     def __repr__(self) -> str:
         state = "finalized" if self._finalized else "pending"
         return f"AsyncSave(iteration={self.iteration}, path={str(self.path)!r}, {state})"
+
+    @property
+    def pending(self) -> bool:
+        """Neither published nor given up (failed or timed out)."""
+        return not (self._finalized or self._closed)
 
     def _writers_alive(self) -> bool:
         return any(
@@ -165,8 +169,17 @@ class AsyncSave:
     def _close(self) -> None:
         with contextlib.suppress(Exception):
             self._manager.shutdown()
-        if self in _PENDING:
-            _PENDING.remove(self)
+        self._closed = True
+        atexit.unregister(self._warn_if_pending)
+
+    def _warn_if_pending(self) -> None:
+        if self.pending:
+            logger.warning(
+                "the async save of %s was never finalized (call wait() or CheckpointSaver.finalize() before exit); "
+                "%s still names the previous checkpoint",
+                self.path,
+                self.path.parent,
+            )
 
 
 def _describe_failure(error: BaseException) -> str:
@@ -204,27 +217,6 @@ def start_async_save(
         manager.shutdown()
         raise
     handle = AsyncSave(iteration=iteration, path=path, calls=calls, manager=manager)
-    atexit.unregister(_warn_unfinalized)  # registered once, however many saves
-    atexit.register(_warn_unfinalized)
-    _PENDING.append(handle)
-    logger.info("async save of %s started; call wait() or finalize_async_saves() to publish it", path)
+    atexit.register(handle._warn_if_pending)
+    logger.info("async save of %s started; call wait() or CheckpointSaver.finalize() to publish it", path)
     return handle
-
-
-def finalize_async_saves(*, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> list[Path]:
-    """Wait for and publish every async save this process started; collective. Call it before exit.
-
-    Returns:
-        The published iteration directories, oldest first (empty when none was pending).
-    """
-    return [handle.wait(timeout_s) for handle in list(_PENDING)]
-
-
-def _warn_unfinalized() -> None:
-    for handle in _PENDING:
-        logger.warning(
-            "the async save of %s was never finalized (call finalize_async_saves() before exit); %s still names "
-            "the previous checkpoint",
-            handle.path,
-            handle.path.parent,
-        )

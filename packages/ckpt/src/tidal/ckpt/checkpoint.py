@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from tidal.ckpt import atomic
-from tidal.ckpt.async_save import AsyncSave, finalize_async_saves, start_async_save
+from tidal.ckpt.async_save import DEFAULT_WAIT_TIMEOUT_S, AsyncSave, start_async_save
 from tidal.ckpt.errors import CheckpointError
 from tidal.ckpt.layout import TRACKER_FILENAME, iteration_dir_name, list_iterations, resolve_checkpoint
 from tidal.ckpt.matching import check_request, requested_keys
@@ -62,7 +62,6 @@ def _check_weights_only(common_state: dict[str, Any]) -> None:
         ) from e
 
 
-@overload
 def save_checkpoint(
     save_dir: str | Path,
     iteration: int,
@@ -70,34 +69,10 @@ def save_checkpoint(
     *,
     common_state: dict[str, Any] | None = None,
     keep_last: int | None = None,
-    async_save: Literal[False] = False,
-) -> Path: ...
-
-
-@overload
-def save_checkpoint(
-    save_dir: str | Path,
-    iteration: int,
-    sharded_state_dict: dict[str, Any],
-    *,
-    common_state: dict[str, Any] | None = None,
-    keep_last: int | None = None,
-    async_save: Literal[True],
-) -> AsyncSave: ...
-
-
-def save_checkpoint(
-    save_dir: str | Path,
-    iteration: int,
-    sharded_state_dict: dict[str, Any],
-    *,
-    common_state: dict[str, Any] | None = None,
-    keep_last: int | None = None,
-    async_save: bool = False,
-) -> Path | AsyncSave:
+) -> Path:
     """Save ``DIR/iter_XXXXXXX/`` and point ``DIR/latest_checkpointed_iteration.txt`` at it; collective, atomic.
 
-    Any async save still pending in this process is finalized first (so saves publish in order).
+    A one-off synchronous save. A job that saves repeatedly, or asynchronously, uses a ``CheckpointSaver``.
 
     Args:
         save_dir: the ``--save`` directory (created if missing).
@@ -107,13 +82,81 @@ def save_checkpoint(
             (``--no-load-optim``) but must match the sections it asks for exactly.
         common_state: plain values shared by all ranks (e.g. ``TrainerState.to_dict()``), written once.
         keep_last: after publishing, delete all but the newest ``keep_last`` iterations (never the new one).
-        async_save: return as soon as megatron's writer process is started (``--async-save``); the data is a
-            snapshot taken now, and the checkpoint is published by the returned handle's ``wait()`` (or
-            ``finalize_async_saves()``), which every rank must call.
 
     Returns:
-        The published iteration directory, or with ``async_save`` an ``AsyncSave`` handle.
+        The published iteration directory.
     """
+    saved = _save(save_dir, iteration, sharded_state_dict, common_state=common_state, keep_last=keep_last)
+    assert isinstance(saved, Path)
+    return saved
+
+
+class CheckpointSaver:
+    """Saves one job's checkpoints into ``save_dir``, in order, and holds its async saves until they are published.
+
+    Every rank makes the same calls (they are collective). With ``async_save`` (``--async-save``) ``save`` returns
+    as soon as megatron's writer process is started; the data is a snapshot taken then, published by the next
+    ``save`` or by ``finalize()``, which every rank must call before the job exits.
+
+    Args:
+        save_dir: the ``--save`` directory (created if missing).
+        keep_last: after publishing, delete all but the newest ``keep_last`` iterations (``--keep-last``).
+        async_save: write in a forked process and publish later (``--async-save``).
+    """
+
+    def __init__(self, save_dir: str | Path, *, keep_last: int | None = None, async_save: bool = False) -> None:
+        self.save_dir = Path(save_dir)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: list[AsyncSave] = []
+
+    def save(
+        self, iteration: int, sharded_state_dict: dict[str, Any], *, common_state: dict[str, Any] | None = None
+    ) -> Path | AsyncSave:
+        """Save ``iteration`` (arguments as ``save_checkpoint``'s); collective.
+
+        A pending async save is published first: saves publish in order, and this save's sweep of interrupted
+        temp directories must not take its directory.
+
+        Returns:
+            The published iteration directory, or with ``async_save`` the save's ``AsyncSave`` handle.
+        """
+        self.finalize()
+        saved = _save(
+            self.save_dir,
+            iteration,
+            sharded_state_dict,
+            common_state=common_state,
+            keep_last=self.keep_last,
+            async_save=self.async_save,
+        )
+        if isinstance(saved, AsyncSave):
+            self._pending.append(saved)
+        return saved
+
+    def finalize(self, *, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> list[Path]:
+        """Wait for and publish every async save still pending, oldest first; collective. Call it before exit.
+
+        Returns:
+            The published iteration directories (empty when none was pending).
+        """
+        published = []
+        while self._pending:
+            handle = self._pending.pop(0)
+            if handle.pending:
+                published.append(handle.wait(timeout_s))
+        return published
+
+
+def _save(
+    save_dir: str | Path,
+    iteration: int,
+    sharded_state_dict: dict[str, Any],
+    *,
+    common_state: dict[str, Any] | None,
+    keep_last: int | None,
+    async_save: bool = False,
+) -> Path | AsyncSave:
     _require_distributed()
     if iteration < 0:
         raise ValueError(f"iteration must be >= 0, got {iteration}")
@@ -124,7 +167,6 @@ def save_checkpoint(
         raise ValueError(f"sharded_state_dict uses reserved top-level key(s) {clash}; rename them")
     common_state = dict(common_state or {})
     _check_weights_only(common_state)
-    finalize_async_saves()  # its temp dir must not be swept, and the tracker must move in order
 
     save_dir = Path(save_dir)
     target = save_dir / iteration_dir_name(iteration)

@@ -9,7 +9,7 @@ Each rank's RNG states (python, numpy, torch, CUDA, Megatron's tracker) travel i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,11 +17,11 @@ from tidal.ckpt.config import DEFAULT_MAX_SHARD_BYTES
 
 if TYPE_CHECKING:
     import torch
-    from tidal.ckpt.async_save import AsyncSave
+    from tidal.ckpt.checkpoint import CheckpointSaver
     from tidal.ckpt.config import CkptConfig
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class CheckpointIO:
     """Save and load Megatron checkpoints (with the rank's RNG state) and write HF copies; collective calls."""
 
@@ -41,6 +41,8 @@ class CheckpointIO:
     """Load and restore this rank's RNG states (False under ``--no-load-rng``)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Largest safetensors shard of an HF copy written by :meth:`save_hf` (``--max-shard-bytes``)."""
+    _saver: CheckpointSaver | None = field(default=None, init=False, repr=False)
+    """The saver of ``save_dir`` (it holds pending async saves), made at the first :meth:`save`."""
 
     @classmethod
     def from_config(cls, cfg: CkptConfig) -> CheckpointIO:
@@ -66,20 +68,15 @@ class CheckpointIO:
         Raises:
             ValueError: No ``save_dir``.
         """
-        from tidal.ckpt.checkpoint import save_checkpoint
+        from tidal.ckpt.checkpoint import CheckpointSaver
         from tidal.ckpt.state import RNG_STATE_KEY, rng_state_sharded_object
 
         if self.save_dir is None:
             raise ValueError("saving a checkpoint needs --save DIR")
+        if self._saver is None:
+            self._saver = CheckpointSaver(self.save_dir, keep_last=self.keep_last, async_save=self.async_save)
         state = {**sharded_state_dict, RNG_STATE_KEY: rng_state_sharded_object()}
-        saved: Path | AsyncSave = save_checkpoint(
-            self.save_dir,
-            iteration,
-            state,
-            common_state=common_state,
-            keep_last=self.keep_last,
-            async_save=self.async_save,
-        )
+        saved = self._saver.save(iteration, state, common_state=common_state)
         return str(getattr(saved, "path", saved))
 
     def load(self, sharded_state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -111,9 +108,7 @@ class CheckpointIO:
 
     def finalize(self) -> list[str]:
         """Wait until a pending ``async_save`` is durable and published (every rank calls it)."""
-        from tidal.ckpt.async_save import finalize_async_saves
-
-        return [str(p) for p in finalize_async_saves()]
+        return [] if self._saver is None else [str(p) for p in self._saver.finalize()]
 
     def save_hf(
         self,

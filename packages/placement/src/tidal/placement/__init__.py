@@ -14,28 +14,16 @@ from tidal.placement.devices import LocalGpus, detect_gpus, plan_local_gpus
 from tidal.placement.errors import PlacementError, ResourceShortageError
 
 if TYPE_CHECKING:
-    from tidal.placement.groups import BundleInfo, Placement, Rendezvous, create_placement, wait_for_placement_group
-    from tidal.placement.lifecycle import ray_session, read_cluster, runtime_env, shutdown_ray, start_ray
-    from tidal.placement.plan import NodeResources, ResourcePlan, check_resources
-    from tidal.placement.ports import EnginePorts, PortAllocator, allocate_ports
+    from tidal.placement.groups import create_placement
+    from tidal.placement.lifecycle import ray_session, shutdown_ray, start_ray
+    from tidal.placement.ports import PortAllocator
 
 _LAZY = {
-    "BundleInfo": "groups",
-    "Placement": "groups",
-    "Rendezvous": "groups",
     "create_placement": "groups",
-    "wait_for_placement_group": "groups",
     "ray_session": "lifecycle",
-    "read_cluster": "lifecycle",
-    "runtime_env": "lifecycle",
     "shutdown_ray": "lifecycle",
     "start_ray": "lifecycle",
-    "NodeResources": "plan",
-    "ResourcePlan": "plan",
-    "check_resources": "plan",
-    "EnginePorts": "ports",
     "PortAllocator": "ports",
-    "allocate_ports": "ports",
 }
 
 
@@ -53,27 +41,16 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "BundleInfo",
-    "EnginePorts",
     "LocalGpus",
-    "NodeResources",
-    "Placement",
     "PlacementConfig",
     "PlacementError",
     "PortAllocator",
-    "Rendezvous",
-    "ResourcePlan",
     "ResourceShortageError",
-    "allocate_ports",
-    "check_resources",
     "create_placement",
     "detect_gpus",
     "parse_ray_env",
     "plan_local_gpus",
     "ray_session",
-    "read_cluster",
-    "runtime_env",
     "shutdown_ray",
     "start_ray",
-    "wait_for_placement_group",
 ]
