@@ -18,12 +18,12 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 from tidal.ckpt import (
     TRACKER_FILENAME,
     CheckpointError,
-    CheckpointSaver,
     TrainerState,
     load_checkpoint,
     save_checkpoint,
 )
 from tidal.ckpt.async_save import AsyncSave
+from tidal.ckpt.checkpoint import CheckpointSaver
 
 FULL_W = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
 FULL_V = torch.arange(4 * 10, dtype=torch.bfloat16).reshape(4, 10)

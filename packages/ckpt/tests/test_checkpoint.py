@@ -18,11 +18,10 @@ from tidal.ckpt import (
     CheckpointError,
     TrainerState,
     load_checkpoint,
-    restore_rng_state,
-    rng_state_sharded_object,
     save_checkpoint,
 )
 from tidal.ckpt.shims import in_process_results_queue, sync_save_shims
+from tidal.ckpt.state import restore_rng_state, rng_state_sharded_object
 
 README = Path(__file__).parents[1] / "README.md"
 FULL_W = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)  # split on axis 0 (like a column-parallel weight)
