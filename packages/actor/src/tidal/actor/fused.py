@@ -4,7 +4,7 @@ Megatron's ``SelfAttention`` adds the QKV bias in a separate broadcast add, spli
 (``[T, groups, (heads/groups + 2) * dim]``) into q/k/v views, copies q into ``[T, heads, dim]`` (the reshape cannot be
 a view), rotates q and k per layer from the ``freqs`` table (a cos and a sin per element, recomputed in every layer,
 forward and backward), and ``packed_causal_attention`` repeats k/v per q head (torch 2.11's ``varlen_attn`` has no
-grouped-query flag): on the H200 about 0.2 s of a 2.2 s training step (``bench/bench_actor_gpu.py --profile``).
+grouped-query flag): on the H200 about 0.2 s of a 2.2 s training step (the profile of ``bench/bench_actor_gpu.py``).
 
 ``PackedSelfAttention`` takes ``SelfAttention``'s place in the layer spec (context parallel size 1). For packed THD
 input with plain RoPE (non-interleaved, full rotary dim, no YaRN ``mscale``, no q/k norm, no output gate) it asks

@@ -3,7 +3,7 @@
 ``torch.compile`` of ``local_log_probs`` reads a ``[4096, 151936]`` bf16 chunk at ~1.1 TB/s on the H200 in the
 log-prob pass (its online softmax keeps a max and a sum per lane: two exponentials per element), and in training
 its forward (log-softmax + entropy) and backward (log-softmax backward, plus a separate scatter of the gathered
-gradient into a zeroed fp32 ``[N, V]``) took ~0.11 s of a 2.1 s step (``bench/bench_actor_gpu.py --profile``).
+gradient into a zeroed fp32 ``[N, V]``) took ~0.11 s of a 2.1 s step (the profile of ``bench/bench_actor_gpu.py``).
 
 Here the forward streams each row once in blocks, keeping a running max ``m``, ``s = sum exp(x - m)`` and (for the
 entropy) ``t = sum exp(x - m) * x``, and writes ``lp = x[target] - lse``, ``H = lse - t / s`` and ``lse``. The

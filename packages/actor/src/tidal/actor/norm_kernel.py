@@ -1,9 +1,9 @@
 """Triton kernels for RMSNorm, ``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, forward and backward.
 
 torch's ``_fused_rms_norm`` backward took 0.17 ms per call at 24.5k tokens x 1536 on the H200 (~1.3 TB/s: its
-weight-gradient reduction runs as a separate kernel), 0.039 s of a 2.1 s training step (``bench/bench_actor_gpu.py
---profile``). Here the forward writes the output and ``rstd`` per row; the backward gives each program a contiguous
-run of rows, writes their input gradients
+weight-gradient reduction runs as a separate kernel), 0.039 s of a 2.1 s training step (the profile of
+``bench/bench_actor_gpu.py``). Here the forward writes the output and ``rstd`` per row; the backward gives each
+program a contiguous run of rows, writes their input gradients
 
     dx = rstd * (w * dy - x_hat * mean(w * dy * x_hat))        x_hat = x * rstd
 

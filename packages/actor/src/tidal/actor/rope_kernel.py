@@ -1,7 +1,7 @@
 """Triton kernels for ``fused.split_rope_qkv``: QKV bias + split + RoPE in one pass, forward and backward.
 
 ``torch.compile`` of the same function (dynamic token count) produced a q kernel at ~0.15 TB/s on the H200 (1.3 ms
-per layer at 24k tokens; ``bench/bench_actor_gpu.py --profile``), so the rotation is written out: each program
+per layer at 24k tokens in the profile of ``bench/bench_actor_gpu.py``), so the rotation is written out: each program
 reads one head of ``BLOCK_T`` tokens from megatron's interleaved ``[T, groups, (heads_per_group + 2) * dim]``
 projection (two half-rows), adds the bias, rotates q/k heads with the per-token cos/sin table and writes contiguous
 q, k and v. Arithmetic in fp32, rounded once (the eager code rounds after each op: the two agree to bf16 rounding).

@@ -1,7 +1,7 @@
 """Triton kernels for the MLP's SwiGLU, ``silu(y[..., :F]) * y[..., F:]``, forward and backward.
 
 megatron's fused SwiGLU (``bias_activation_fusion``, ``torch.compile``d) ran its backward at ~2.3 TB/s on the H200
-(0.97 ms per layer at 24.5k tokens, 0.11 s of a 2.1 s training step; ``bench/bench_actor_gpu.py --profile``). Here each
+(0.97 ms per layer at 24.5k tokens, 0.11 s of a 2.1 s training step, ``bench/bench_actor_gpu.py``). Here each
 program handles ``BLOCK`` columns of one token: the forward reads the gate and up halves and writes the product; the
 backward reads them and the output gradient and writes both halves of the input gradient. Arithmetic in fp32,
 rounded once. Imported only on CUDA (``fused.FusedSwiGLUMLP`` with ``fused_kernels``); tested on CPU against
