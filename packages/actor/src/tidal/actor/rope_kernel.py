@@ -22,6 +22,22 @@ _BLOCK_T = 32
 
 
 @triton.jit
+def _load_head(
+    mixed, bias, t, mask, g, h, d, stride_t, stride_g, R: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr
+):
+    """Head ``h`` of group ``g`` for tokens ``t`` as two fp32 halves, the bias added and rounded as megatron does."""
+    HALF: tl.constexpr = D // 2
+    src = mixed + t[:, None].to(tl.int64) * stride_t + g * stride_g + h * D + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        off = (g * (R + 2) + h) * D + d[None, :]
+        x1 = (x1 + tl.load(bias + off).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+        x2 = (x2 + tl.load(bias + off + HALF).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
 def _split_rope_fwd(
     mixed, bias, cos, sin, q, k, v, qw, kw, eps, T, stride_t, stride_g,
     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, EXPAND: tl.constexpr,
@@ -34,13 +50,7 @@ def _split_rope_fwd(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, HALF)
     mask = (t < T)[:, None]
-    src = mixed + t[:, None].to(tl.int64) * stride_t + g * stride_g + h * D + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        off = (g * (R + 2) + h) * D + d[None, :]
-        x1 = (x1 + tl.load(bias + off).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
-        x2 = (x2 + tl.load(bias + off + HALF).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+    x1, x2 = _load_head(mixed, bias, t, mask, g, h, d, stride_t, stride_g, R, D, HAS_BIAS)
     t64 = t[:, None].to(tl.int64)
     if h <= R:  # q heads (h < R) and the k head (h == R) rotate; v (h == R + 1) is copied
         if HAS_NORM:  # RMSNorm over the head's D values (both halves), weight of q or k
@@ -107,13 +117,7 @@ def _split_rope_bwd(
         x1 = y1 * c1 + y2 * s2
         x2 = y2 * c2 - y1 * s1
         if HAS_NORM:  # back through the RMSNorm: the forward's input is read again from the projection
-            src = mixed + t64 * stride_t + g * stride_g + h * D + d[None, :]
-            a1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            a2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                off = (g * (R + 2) + h) * D + d[None, :]
-                a1 = (a1 + tl.load(bias + off).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
-                a2 = (a2 + tl.load(bias + off + HALF).to(tl.float32)).to(mixed.dtype.element_ty).to(tl.float32)
+            a1, a2 = _load_head(mixed, bias, t, mask, g, h, d, stride_t, stride_g, R, D, HAS_BIAS)
             r = 1.0 / tl.sqrt((tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)) / D + eps)
             if h < R:  # noqa: SIM108 (a runtime branch: Triton has no conditional expression on tensors)
                 w = qw
