@@ -264,7 +264,7 @@ class PackedSelfAttention(SelfAttention):
             from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
         # varlen_attn without grouped-query support would repeat k/v itself: write them repeated right away
         expand = mixed.is_cuda and not _varlen_attn_supports_gqa()
-        qk_norm = self._qk_norm() if self._has_qk_norm() else None
+        qk_norm = self._qk_norm()  # None for layers without q/k norm
         q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, expand, qk_norm)
         return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
 
