@@ -92,7 +92,11 @@ def test_two_jobs_on_one_host_never_get_the_same_port(tmp_path):
     mine = first.allocate(3)  # tested free, not bound yet: a bind test alone would hand them out again
     theirs = second.allocate(3)
     assert not set(mine) & set(theirs)
-    assert set(mine) == {low, low + PORT_SPAN, low + 2 * PORT_SPAN}
-    first._locks.release([p + i for p in mine for i in range(PORT_SPAN)])  # the first job ended
+    # Ports in this range can be busy on a shared host (other processes' ephemeral ports), so which blocks
+    # each job gets is not fixed; what is fixed is that the other job's lock files refuse them.
+    assert all(low <= p < low + 20 * PORT_SPAN and (p - low) % PORT_SPAN == 0 for p in mine + theirs)
     third = _PortBook(low, low + 20 * PORT_SPAN, PORT_SPAN, (0,), lock_dir=tmp_path)
-    assert third.allocate(1) == [low]  # its ports are free for the next job again
+    assert not third._locks.take(first._block(mine[0]))  # held by the first job
+    assert not set(third.allocate(2)) & set(mine + theirs)
+    first._locks.release([p + i for p in mine for i in range(PORT_SPAN)])  # the first job ended
+    assert third._locks.take(first._block(mine[0]))  # its ports are free for the next job again

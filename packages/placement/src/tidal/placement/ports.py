@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,7 @@ _PortBookActor = ray.remote(num_cpus=0)(_PortBook)
 # session never sees a stale handle. (The actor also fate-shares with the process that created it: create it
 # from the long-lived driver, as create_placement does.)
 _HANDLES: dict[tuple[str, str, str, str], ray.actor.ActorHandle] = {}
+_HANDLES_LOCK = threading.Lock()
 
 
 class PortAllocator:
@@ -173,13 +175,16 @@ class PortAllocator:
         self.node_ip = node_ip or ray.util.get_node_ip_address()
         ctx = ray.get_runtime_context()
         key = (ctx.gcs_address, ctx.get_job_id(), name, self.node_ip)
-        if key not in _HANDLES:
-            _HANDLES[key] = _PortBookActor.options(
-                name=f"{name}-{self.node_ip}",
-                get_if_exists=True,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(_node_id_for_ip(self.node_ip), soft=False),
-            ).remote(PORT_RANGE[0], PORT_RANGE[1], PORT_SPAN, SGLANG_DERIVED_OFFSETS)
-        self._actor = _HANDLES[key]
+        # Under the lock, so that threads of one process keep the handle that created (and owns) the actor:
+        # a later thread's get-if-exists handle does not own it, and dropping the owner's would kill it.
+        with _HANDLES_LOCK:
+            if key not in _HANDLES:
+                _HANDLES[key] = _PortBookActor.options(
+                    name=f"{name}-{self.node_ip}",
+                    get_if_exists=True,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(_node_id_for_ip(self.node_ip), soft=False),
+                ).remote(PORT_RANGE[0], PORT_RANGE[1], PORT_SPAN, SGLANG_DERIVED_OFFSETS)
+            self._actor = _HANDLES[key]
 
     def allocate(self, n: int, *, timeout_s: float = 60.0) -> list[int]:
         """Reserve ``n`` distinct ports on this node (each the base of a ``PORT_SPAN`` block)."""
