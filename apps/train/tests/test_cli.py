@@ -12,7 +12,7 @@ from tidal.train.checks import ConfigErrors
 from tidal.train.cli import main, parse_job, validate
 
 # A user's model folder and data, for the cases that leave the embedded default.
-USER = ["--hf-checkpoint", "{model}", "--prompt-data", "{data}", "--rollout-batch-size", "4"]
+USER = ["--recipe", "base", "--hf-checkpoint", "{model}", "--prompt-data", "{data}", "--rollout-batch-size", "4"]
 
 # (argv, what the message must say[, CUDA GPUs of the machine: 0 is a CPU-only box])
 BAD = [
@@ -30,7 +30,7 @@ BAD = [
     (["--rollout-num-gpus", "2", "--colocate"], "--colocate"),
     (["--global-batch-size", "48"], "--global-batch-size"),
     (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu"),
-    (["--hf-checkpoint", "/nonexistent/model", "--prompt-data", __file__], "--hf-checkpoint"),
+    (["--recipe", "base", "--hf-checkpoint", "/nonexistent/model", "--prompt-data", __file__], "--hf-checkpoint"),
     (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data"),
     (["--not-a-flag", "1"], "--not-a-flag"),
     (["--debug-train-only"], "--load-debug-rollout-data"),
@@ -58,7 +58,18 @@ BAD = [
     (["--rollout-external-engine-addrs", "h:1", "--no-colocate"], "--no-colocate"),
     # mistakes a new user makes: each is one line before anything starts
     (
-        ["--hf-checkpoint", "{model}", "--prompt-data", "{data}", "--rm-type", "math", "--num-rollout", "100"],
+        [
+            "--recipe",
+            "base",
+            "--hf-checkpoint",
+            "{model}",
+            "--prompt-data",
+            "{data}",
+            "--rm-type",
+            "math",
+            "--num-rollout",
+            "100",
+        ],
         "--rollout-batch-size is required",
     ),  # the README's example as it was
     (["--actor-num-gpus-per-node", "64", "--rollout-num-gpus", "8"], "needs 64 GPUs.*available: none"),  # CPU box
@@ -92,8 +103,23 @@ BAD = [
     (["--num-cpus-per-bundle", "0"], "--num-cpus-per-bundle"),
     (["--placement-timeout", "0"], "--placement-timeout"),
     (["--num-gpus-local", "4"], "--num-gpus-local 4 exceeds the 1 CUDA GPU", 1),
-    (["--hf-checkpoint", "{notokenizer}", "--prompt-data", "{data}", "--rollout-batch-size", "4"], "has no tokenizer"),
-    (["--hf-checkpoint", "{noweights}", "--prompt-data", "{data}", "--rollout-batch-size", "4"], "has no weights"),
+    (
+        [
+            "--recipe",
+            "base",
+            "--hf-checkpoint",
+            "{notokenizer}",
+            "--prompt-data",
+            "{data}",
+            "--rollout-batch-size",
+            "4",
+        ],
+        "has no tokenizer",
+    ),
+    (
+        ["--recipe", "base", "--hf-checkpoint", "{noweights}", "--prompt-data", "{data}", "--rollout-batch-size", "4"],
+        "has no weights",
+    ),
     (["--prompt-data", "{qa}"], "--prompt-data .* no key 'prompt'.*set --input-key"),
     (["--prompt-data", "{qa}", "--input-key", "question"], "no key 'label'.*set --label-key"),
     (["--prompt-data", "{empty}"], "--prompt-data .* holds no records"),
@@ -174,7 +200,8 @@ def test_independent_errors_come_together_one_line_each():
 
 
 def test_readme_example_parses_with_its_batch_size(paths):
-    readme = ["--hf-checkpoint", "{model}", "--prompt-data", "{data}", "--rm-type", "math", "--num-rollout", "100"]
+    readme = ["--recipe", "base", "--hf-checkpoint", "{model}", "--prompt-data", "{data}", "--rm-type", "math",
+              "--num-rollout", "100"]  # fmt: skip
     argv = _fill(readme, paths)
     job = validate([*argv, "--rollout-batch-size", "32", "--n-samples-per-prompt", "8"], detected_gpus=0)
     # outside the embedded recipe, actor and rollout get their own GPUs (slime's default): 1 + 1
@@ -358,7 +385,16 @@ def test_ctrl_c_during_the_run_exits_130(paths, tmp_path, monkeypatch):
 
 def test_pipeline_stages_must_divide_the_layers(tmp_path, paths):
     model = _write_model(tmp_path / "model", layers=3)
-    argv = ["--hf-checkpoint", str(model), "--prompt-data", paths["data"], "--rollout-batch-size", "4"]
+    argv = [
+        "--recipe",
+        "base",
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        paths["data"],
+        "--rollout-batch-size",
+        "4",
+    ]
     argv += ["--actor-num-gpus-per-node", "4"]
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 does not divide the model's 3 layers"):
         parse_job([*argv, "--pipeline-model-parallel-size", "2"])

@@ -6,7 +6,7 @@ import json
 import pytest
 from tidal.train.cli import main, parse_job
 from tidal.train.flags import options, section_defaults
-from tidal.train.recipes import RECIPES, default_recipe, recipe_options
+from tidal.train.recipes import DEFAULT_RECIPE, RECIPES, recipe_options
 
 # The embedded job's values: the README's main command and its learning result (bench/RESULTS.md) rest on them.
 EMBEDDED = {
@@ -49,9 +49,11 @@ def test_train_alone_runs_the_embedded_recipe_with_its_values(tmp_path):
     assert parse_job(["--recipe", "embedded", "--output-dir", str(tmp_path / "run")]) == job
 
 
-def test_the_default_recipe_is_embedded_unless_hf_checkpoint_is_given(user):
-    assert default_recipe({}) == "embedded" and default_recipe({"hf_checkpoint": "DIR"}) == "base"
-    job = parse_job([*user, "--rollout-batch-size", "4"])
+def test_a_users_model_names_its_recipe_rather_than_taking_the_embedded_ones_values(user):
+    assert DEFAULT_RECIPE == "embedded"
+    with pytest.raises(ValueError, match="--hf-checkpoint is given without --recipe: add --recipe base"):
+        parse_job([*user, "--rollout-batch-size", "4"])
+    job = parse_job([*user, "--rollout-batch-size", "4", "--recipe", "base"])
     assert job.actor.lr == section_defaults("actor")["lr"] and not job.placement.colocate
     recipe = parse_job([*user, "--recipe", "embedded"])  # asked for: the recipe's values on the user's model
     assert recipe.actor.lr == EMBEDDED["lr"] and recipe.actor.hf_checkpoint == user[1]
@@ -61,7 +63,7 @@ def test_the_default_recipe_is_embedded_unless_hf_checkpoint_is_given(user):
 def test_a_fields_default_is_the_same_whatever_other_flags_are_given(user, tmp_path):
     # Every option no recipe sets has its field's default, with and without --hf-checkpoint.
     embedded = parse_job(["--output-dir", str(tmp_path / "run")])
-    base = parse_job([*user, "--rollout-batch-size", "4"])
+    base = parse_job([*user, "--rollout-batch-size", "4", "--recipe", "base"])
     for o in options():
         if o.name in RECIPES["embedded"]() or o.default is dataclasses.MISSING:
             continue

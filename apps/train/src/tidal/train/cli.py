@@ -33,7 +33,7 @@ _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interru
 def parse_job(argv: list[str]) -> JobConfig:
     """Parse ``argv`` into a validated JobConfig; nothing heavy is imported and nothing starts.
 
-    The job starts from a recipe (``--recipe``, else :func:`tidal.train.recipes.default_recipe`), then the
+    The job starts from a recipe (``--recipe``, else :func:`tidal.train.recipes.recipe_for`), then the
     ``--config`` file, then the flags; each option lands in the section of the package that owns it.
 
     Raises:
@@ -42,14 +42,14 @@ def parse_job(argv: list[str]) -> JobConfig:
     """
     from tidal.train.config_file import expand_config
     from tidal.train.flags import SECTIONS, build_parser, options
-    from tidal.train.recipes import default_recipe, recipe_options
+    from tidal.train.recipes import recipe_for, recipe_options
 
     parser = build_parser(("embedded", recipe_options("embedded")))  # --help shows the embedded recipe's values
     args, unknown = parser.parse_known_args(expand_config(argv))
     given = {k: v for k, v in vars(args).items() if v is not None}
     for key in ("config", "list_recipes"):
         given.pop(key, None)
-    values = {**recipe_options(given.pop("recipe", None) or default_recipe(given)), **given}
+    values = {**recipe_options(recipe_for(given.pop("recipe", None), given)), **given}
     if "colocate" not in values and values.get("rollout_external_engine_addrs"):
         values["colocate"] = True  # external engines take no GPU of this job: nothing to add to the actor's
     sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}

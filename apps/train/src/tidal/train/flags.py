@@ -66,7 +66,7 @@ APP_OPTIONS: dict[str, dict[str, Any]] = {
     "--config": {"metavar": "FILE", "help": "YAML or TOML file of options (flag names without dashes); flags "
                  "override it"},
     "--recipe": {"metavar": "NAME", "help": "start from this recipe (`--recipe list` lists them); flags and "
-                 "--config override it (default: embedded without --hf-checkpoint, base with it)"},
+                 "--config override it (default: embedded; with --hf-checkpoint give one, e.g. base)"},
     "--list-recipes": {"action": "store_true", "help": "list the recipes and exit"},
 }  # fmt: skip
 
@@ -171,8 +171,9 @@ def build_parser(recipe: tuple[str, dict[str, Any]] | None = None) -> argparse.A
     parser = _Parser(
         prog="train",
         description="RL post-training: Megatron actor, SGLang rollouts. A job starts from a recipe (--recipe; "
-        "without it, `embedded` when --hf-checkpoint is not given, else `base`: the defaults below), then "
-        "--config, then the flags. `train convert --help`: HF <-> Megatron checkpoint conversion.",
+        "without it `embedded`, which a --hf-checkpoint must not take by accident: give --recipe base, the "
+        "defaults below, for your model), then --config, then the flags. `train convert --help`: HF <-> "
+        "Megatron checkpoint conversion.",
         allow_abbrev=False,
     )
     for flag, kwargs in APP_OPTIONS.items():

@@ -4,8 +4,8 @@ A recipe is a function registered by name (as torchtitan's config registry does)
 ``{field name: value}`` for the options it sets; every other option keeps its config field's default. A job
 starts from one recipe, then a ``--config`` file, then the flags: each overrides the one before.
 
-Which recipe: ``--recipe NAME``; without it ``embedded`` when ``--hf-checkpoint`` is not given (``uv run train``
-alone runs it), else ``base``. ``train --recipe list`` (or ``--list-recipes``) lists them.
+Which recipe: ``--recipe NAME``, else :data:`DEFAULT_RECIPE` (``embedded``: ``uv run train`` alone runs it),
+whatever other flags are given. ``train --recipe list`` (or ``--list-recipes``) lists them.
 """
 
 from __future__ import annotations
@@ -56,9 +56,26 @@ def embedded() -> dict[str, Any]:
     }
 
 
-def default_recipe(given: dict[str, Any]) -> str:
-    """The recipe a job without ``--recipe`` starts from: ``embedded`` unless ``--hf-checkpoint`` is given."""
-    return "base" if given.get("hf_checkpoint") else "embedded"
+DEFAULT_RECIPE = "embedded"
+"""The recipe of a job without ``--recipe``."""
+
+
+def recipe_for(name: str | None, given: dict[str, Any]) -> str:
+    """The recipe a job starts from: ``name`` (its ``--recipe``), else :data:`DEFAULT_RECIPE`.
+
+    Raises:
+        ValueError: ``--hf-checkpoint`` without ``--recipe``: the embedded recipe's values (lr 3e-4, the shipped
+            task) suit only the built-in model, so a user's model says which recipe it wants.
+    """
+    if name is not None:
+        return name
+    if given.get("hf_checkpoint"):
+        raise ValueError(
+            "--hf-checkpoint is given without --recipe: add --recipe base (the configs' own defaults, slime's, e.g. "
+            "--lr 1e-6) for your model; the default recipe, embedded, sets values for the built-in tiny model "
+            "(--lr 3e-4, the shipped addition task), so it is not picked for you (--recipe embedded to use them)"
+        )
+    return DEFAULT_RECIPE
 
 
 def recipe_options(name: str) -> dict[str, Any]:
