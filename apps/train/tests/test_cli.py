@@ -55,7 +55,8 @@ BAD = [
     (["--rollout-external-engine-addrs", "localhost"], "--rollout-external-engine-addrs"),
     (["--rollout-external-engine-addrs", "h:1", "h:1"], "--rollout-external-engine-addrs"),
     (["--rollout-external-engine-addrs", "h:1", "--use-fault-tolerance"], "--use-fault-tolerance"),
-    (["--rollout-external-engine-addrs", "h:1", "--no-colocate"], "--no-colocate"),
+    (["--rollout-external-engine-addrs", "h:1", "--rollout-num-gpus", "1"], "--rollout-num-gpus 1"),
+    (["--rollout-num-gpus", "0"], "--rollout-num-gpus 0 places no SGLang engine"),
     # mistakes a new user makes: each is one line before anything starts
     (
         [
@@ -219,7 +220,8 @@ def test_gpus_a_local_ray_declares(paths):
     assert not gpu.logical and gpu.num_gpus == 8
     assert check_local_gpus(parse_job(["--ray-address", "10.0.0.1:6379"]), detected_gpus=0) is None
     external = parse_job([*_fill(USER, paths), "--rollout-external-engine-addrs", "h:1"])
-    assert external.placement.colocate and external.placement.num_gpus == 1  # nothing reserved for them
+    assert not external.placement.colocate and external.placement.num_gpus == 1  # nothing reserved for them
+    assert external.placement.num_engines == 0 and external.placement.rollout_num_gpus == 0
 
 
 def _console_script() -> str:

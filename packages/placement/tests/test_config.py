@@ -13,6 +13,8 @@ def test_gpu_arithmetic_colocated_and_decoupled():
         actor_num_nodes=2, actor_num_gpus_per_node=4, rollout_num_gpus=8, rollout_num_gpus_per_engine=2, colocate=False
     )
     assert de.num_gpus == 16
+    none = PlacementConfig(actor_num_gpus_per_node=2, rollout_num_gpus=0)  # engines run elsewhere
+    assert (none.num_engines, none.num_gpus, ResourcePlan.from_config(none).engine_positions) == (0, 2, [])
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,7 @@ def test_gpu_arithmetic_colocated_and_decoupled():
             "span two nodes",
         ),
         ({"actor_num_nodes": 0}, "--actor-num-nodes"),
+        ({"rollout_num_gpus": -1}, "--rollout-num-gpus"),
         ({"actor_num_gpus_per_node": True}, "--actor-num-gpus-per-node"),
         ({"placement_timeout_s": 0}, "--placement-timeout"),
         ({"num_cpus_per_bundle": 0}, "--num-cpus-per-bundle"),

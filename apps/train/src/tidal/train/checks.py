@@ -193,7 +193,7 @@ def check_token_budget(batching, rollout) -> None:
     )
 
 
-def check_modes(train, rollout, *, colocate_given: bool | None) -> None:
+def check_modes(train, rollout, placement) -> None:
     """Debug modes and external engines: the combinations that cannot work."""
     problems = Problems()
     if train.debug_train_only and not rollout.load_debug_rollout_data:
@@ -215,7 +215,7 @@ def check_modes(train, rollout, *, colocate_given: bool | None) -> None:
                 ("--debug-train-only", train.debug_train_only),
                 ("--load-debug-rollout-data", rollout.load_debug_rollout_data),
                 ("--use-fault-tolerance", train.use_fault_tolerance),  # tidal cannot restart a server it does not own
-                ("--no-colocate", colocate_given is False),  # no GPU is reserved for external engines
+                (f"--rollout-num-gpus {placement.rollout_num_gpus}", placement.rollout_num_gpus > 0),
             )
             if given
         ]
@@ -224,6 +224,11 @@ def check_modes(train, rollout, *, colocate_given: bool | None) -> None:
                 f"--rollout-external-engine-addrs (SGLang servers run elsewhere) cannot be combined with {clash[0]}: "
                 "drop one of them"
             )
+    elif placement.rollout_num_gpus == 0 and not rollout.load_debug_rollout_data:
+        problems.add(
+            "--rollout-num-gpus 0 places no SGLang engine: give --rollout-external-engine-addrs HOST:PORT for "
+            "servers run elsewhere, or --rollout-num-gpus 1 or more"
+        )
     problems.raise_if_any()
 
 
@@ -317,7 +322,6 @@ def check_job(
     ckpt,
     hf: str,
     hf_config: dict[str, Any] | None,
-    colocate_given: bool | None,
     given: dict[str, dict[str, Any]],
 ) -> None:
     """The checks that span sections, on every section that could be built (None: it already has a problem)."""
@@ -328,7 +332,8 @@ def check_job(
         problems.run(check_pipeline, train, hf_config, hf)
         problems.run(check_wandb, train)
         if rollout is not None:
-            problems.run(check_modes, train, rollout, colocate_given=colocate_given)
+            if placement is not None:
+                problems.run(check_modes, train, rollout, placement)
             _warn_without_fault_tolerance(given["rollout"], train)
         if placement is not None:
             dp = problems.run(check_model_parallel, train, placement)

@@ -50,13 +50,14 @@ def parse_job(argv: list[str]) -> JobConfig:
     for key in ("config", "list_recipes"):
         given.pop(key, None)
     values = {**recipe_options(recipe_for(given.pop("recipe", None), given)), **given}
-    if "colocate" not in values and values.get("rollout_external_engine_addrs"):
-        values["colocate"] = True  # external engines take no GPU of this job: nothing to add to the actor's
+    if values.get("rollout_external_engine_addrs"):
+        # Servers run elsewhere: this job places no engine (an explicit --rollout-num-gpus N > 0 is refused).
+        values.setdefault("rollout_num_gpus", 0)
     sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for option in options():
         if option.name in values:
             sections[option.section][option.name] = values[option.name]
-    return _build_job(sections, unknown, parser, colocate_given=given.get("colocate"))
+    return _build_job(sections, unknown, parser)
 
 
 def _unknown_problems(unknown: list[str], known: list[str]) -> list[str]:
@@ -82,7 +83,7 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, *, colocate_given) -> JobConfig:
+def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser) -> JobConfig:
     """Each package's config from its section, then the checks that span sections; every problem is collected."""
     from tidal.actor import ActorConfig
     from tidal.batching import BatchingConfig
@@ -123,7 +124,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
         "placement": problems.run(PlacementConfig, **sections["placement"]),
         "rollout": problems.run(RolloutConfig, **rollout),
     }
-    checks.check_job(problems, **job, hf=hf, hf_config=hf_config, colocate_given=colocate_given, given=sections)
+    checks.check_job(problems, **job, hf=hf, hf_config=hf_config, given=sections)
     problems.raise_if_any()
     return JobConfig(**job)
 

@@ -51,7 +51,6 @@ class RolloutManager:
         self.driver_client = None
         """The driver's own client of the one engine (partial rollout, DAPO without a router); made on first use."""
         self._starting: list = []
-        self._placement = None
         self.driver = DriverRollouts(job, self, train_data, self.reward_fn, tokenizer=train_data.tokenizer)
 
     @property
@@ -68,11 +67,10 @@ class RolloutManager:
         """Create the engines' workers and begin their start-up (external ones: wait for health); returns at once."""
         from tidal.placement import PortAllocator
 
-        self._placement = placement
         model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
             self._launch(EngineWorker.options(num_cpus=0).remote(cfg, model, log_dir=logs, external_url=url))
-        for e in range(0 if cfg.rollout_external_engine_addrs else self.job.placement.num_engines):
+        for e in range(self.job.placement.num_engines):  # 0 with external engines
             ports = PortAllocator(placement.engine_node_ip(e)).engine_ports()
             worker = EngineWorker.options(**placement.engine_options(e)).remote(
                 cfg,
@@ -97,7 +95,7 @@ class RolloutManager:
         self.engine_urls = ray.get(self._starting)
         self.engine_pids = [pid for pid in ray.get([e.pid.remote() for e in self.engines]) if pid is not None]
         if self.engines and self.cfg.router_wanted(len(self.engines)):
-            port = PortAllocator(self._placement.engine_node_ip(0)).engine_ports().http_port
+            port = PortAllocator().engine_ports().http_port  # the router runs here, in the driver
             router = RolloutRouter.from_config(self.cfg, self.engine_urls, port=port, log_dir=self.log_dir)
             self.router = router  # before start(): a start-up that fails or is interrupted still stops it
             router.start()

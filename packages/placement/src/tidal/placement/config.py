@@ -49,13 +49,13 @@ class PlacementConfig:
     actor_num_gpus_per_node: int = 1
     """Actor ranks (GPUs) on each of those nodes."""
     rollout_num_gpus: int = 1
-    """GPUs for all SGLang engines together."""
+    """GPUs for all SGLang engines of this job together; 0 places none (`train` sets 0 when
+    --rollout-external-engine-addrs is given: those servers run elsewhere)."""
     rollout_num_gpus_per_engine: int = 1
     """GPUs of one SGLang engine (its TP size); an engine never spans nodes."""
     colocate: bool = field(default=False, metadata={"negatable": True})
     """Actor and rollout share the same GPUs; off (slime's default): rollout gets its own GPUs, and the
-    job needs actor + rollout GPUs. `train` turns it on when --rollout-external-engine-addrs is given and this is
-    not: engines run elsewhere take no GPU of the job."""
+    job needs actor + rollout GPUs."""
     ray_address: str | None = None
     """Connect to this existing Ray cluster; None starts a local Ray."""
     num_gpus_local: int | None = None
@@ -77,12 +77,15 @@ class PlacementConfig:
         for flag, value in (
             ("--actor-num-nodes", self.actor_num_nodes),
             ("--actor-num-gpus-per-node", self.actor_num_gpus_per_node),
-            ("--rollout-num-gpus", self.rollout_num_gpus),
             ("--rollout-num-gpus-per-engine", self.rollout_num_gpus_per_engine),
             ("--num-cpus-local", self.num_cpus_local),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.rollout_num_gpus, int) or isinstance(self.rollout_num_gpus, bool):
+            raise ValueError(f"--rollout-num-gpus must be an integer >= 0, got {self.rollout_num_gpus!r}")
+        if self.rollout_num_gpus < 0:
+            raise ValueError(f"--rollout-num-gpus must be >= 0 (0: no engine of this job), got {self.rollout_num_gpus}")
         if self.num_gpus_local is not None and self.num_gpus_local < 1:
             raise ValueError(f"--num-gpus-local must be >= 1 (or unset), got {self.num_gpus_local}")
         if not 0 < self.num_cpus_per_bundle <= 64:
