@@ -25,6 +25,18 @@ def test_local_log_probs_equal_vocab_parallel(dist_env, temperature):
     torch.testing.assert_close(lp16, ref16, atol=1e-5, rtol=0)
 
 
+def rope_at_positions(t: torch.Tensor, freqs: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``t [T, heads, dim]`` at ``position [T]`` from megatron's ``freqs [max_len, 1, 1, dim]`` table.
+
+    The same arithmetic as megatron's ``_apply_rotary_pos_emb_bshd`` (non-interleaved, ``mscale`` 1, full rotary
+    dim): ``t * cos + rotate_half(t) * sin`` with cos/sin cast to ``t``'s dtype.
+    """
+    f = freqs[position].reshape(t.size(0), 1, t.size(-1))
+    cos, sin = f.cos().to(t.dtype), f.sin().to(t.dtype)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 def test_entropy_without_grad_is_a_metric_only(dist_env):
     logits = torch.randn(5, 40, requires_grad=True)
     _, ent = local_log_probs(logits, torch.zeros(5, dtype=torch.long), with_entropy=True, entropy_grad=False)
@@ -34,7 +46,6 @@ def test_entropy_without_grad_is_a_metric_only(dist_env):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rope_arithmetic_equals_megatron(dtype):
     from megatron.core.models.common.embeddings import rope_utils
-    from tidal.actor import compat
 
     gen = torch.Generator().manual_seed(1)
     t = torch.randn(23, 3, 16, generator=gen).to(dtype)
@@ -43,7 +54,7 @@ def test_fused_rope_arithmetic_equals_megatron(dtype):
     freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # megatron's [max_len, 1, 1, dim] table
     position = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, *range(15)])
     ref = rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[position]).squeeze(1)
-    out = compat.rope_at_positions(t, freqs, position)
+    out = rope_at_positions(t, freqs, position)
     assert out.dtype == dtype
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     # the positions the patch computes from cu_seqlens: each restarts at its sequence's start
@@ -85,7 +96,7 @@ def _rope_inputs(dtype, tokens=23, heads=3, dim=16):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_table_equals_rope_at_positions(dtype):
-    from tidal.actor import compat, fused
+    from tidal.actor import fused
 
     t, freqs = _rope_inputs(dtype)
     cu = torch.tensor([0, 5, 8, 23], dtype=torch.int32)
@@ -93,7 +104,7 @@ def test_rope_table_equals_rope_at_positions(dtype):
     out = fused.rope_with_table(t, *fused.rope_table(freqs, position))
     # fp32 arithmetic on an fp32 table, rounded once: megatron's rotation of the upcast input
     assert out.dtype == dtype
-    torch.testing.assert_close(out, compat.rope_at_positions(t.float(), freqs, position).to(dtype), atol=0, rtol=0)
+    torch.testing.assert_close(out, rope_at_positions(t.float(), freqs, position).to(dtype), atol=0, rtol=0)
     # built once per (freqs, cu_seqlens) pair: every layer of a forward reuses it, a new micro-batch rebuilds it
     tables = fused.RopeTables()
     first = tables.get(freqs, cu, 23)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 from tidal.batching import pack, plan_micro_batches, plan_stats
-from tidal.batching.stats import batch_stats, token_stats
+from tidal.batching.stats import token_stats
 
 
 def test_token_stats_values():
@@ -14,6 +14,13 @@ def test_token_stats_values():
     assert s["batching/rank_imbalance"] == 0
     assert s["batching/budget_fill"] == pytest.approx(0.8)
     assert all(k.startswith("batching/") and isinstance(v, float) for k, v in s.items())
+
+
+def batch_stats(micro_batches, *, token_budget):
+    """The statistics of packed micro-batches ``micro_batches[rank][k]``, counted from the batches themselves."""
+    real = np.array([[b.num_real_tokens for b in rank] for rank in micro_batches], dtype=np.int64)
+    computed = np.array([[b.num_tokens for b in rank] for rank in micro_batches], dtype=np.int64)
+    return token_stats(real, computed, token_budget=token_budget)
 
 
 def test_batch_stats_match_plan_stats(rl_lengths):

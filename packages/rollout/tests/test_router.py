@@ -15,7 +15,7 @@ from tidal.rollout import (
     sglang_router_args,
     sglang_server_args,
 )
-from tidal.rollout.router import RolloutRouter, start_router
+from tidal.rollout.router import RolloutRouter
 from tidal.rollout.server_process import process_group_alive
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
@@ -32,13 +32,14 @@ def _free_port() -> int:
 def router(_sglang_engine: SGLangEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutRouter]:
     if not _sglang_engine.is_running():
         _sglang_engine.start()
-    router = start_router(
+    router = RolloutRouter(
         [_sglang_engine.url],
         port=_free_port(),
         log_dir=tmp_path_factory.mktemp("router_logs"),
         policy="cache_aware",
         startup_timeout_s=300,
     )
+    router.start()
     yield router
     router.shutdown()
 

@@ -148,18 +148,6 @@ def _packed_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Ten
     ).squeeze(1)
 
 
-def rope_at_positions(t: torch.Tensor, freqs: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """RoPE of ``t [T, heads, dim]`` at ``position [T]`` from megatron's ``freqs [max_len, 1, 1, dim]`` table.
-
-    The same arithmetic as megatron's ``_apply_rotary_pos_emb_bshd`` (non-interleaved, ``mscale`` 1, full rotary
-    dim): ``t * cos + rotate_half(t) * sin`` with cos/sin cast to ``t``'s dtype.
-    """
-    f = freqs[position].reshape(t.size(0), 1, t.size(-1))
-    cos, sin = f.cos().to(t.dtype), f.sin().to(t.dtype)
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 @functools.cache
 def _compiled_rope():
     from tidal.actor.fused import rope_with_table

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import numpy as np
 from tidal.batching.partition import MicroBatchPlan, cp_padded_lengths
-from tidal.batching.types import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +62,3 @@ def plan_stats(
     m = pad_to_multiple_of * context_parallel_size
     computed = -(-computed // m) * m
     return token_stats(real, computed, token_budget=plan.token_budget)
-
-
-def batch_stats(micro_batches: Sequence[Sequence[PackedBatch]], *, token_budget: int | None = None) -> dict[str, float]:
-    """Statistics of packed micro-batches, ``micro_batches[rank][k]`` (all ranks must have the same count).
-
-    Returns:
-        See :func:`token_stats`.
-    """
-    real = np.array([[b.num_real_tokens for b in rank] for rank in micro_batches], dtype=np.int64)
-    computed = np.array([[b.num_tokens for b in rank] for rank in micro_batches], dtype=np.int64)
-    return token_stats(real, computed, token_budget=token_budget)

@@ -204,11 +204,6 @@ def forget_allocators() -> None:
     _HANDLES.clear()
 
 
-def allocate_ports(node_ip: str | None = None, n: int = 1) -> list[int]:
-    """Reserve ``n`` conflict-free ports on the node with IP ``node_ip`` (see :class:`PortAllocator`)."""
-    return PortAllocator(node_ip).allocate(n)
-
-
 def _node_id_for_ip(node_ip: str) -> str:
     # Simulated multi-node clusters share one IP (and one port space), hence one allocator per IP.
     ids = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeManagerAddress"] == node_ip)

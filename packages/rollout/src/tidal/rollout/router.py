@@ -152,37 +152,3 @@ class RolloutRouter(ManagedServer):
         """Abort in-flight requests on every engine (the router does not forward ``/abort_request``)."""
         for engine in self._engines:
             engine.abort(rid)
-
-
-def start_router(
-    engine_urls: Sequence[str],
-    *,
-    port: int,
-    log_dir: str | os.PathLike[str],
-    policy: str = "cache_aware",
-    host: str = "127.0.0.1",
-    extra_router_args: Sequence[str] = (),
-    startup_timeout_s: float = 300.0,
-    api_key: str | None = None,
-    request_timeout_s: float = 600.0,
-    max_retries: int = DEFAULT_RETRIES,
-) -> RolloutRouter:
-    """Launch an sglang-router over ``engine_urls`` and wait until it is healthy (see :class:`RolloutRouter`).
-
-    Raises:
-        RolloutError: The router exited or timed out; the message quotes its log.
-    """
-    router = RolloutRouter(
-        engine_urls,
-        host=host,
-        port=port,
-        log_dir=log_dir,
-        policy=policy,
-        extra_router_args=extra_router_args,
-        startup_timeout_s=startup_timeout_s,
-        api_key=api_key,
-        request_timeout_s=request_timeout_s,
-        max_retries=max_retries,
-    )
-    router.start()
-    return router
