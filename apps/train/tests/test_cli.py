@@ -402,3 +402,22 @@ def test_pipeline_stages_must_divide_the_layers(tmp_path, paths):
         parse_job([*argv, "--pipeline-model-parallel-size", "2"])
     job = parse_job([*argv, "--pipeline-model-parallel-size", "3", "--actor-num-gpus-per-node", "3"])
     assert job.train.pipeline_model_parallel_size == 3
+
+
+def test_ray_address_from_the_environment_connects_like_the_flag(monkeypatch, tmp_path):
+    from tidal.train.cli import check_local_gpus
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    local = parse_job(["--output-dir", str(tmp_path / "a")])
+    assert local.placement.cluster_address is None and check_local_gpus(local, detected_gpus=0) is not None
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # what `ray job submit` gives the entrypoint
+    job = parse_job(["--output-dir", str(tmp_path / "b")])
+    assert job.placement.cluster_address == "auto" and check_local_gpus(job, detected_gpus=0) is None
+    flag = parse_job(["--output-dir", str(tmp_path / "c"), "--ray-address", "10.0.0.1:6379"])
+    assert flag.placement.cluster_address == "10.0.0.1:6379"  # the flag wins
+
+
+def test_paths_sent_to_workers_are_absolute(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    job = parse_job(["--output-dir", "out"])
+    assert job.train.output_dir == str(tmp_path / "out") and job.ckpt.save == str(tmp_path / "out" / "ckpt")

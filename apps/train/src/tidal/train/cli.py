@@ -102,6 +102,10 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser) 
     train, rollout, actor, ckpt = sections["train"], sections["rollout"], sections["actor"], sections["ckpt"]
     train.setdefault("output_dir", str(default_output_dir()))  # runs/DATE-TIME; runs/latest links to it
     ckpt.setdefault("save", str(Path(train["output_dir"]) / "ckpt"))
+    # Absolute: workers on other nodes (and other working directories) get these paths, not the driver's cwd.
+    for section, key in (("train", "output_dir"), ("ckpt", "save"), ("ckpt", "load"), ("ckpt", "ref_load")):
+        if sections[section].get(key):
+            sections[section][key] = str(Path(sections[section][key]).absolute())
     checks.check_data_files(train, problems)
     hf, hf_config = _model(train, problems)
     propagate_shared(sections, {("train", "hf_checkpoint"): hf})
@@ -171,7 +175,7 @@ def check_local_gpus(job: JobConfig, *, detected_gpus: int | None = None) -> Loc
         ResourceShortageError: the job needs more GPUs than this machine has (one line: needed vs available).
         ValueError: ``--num-gpus-local`` asks for more GPUs than the machine has.
     """
-    if job.placement.ray_address:
+    if job.placement.cluster_address:
         return None  # a cluster's GPUs are known once connected: create_placement checks them then
     from tidal.placement import detect_gpus, plan_local_gpus
 

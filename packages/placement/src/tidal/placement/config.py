@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ class PlacementConfig:
     """Actor and rollout share the same GPUs; off (slime's default): rollout gets its own GPUs, and the
     job needs actor + rollout GPUs."""
     ray_address: str | None = None
-    """Connect to this existing Ray cluster; None starts a local Ray."""
+    """Connect to this existing Ray cluster (`auto`: the one started on this machine by `ray start`); None:
+    the RAY_ADDRESS environment variable if set (`ray job submit` and KubeRay set it), else start a local Ray."""
     num_gpus_local: int | None = None
     """GPUs a local Ray declares (None: the CUDA GPUs detected; on a machine without any, as many
     logical GPUs as the job needs; see tidal.placement.devices)."""
@@ -120,6 +122,11 @@ class PlacementConfig:
                     f"nodes of --actor-num-gpus-per-node {gpus_per_node} GPUs; use an engine size that divides "
                     f"{gpus_per_node}"
                 )
+
+    @property
+    def cluster_address(self) -> str | None:
+        """The Ray cluster to connect to: ``ray_address``, else ``$RAY_ADDRESS``; None starts a local Ray."""
+        return self.ray_address or os.environ.get("RAY_ADDRESS") or None
 
     @property
     def num_actor_gpus(self) -> int:

@@ -27,7 +27,7 @@ def runtime_env(cfg: PlacementConfig) -> dict[str, Any]:
 
 
 def start_ray(cfg: PlacementConfig) -> None:
-    """Start a local Ray (no dashboard) or connect to ``cfg.ray_address``.
+    """Start a local Ray (no dashboard) or connect to ``cfg.cluster_address`` (``--ray-address``, ``$RAY_ADDRESS``).
 
     A local Ray declares the CUDA GPUs detected on this machine; on a machine without any (CPU mode) it declares
     as many logical GPUs as the job needs, so the same placement code runs there
@@ -42,7 +42,7 @@ def start_ray(cfg: PlacementConfig) -> None:
         ResourceShortageError: a local Ray would have fewer GPUs than the job needs (raised before Ray starts).
     """
     if ray.is_initialized():
-        logger.warning("Ray is already initialized in this process; start_ray(%s) reuses it", cfg.ray_address)
+        logger.warning("Ray is already initialized in this process; start_ray(%s) reuses it", cfg.cluster_address)
         return
     common: dict[str, Any] = {"runtime_env": runtime_env(cfg), "include_dashboard": False}
     # Under `uv run`, Ray by default uploads the working directory and starts every worker through `uv run`,
@@ -51,9 +51,10 @@ def start_ray(cfg: PlacementConfig) -> None:
     saved = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved and cfg.ray_propagate_uv_env
     try:
-        if cfg.ray_address:
-            logger.info("connecting to the Ray cluster at %s", cfg.ray_address)
-            ray.init(address=cfg.ray_address, **common)
+        if cfg.cluster_address:
+            how = "--ray-address" if cfg.ray_address else "RAY_ADDRESS"
+            logger.info("connecting to the Ray cluster at %s (%s)", cfg.cluster_address, how)
+            ray.init(address=cfg.cluster_address, **common)
         else:
             local = plan_local_gpus(cfg, detect_gpus())
             logger.info("starting a local Ray: %d CPUs, %s", cfg.num_cpus_local, local.describe())
