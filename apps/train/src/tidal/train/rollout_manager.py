@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,20 @@ if TYPE_CHECKING:
     from tidal.train.data import Prompt, PromptDataset
 
 logger = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _new_api_key(run_dir: Path) -> str:
+    """A key for this run's servers, router and clients, kept only in ``run_dir/sglang_api_key`` (mode 0600)."""
+    key = secrets.token_urlsafe(32)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / "sglang_api_key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # also when the file was there already
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    logger.info("SGLang servers listen on node addresses: API key generated, in %s", run_dir / "sglang_api_key")
+    return key
 
 
 class RolloutManager:
@@ -70,10 +86,13 @@ class RolloutManager:
         model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
             self._launch(EngineWorker.options(num_cpus=0).remote(cfg, model, log_dir=logs, external_url=url))
-        for e in range(self.job.placement.num_engines):  # 0 with external engines
+        hosts = [self._engine_host(placement, e) for e in range(self.job.placement.num_engines)]
+        if cfg.sglang_api_key is None and any(h not in LOOPBACK for h in hosts):
+            self.cfg = cfg = dataclasses.replace(cfg, sglang_api_key=_new_api_key(Path(self.job.train.output_dir)))
+        for e, host in enumerate(hosts):  # none with external engines
             ports = PortAllocator(placement.engine_node_ip(e)).engine_ports()
             worker = EngineWorker.options(**placement.engine_options(e)).remote(
-                cfg,
+                dataclasses.replace(cfg, sglang_host=host),
                 model,
                 port=ports.http_port,
                 nccl_port=ports.nccl_port,
@@ -82,6 +101,13 @@ class RolloutManager:
                 fault_tolerant=self.job.train.use_fault_tolerance,
             )
             self._launch(worker)
+
+    def _engine_host(self, placement, engine: int) -> str:
+        """``--sglang-host``, else loopback on a one-node job, else the engine's node address."""
+        if self.cfg.sglang_host:
+            return self.cfg.sglang_host
+        nodes = {b.node_ip for b in placement.bundles} | {ray.util.get_node_ip_address()}  # the driver's too
+        return placement.engine_node_ip(engine) if len(nodes) > 1 else "127.0.0.1"
 
     def _launch(self, worker) -> None:
         self.engines.append(worker)

@@ -88,7 +88,12 @@ class SGLangClient:
     @classmethod
     def from_config(cls, cfg: RolloutConfig, url: str) -> SGLangClient:
         """A client of ``url`` with ``cfg``'s request timeout and retries (an external server, or one engine)."""
-        return cls(url, request_timeout_s=cfg.rollout_request_timeout_s, max_retries=cfg.rollout_request_retries)
+        return cls(
+            url,
+            api_key=cfg.sglang_api_key,
+            request_timeout_s=cfg.rollout_request_timeout_s,
+            max_retries=cfg.rollout_request_retries,
+        )
 
     @property
     def http_retries(self) -> int:

@@ -102,8 +102,13 @@ class RolloutConfig:
     """Directory to write each rollout's samples to as it completes (one JSONL file per rollout)."""
     load_debug_rollout_data: str | None = None
     """Directory of saved rollouts to replay instead of generating (debug training without any server)."""
-    sglang_host: str = "127.0.0.1"
-    """Address the SGLang servers listen on."""
+    sglang_host: str | None = None
+    """Address the SGLang servers listen on; None: 127.0.0.1 when the job runs on one node, else each server's
+    node address (so the actor and router on other nodes reach it)."""
+    sglang_api_key: str | None = None
+    """Key every SGLang server (SGLang's --api-key), the router and every client use; None: none on loopback,
+    and a key generated per run when servers listen on a node address (`train` writes it to the run folder,
+    file sglang_api_key, mode 0600)."""
     sglang_server_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     """Extra sglang.launch_server arguments, already mapped from --sglang-* (see sglang_server_args())."""
     partial_rollout: bool = False

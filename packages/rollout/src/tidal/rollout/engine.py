@@ -156,7 +156,8 @@ class SGLangEngine(ManagedServer):
         """
         return cls(
             model_path,
-            host=cfg.sglang_host,
+            host=cfg.sglang_host or "127.0.0.1",
+            api_key=cfg.sglang_api_key,
             port=port,
             nccl_port=nccl_port,
             log_dir=log_dir,

@@ -113,6 +113,7 @@ class RolloutRouter(ManagedServer):
             extra_router_args=cfg.sglang_router_args,
             request_timeout_s=cfg.rollout_request_timeout_s,
             max_retries=cfg.rollout_request_retries,
+            api_key=cfg.sglang_api_key,
         )
 
     def command(self) -> list[str]:
