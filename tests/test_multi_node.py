@@ -1,0 +1,161 @@
+"""`train` across two hosts: two network namespaces on this machine, each with its own address, one Ray cluster.
+
+Host A (198.51.100.1, a documentation range) runs the Ray head, the driver and the actor; host B (198.51.100.2) a
+Ray worker node and the SGLang engine. The namespaces are joined by a veth pair and reach nothing but each other
+and their own loopback. The run is decoupled (actor and engine on a GPU each, one logical GPU per host), so the
+engine must listen on B's address and every request and weight update crosses hosts, with the per-run API key.
+Midway, B's SGLang server is SIGKILLed; --use-fault-tolerance restarts it and the run completes.
+
+Needs root (CAP_NET_ADMIN) for `ip netns`; without it the test fails and says so (CI runs as root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: siblings are not importable otherwise
+from test_train_e2e import _alive, _children, _set_child_subreaper
+from test_train_modes_e2e import COMMON, _kill_until_none_left, _records
+
+pytestmark = pytest.mark.slow
+
+HOST_A, HOST_B = "198.51.100.1", "198.51.100.2"
+RAY_PORT = 6379  # inside host A's namespace: no other process can hold it
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode:
+        pytest.fail(
+            f"`ip {' '.join(args)}` failed ({proc.stderr.strip()}): this test needs root (CAP_NET_ADMIN) to build two "
+            "hosts from network namespaces"
+        )
+
+
+@contextlib.contextmanager
+def _two_hosts():
+    """Namespaces ``(a, b)`` joined by a veth pair, addressed HOST_A and HOST_B; removed afterwards, also on failure."""
+    tag = f"td{os.getpid() % 100000}"
+    a, b = f"{tag}a", f"{tag}b"
+    made = []
+    try:
+        for ns in (a, b):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("link", "add", f"{a}v", "type", "veth", "peer", "name", f"{b}v")
+        for ns, addr in ((a, HOST_A), (b, HOST_B)):
+            _ip("link", "set", f"{ns}v", "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", f"{ns}v")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", f"{ns}v", "up")
+        yield a, b
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes the veth pair with it
+
+
+def _in(ns: str, *cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def _ray(ns: str, *args: str, env: dict[str, str]) -> None:
+    ray = str(Path(sys.executable).parent / "ray")
+    proc = subprocess.run(_in(ns, ray, "start", *args), capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _sglang_servers_on(host: str) -> list[int]:
+    """Pids of SGLang launch_server processes listening on ``host``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"sglang.launch_server" in cmd and host.encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def two_host_run(tmp_path_factory):
+    """Ray head on A, worker on B, `train` on A with its engine on B; B's server SIGKILLed after rollout 0."""
+    root = tmp_path_factory.mktemp("multi_node")
+    token = root / "ray_token"
+    token.write_text(os.urandom(32).hex())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))  # a cluster reachable from the network
+    out = root / "run"
+    ray_tmp = tempfile.mkdtemp(prefix="tdray")  # short: Ray's socket paths under it must fit in 107 bytes
+    killed: list[int] = []
+    before = _children(os.getpid())
+    _set_child_subreaper(True)  # Ray's daemons and the servers they start stay ours, so all are stopped after
+    try:
+        with _two_hosts() as (a, b):
+            common = ["--num-cpus", "2", "--num-gpus", "1", "--disable-usage-stats"]
+            _ray(a, "--head", "--node-ip-address", HOST_A, "--port", str(RAY_PORT), "--include-dashboard", "false",
+                 "--temp-dir", ray_tmp, *common, env=env)  # fmt: skip
+            _ray(b, "--address", f"{HOST_A}:{RAY_PORT}", "--node-ip-address", HOST_B, *common, env=env)
+            args = [*COMMON, "--num-rollout", "3", "--no-colocate", "--actor-num-gpus-per-node", "1",
+                    "--rollout-num-gpus", "1", "--update-weight-transport", "disk", "--use-fault-tolerance",
+                    "--ray-address", f"{HOST_A}:{RAY_PORT}",
+                    "--output-dir", str(out)]  # fmt: skip
+            log = root / "train.log"
+            with log.open("w") as f:
+                proc = subprocess.Popen(
+                    _in(a, sys.executable, "-m", "tidal.train.cli", *args), stdout=f, stderr=subprocess.STDOUT, env=env
+                )
+                deadline = time.monotonic() + 1200
+                while proc.poll() is None and time.monotonic() < deadline:
+                    if not killed and len(_records(out)) >= 1:
+                        for pid in _sglang_servers_on(HOST_B):
+                            with contextlib.suppress(ProcessLookupError):
+                                os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server and its schedulers
+                                killed.append(pid)
+                    time.sleep(0.5)
+                if proc.poll() is None:
+                    proc.kill()
+                code = proc.wait(timeout=120)
+            servers_after = [p for p in _sglang_servers_on(HOST_B) if _alive(p)]
+            _kill_until_none_left(before)
+    finally:
+        _set_child_subreaper(False)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return code, log.read_text(), out, killed, servers_after
+
+
+def test_the_run_spans_two_hosts_and_completes(two_host_run):
+    code, log, out, _, _ = two_host_run
+    assert code == 0, log[-6000:]
+    assert [r["rollout"] for r in _records(out)] == [0, 1, 2]
+    assert all(r["rollout/weight_version"] == r["rollout"] for r in _records(out))  # each rollout saw its sync
+    assert f"SGLang server at http://{HOST_B}:" in log  # the engine listens on host B's address, not loopback
+    assert json.loads((out / "summary.json").read_text())["eval_after"] is not None
+
+
+def test_servers_on_node_addresses_get_a_per_run_key(two_host_run):
+    _, log, out, _, _ = two_host_run
+    key = out / "sglang_api_key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert key.read_text().strip() not in log  # written only to its file
+
+
+def test_a_killed_server_on_the_other_host_is_restarted(two_host_run):
+    _, log, _, killed, servers_after = two_host_run
+    assert killed, "no SGLang server on host B was found to kill"
+    assert "restarting it (--use-fault-tolerance)" in log
+    assert not servers_after  # and the run stopped it at the end
