@@ -69,6 +69,13 @@ BAD = [
     (["--custom-rm-path", "os.path:sep"], "not a function"),
     (["--custom-generate-function-path", "no_such_module:fn"], "--custom-generate-function-path"),
     (["--dynamic-sampling-filter-path", "no_such_module:fn"], "--dynamic-sampling-filter-path"),
+    (
+        ["--loss-type", "custom_loss", "--custom-loss-function-path", "no_such_module:fn"],
+        "--custom-loss-function-path 'no_such_module:fn': cannot import",
+    ),
+    (["--custom-loss-function-path", "math:sqrt"], "--loss-type custom_loss and --custom-loss-function-path"),
+    (["--custom-advantage-function-path", "json:no_such_fn"], "--custom-advantage-function-path .*no_such_fn"),
+    (["--gamma", "2"], "--gamma must be in"),
     (["--save", "{file}"], "--save .* is a file"),
     (["--output-dir", "{file}"], "--output-dir .* is a file"),
     (["--save-debug-rollout-data", "{file}"], "--save-debug-rollout-data .* is a file"),

@@ -280,11 +280,13 @@ def check_data_files(train: dict[str, Any], problems: Problems) -> None:
         problems.run(check_prompt_file, f"--{key.replace('_', '-')}", train[key], **keys)
 
 
-def check_import_paths(rollout: dict[str, Any], problems: Problems) -> None:
-    """Every ``pkg.module:fn`` option imports (a malformed one is RolloutConfig's to report)."""
-    for key in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
-        if ":" in (rollout.get(key) or ""):
-            problems.run(check_import_path, f"--{key.replace('_', '-')}", rollout[key])
+def check_import_paths(rollout: dict[str, Any], problems: Problems, actor: dict[str, Any] | None = None) -> None:
+    """Every ``pkg.module:fn`` option imports (a malformed one is RolloutConfig's or ActorConfig's to report)."""
+    keys = [(rollout, k) for k in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path")]
+    keys += [(actor or {}, k) for k in ("custom_loss_function_path", "custom_advantage_function_path")]
+    for section, key in keys:
+        if ":" in (section.get(key) or ""):
+            problems.run(check_import_path, f"--{key.replace('_', '-')}", section[key])
 
 
 def check_output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: dict[str, Any], problems) -> None:
