@@ -76,6 +76,7 @@ BAD = [
     (["--custom-loss-function-path", "math:sqrt"], "--loss-type custom_loss and --custom-loss-function-path"),
     (["--custom-advantage-function-path", "json:no_such_fn"], "--custom-advantage-function-path .*no_such_fn"),
     (["--gamma", "2"], "--gamma must be in"),
+    (["--overlong-buffer-len", "64", "--rollout-max-response-len", "64"], "--overlong-buffer-len must be in"),
     (["--save", "{file}"], "--save .* is a file"),
     (["--output-dir", "{file}"], "--output-dir .* is a file"),
     (["--save-debug-rollout-data", "{file}"], "--save-debug-rollout-data .* is a file"),

@@ -13,12 +13,13 @@ from tidal.actor.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     grpo_advantages,
+    overlong_penalty,
     token_advantages,
     whiten,
     whiten_sums,
 )
 from tidal.actor.config import _ADVANTAGE_ESTIMATORS
-from tidal.actor.trainer import _kl_shaped, _token_level
+from tidal.actor.trainer import _kl_shaped, _response_len, _token_level
 from tidal.batching import pack
 
 REWARDS = [1.0, 0.0, 0.5, 0.7, 0.0, 1.0, 1.0, 0.25, 2.0, -1.0]
@@ -161,3 +162,15 @@ def test_estimator_and_loss_flags_are_checked():
         ActorConfig(hf_checkpoint="x", loss_type="custom_loss")
     with pytest.raises(ValueError, match="--custom-advantage-function-path"):
         ActorConfig(hf_checkpoint="x", custom_advantage_function_path="no_colon")
+
+
+def test_dapo_overlong_penalty_formula():
+    # DAPO eq. 13: R = 0 if |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache if |y| <= L_max; x factor
+    lengths, l_max, l_cache, factor = [3, 12, 13, 14, 16], 16, 4, 0.5
+    expected = [factor * (0.0 if n <= l_max - l_cache else ((l_max - l_cache) - n) / l_cache) for n in lengths]
+    got = overlong_penalty(torch.tensor(lengths), max_response_len=l_max, buffer_len=l_cache, penalty_factor=factor)
+    torch.testing.assert_close(got, torch.tensor(expected))
+    assert overlong_penalty(torch.tensor(lengths), max_response_len=16, buffer_len=0, penalty_factor=1.0).eq(0).all()
+    assert _response_len([0, 0, 1, 1, 0, 1]) == 4 and _response_len([0, 0]) == 0
+    with pytest.raises(ValueError, match="--overlong-buffer-len"):
+        ActorConfig(hf_checkpoint="x", overlong_buffer_len=1024, max_response_len=1024)

@@ -102,6 +102,20 @@ def compute_advantages(
     return centered
 
 
+def overlong_penalty(
+    response_lengths: torch.Tensor, *, max_response_len: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment: ``min(-(len - (L_max - L_buffer)) / L_buffer * factor, 0)`` per sample.
+
+    0 up to ``L_max - L_buffer`` tokens, falling linearly to ``-factor`` at ``L_max`` (verl's formula). Added to
+    the reward before the advantages.
+    """
+    if buffer_len <= 0:
+        return torch.zeros(response_lengths.shape)
+    exceed = response_lengths.float() - (max_response_len - buffer_len)
+    return (-exceed / buffer_len * penalty_factor).clamp(max=0.0)
+
+
 def _segments(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)

@@ -72,6 +72,14 @@ class ActorConfig:
     custom_loss_function_path: str | None = None
     """With --loss-type custom_loss: pkg.module:fn called as tidal.actor.loss.actor_loss is (same arguments, returns
     (loss, metric sums))."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer.len): a response longer than
+    max response length minus this many tokens loses (excess / this) x --overlong-penalty-factor of reward;
+    0: off."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO's overlong penalty at the full --rollout-max-response-len (verl's overlong_buffer.penalty_factor)."""
+    max_response_len: int = field(default=1024, metadata={"flag": None})
+    """The rollout's --rollout-max-response-len (the overlong penalty's L_max)."""
     custom_advantage_function_path: str | None = None
     """pkg.module:fn(rewards, *, group_size, normalize_std) -> per-sample advantages [N], in place of the
     estimator's (the estimator's policy loss still applies)."""
@@ -138,6 +146,13 @@ class ActorConfig:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
 
     def _check_algorithm(self) -> None:
+        if not 0 <= self.overlong_buffer_len < self.max_response_len:
+            raise ValueError(
+                f"--overlong-buffer-len must be in [0, --rollout-max-response-len={self.max_response_len}), got "
+                f"{self.overlong_buffer_len}; 0 turns the overlong penalty off"
+            )
+        if self.overlong_penalty_factor < 0:
+            raise ValueError(f"--overlong-penalty-factor must be >= 0, got {self.overlong_penalty_factor}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"--gamma must be in [0, 1], got {self.gamma}")
         if self.loss_type not in _LOSS_TYPES:

@@ -15,6 +15,7 @@ import torch
 from tidal.actor.advantages import (
     TOKEN_LEVEL_ESTIMATORS,
     compute_advantages,
+    overlong_penalty,
     token_advantages,
     whiten,
     whiten_sums,
@@ -80,7 +81,14 @@ def train_on_rollout(
     cfg = actor.cfg
     if normalize_std is None:
         normalize_std = not cfg.disable_grpo_std_normalization
-    advantages = _sample_advantages(cfg, torch.tensor(rewards, dtype=torch.float32), group_size, normalize_std)
+    reward_tensor = torch.tensor(rewards, dtype=torch.float32)
+    penalty = overlong_penalty(
+        torch.tensor([_response_len(m) for m in loss_masks]),
+        max_response_len=cfg.max_response_len,
+        buffer_len=cfg.overlong_buffer_len,
+        penalty_factor=cfg.overlong_penalty_factor,
+    )
+    advantages = _sample_advantages(cfg, reward_tensor + penalty, group_size, normalize_std)
     steps = _plan_steps(batching, [len(t) for t in tokens], dp_size=dp_size)
     token_fields = {"advantages": [[float(advantages[i])] * len(t) for i, t in enumerate(tokens)]}
     if not cfg.calculate_per_token_loss:  # slime's default: mean over each sample's tokens, then over samples
@@ -123,10 +131,18 @@ def train_on_rollout(
     metrics["time/log_probs"] = log_probs_time
     metrics["time/train"] = time.monotonic() - start
     metrics["train/num_steps"] = float(len(per_step))
+    if cfg.overlong_buffer_len:
+        metrics["train/overlong_penalty/mean"] = float(penalty.mean())
     if rollout_log_probs is not None:
         metrics |= _agreement(packed, device=actor.device)
     metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
     return metrics
+
+
+def _response_len(loss_mask: Sequence[int]) -> int:
+    """Tokens from the first trained token to the end (a multi-turn response's tool tokens count too)."""
+    first = next((i for i, m in enumerate(loss_mask) if m), len(loss_mask))
+    return len(loss_mask) - first
 
 
 def _sample_advantages(cfg, rewards: torch.Tensor, group_size: int, normalize_std: bool) -> torch.Tensor:
