@@ -273,11 +273,18 @@ def check_data_files(train: dict[str, Any], problems: Problems) -> None:
             "--recipe embedded for the shipped addition task"
         )
         return
-    train.setdefault("eval_prompt_data", train["prompt_data"])
+    from tidal.train.config import eval_sets
+
+    train.setdefault("eval_prompt_data", (train["prompt_data"],))
     defaults = section_defaults("train")
     keys = {key: train.get(key) or defaults[key] for key in ("input_key", "label_key")}
-    for key in ("prompt_data", "eval_prompt_data"):
-        problems.run(check_prompt_file, f"--{key.replace('_', '-')}", train[key], **keys)
+    problems.run(check_prompt_file, "--prompt-data", train["prompt_data"], **keys)
+    try:
+        sets = eval_sets(train["eval_prompt_data"])
+    except ValueError:
+        return  # TrainConfig reports it
+    for _, path in sets:
+        problems.run(check_prompt_file, "--eval-prompt-data", path, **keys)
 
 
 def check_import_paths(rollout: dict[str, Any], problems: Problems, actor: dict[str, Any] | None = None) -> None:
