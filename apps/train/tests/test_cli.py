@@ -109,6 +109,7 @@ BAD = [
     (["--eval-prompt-data", "a", "{data}", "b", "/nonexistent.jsonl"], "--eval-prompt-data /nonexistent.jsonl is not"),
     (["--eval-prompt-data", "a", "{data}", "b"], "--eval-prompt-data takes PATH or NAME PATH"),
     (["--n-samples-per-eval-prompt", "0"], "--n-samples-per-eval-prompt must be >= 1"),
+    (["--eval-prompt-data", "a", "{data}", "--keep-best-by", "eval/b/mean@1"], "--keep-best-by eval/b/mean@1 is no"),
     (["--eval-top-p", "0"], "--eval-top-p in"),
     (["--lr", "abc"], "argument --lr: invalid float value"),
     (["--rollout-batch-sise", "4"], "did you mean --rollout-batch-size"),

@@ -121,3 +121,19 @@ def test_eval_sets_takes_one_path_or_named_pairs():
     for bad in (["a", "/a.jsonl", "b"], ["a", "/a.jsonl", "a", "/b.jsonl"]):
         with pytest.raises(ValueError, match="--eval-prompt-data"):
             eval_sets(bad)
+
+
+def test_keep_best_by_names_the_best_saved_iteration_and_survives_a_resume(tmp_path):
+    from tidal.ckpt import best_iteration
+    from tidal.train.cli import parse_job
+    from tidal.train.loop import _best_so_far, _mark_best
+
+    argv = ["--output-dir", str(tmp_path / "run"), "--keep-best-by", "eval/accuracy", "--keep-last", "1"]
+    job = parse_job(argv)
+    history = [{"rollout": 0, "eval/accuracy": 0.4}, {"rollout": 1}, {"rollout": 2, "eval/accuracy": 0.3}]
+    best = None
+    for record in history:
+        best = _mark_best(job, record, best)
+    assert best == 0.4 and best_iteration(job.ckpt.save) == 1  # rollout 0 is saved as iteration 1
+    assert _best_so_far(job, history) == 0.4  # a resumed run starts from the recorded best
+    assert _mark_best(job, {"rollout": 3, "eval/accuracy": 0.5}, best) == 0.5 and best_iteration(job.ckpt.save) == 4

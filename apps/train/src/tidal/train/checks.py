@@ -347,6 +347,17 @@ def check_job(
         problems.run(check_token_budget, batching, rollout)
     if ckpt is not None:
         problems.run(check_load, ckpt)
+        if train is not None:
+            problems.run(check_keep_best_by, train, ckpt)
+
+
+def check_keep_best_by(train, ckpt) -> None:
+    """``--keep-best-by eval/...`` names a metric the evaluation records."""
+    from tidal.train.config import eval_metric_keys
+
+    key = ckpt.keep_best_by
+    if key is not None and key.startswith("eval/") and key not in (keys := eval_metric_keys(train)):
+        raise ValueError(f"--keep-best-by {key} is no metric this run's evaluation records; one of {keys}")
 
 
 def _warn_without_fault_tolerance(rollout: dict[str, Any], train) -> None:

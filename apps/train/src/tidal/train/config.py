@@ -138,6 +138,17 @@ def eval_sets(value: str | Sequence[str]) -> list[tuple[str, str]]:
     return sets
 
 
+def eval_metric_keys(train: TrainConfig) -> list[str]:
+    """The ``eval/...`` keys an evaluation of ``train``'s held-out sets records (as ``RolloutManager.evaluate``)."""
+    from tidal.train.metrics import pass_ks
+
+    n = train.n_samples_per_eval_prompt
+    keys = ["eval/accuracy"]
+    for name, _ in eval_sets(train.eval_prompt_data or train.prompt_data or ""):
+        keys += [f"eval/{name}/mean@{n}", *(f"eval/{name}/pass@{k}" for k in pass_ks(n))]
+    return keys
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
     """Every package's section, as the command line produced them; components receive only their own."""

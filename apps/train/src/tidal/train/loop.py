@@ -49,6 +49,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
         result.eval_before = rollouts.evaluate(held_out)["eval/accuracy"]
         logger.info("held-out accuracy before RL: %.3f", result.eval_before)
     sanity = RewardSanity(job.train.reward_sanity_rollouts)
+    best = _best_so_far(job, result.history)
     loop_start = time.monotonic()
     retries_seen = 0  # the first rollout's count includes the start-up's (evaluation, weight loading)
     for rollout_id in range(start, num_rollout):
@@ -73,6 +74,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
         metrics_log.write(record)  # before the checkpoint: a checkpoint's rollout always has its record
         result.history.append(record)
         if actors and (last or _due(rollout_id, job.ckpt.save_interval)):
+            best = _mark_best(job, record, best)
             _save(job, rollouts, actors, rollout_id, version)
         write_curves(out / "curves.png", result.history, eval_before=result.eval_before,
                      mismatch_threshold=job.train.mismatch_warn_threshold)  # fmt: skip
@@ -134,6 +136,28 @@ def _save(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup, rollout_
     actors.save(rollout_id, weight_version=version, carry=rollouts.carry_state())
     if job.train.save_hf:
         actors.save_hf(job.train.save_hf.replace("{rollout_id}", str(rollout_id)))
+
+
+def _best_so_far(job: JobConfig, history: list[dict]) -> float | None:
+    """--keep-best-by's value at the iteration a resumed run's best_checkpointed_iteration.txt names (None: none)."""
+    if job.ckpt.keep_best_by is None or not job.ckpt.save:
+        return None
+    from tidal.ckpt import best_iteration
+
+    iteration = best_iteration(job.ckpt.save)
+    return next((r.get(job.ckpt.keep_best_by) for r in history if r["rollout"] + 1 == iteration), None)
+
+
+def _mark_best(job: JobConfig, record: dict, best: float | None) -> float | None:
+    """Name the checkpoint about to be saved the best when --keep-best-by's metric beats ``best``; the new best."""
+    value = record.get(job.ckpt.keep_best_by) if job.ckpt.keep_best_by else None
+    if value is None or (best is not None and value <= best):
+        return best
+    from tidal.ckpt import mark_best_iteration
+
+    mark_best_iteration(job.ckpt.save, record["rollout"] + 1)  # the iteration rollout r is saved as
+    logger.info("best %s so far: %.4f (checkpoint iteration %d)", job.ckpt.keep_best_by, value, record["rollout"] + 1)
+    return value
 
 
 def _record(rollout_id: int, samples: list, train_metrics: dict[str, float], times: dict[str, float]) -> dict:

@@ -139,6 +139,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def pass_ks(n: int) -> list[int]:
+    """The k of the pass@k logged for ``n`` samples per prompt: 1, 2, 4, ... up to ``n``, and ``n``."""
+    return sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
+
+
 def eval_metrics(name: str, rewards: list[list[float]]) -> dict[str, float]:
     """mean@k and pass@k (k = 1, 2, 4, ... up to n, and n) of one eval set, ``rewards[prompt][sample]``.
 
@@ -151,8 +156,7 @@ def eval_metrics(name: str, rewards: list[list[float]]) -> dict[str, float]:
             f"eval set {name!r}: every prompt needs the same number of samples, got {set(map(len, rewards))}"
         )
     out = {f"eval/{name}/mean@{n}": sum(map(sum, rewards)) / (n * len(rewards))}
-    ks = sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
-    for k in ks:
+    for k in pass_ks(n):
         per_prompt = [pass_at_k(n, sum(1 for x in r if x > 0), k) for r in rewards]
         out[f"eval/{name}/pass@{k}"] = sum(per_prompt) / len(per_prompt)
     return out
