@@ -377,3 +377,30 @@ def test_pipeline_stages_must_divide_the_layers(tmp_path, paths):
         parse_job([*argv, "--pipeline-model-parallel-size", "2"])
     job = parse_job([*argv, "--pipeline-model-parallel-size", "3", "--actor-num-gpus-per-node", "3"])
     assert job.train.pipeline_model_parallel_size == 3
+
+
+def test_algorithm_flags_without_effect_warn_once(tmp_path, caplog):
+    job = parse_job(["--output-dir", str(tmp_path / "a"), "--gamma", "0.9", "--overlong-penalty-factor", "0.5"])
+    assert job.actor.gamma == 0.9
+    text = caplog.text
+    assert text.count("--gamma has no effect") == 1 and text.count("--overlong-penalty-factor has no effect") == 1
+    caplog.clear()
+    parse_job(["--output-dir", str(tmp_path / "b"), "--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"])
+    assert "no effect" not in caplog.text
+
+
+def test_named_eval_sets_parse_and_name_their_keys(tmp_path):
+    from tidal.train.config import eval_metric_keys
+    from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, shipped_path
+
+    held_out, train = str(shipped_path(EVAL_FILE)), str(shipped_path(TRAIN_FILE))
+    argv = ["--eval-prompt-data", "add", held_out, "seen", train, "--n-samples-per-eval-prompt", "4"]
+    job = parse_job([*argv, "--output-dir", str(tmp_path / "a"), "--keep-best-by", "eval/seen/pass@4"])
+    assert job.train.eval_prompt_data == ("add", held_out, "seen", train)
+    assert eval_metric_keys(job.train) == [
+        "eval/accuracy",
+        *(f"eval/add/{m}" for m in ("mean@4", "pass@1", "pass@2", "pass@4")),
+        *(f"eval/seen/{m}" for m in ("mean@4", "pass@1", "pass@2", "pass@4")),
+    ]
+    one = parse_job(["--output-dir", str(tmp_path / "b")])  # the embedded recipe's one PATH, named by its stem
+    assert eval_metric_keys(one.train)[1] == "eval/addition_eval/mean@1"

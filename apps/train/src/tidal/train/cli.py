@@ -108,6 +108,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     if not actor.get("use_kl_loss") and actor.get("kl_loss_coef"):
         logger.warning("--kl-loss-coef %s is ignored without --use-kl-loss (slime's rule)", actor["kl_loss_coef"])
         actor["kl_loss_coef"] = 0.0
+    _warn_without_effect(actor)
     if "rollout_batch_size" not in sections["batching"]:  # required: BatchingConfig has no default for it
         problems.add(
             "--rollout-batch-size is required (the base recipe has none): the prompts per rollout "
@@ -126,6 +127,15 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     checks.check_job(problems, **job, hf=hf, hf_config=hf_config, colocate_given=colocate_given, given=sections)
     problems.raise_if_any()
     return JobConfig(**job)
+
+
+def _warn_without_effect(actor: dict[str, Any]) -> None:
+    """One warning per algorithm option that the chosen estimator or loss ignores."""
+    estimator = actor.get("advantage_estimator", "grpo")
+    if "gamma" in actor and estimator != "reinforce_plus_plus":
+        logger.warning("--gamma has no effect with --advantage-estimator %s (reinforce_plus_plus only)", estimator)
+    if "overlong_penalty_factor" in actor and not actor.get("overlong_buffer_len"):
+        logger.warning("--overlong-penalty-factor has no effect without --overlong-buffer-len")
 
 
 def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], problems) -> None:
