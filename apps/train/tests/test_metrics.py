@@ -137,3 +137,17 @@ def test_keep_best_by_names_the_best_saved_iteration_and_survives_a_resume(tmp_p
     assert best == 0.4 and best_iteration(job.ckpt.save) == 1  # rollout 0 is saved as iteration 1
     assert _best_so_far(job, history) == 0.4  # a resumed run starts from the recorded best
     assert _mark_best(job, {"rollout": 3, "eval/accuracy": 0.5}, best) == 0.5 and best_iteration(job.ckpt.save) == 4
+
+
+def test_eval_sampling_params_follow_the_eval_flags(tmp_path):
+    from tidal.train.cli import parse_job
+    from tidal.train.rollout_manager import eval_sampling_params
+
+    base = ["--output-dir", str(tmp_path / "a"), "--rollout-temperature", "0.8", "--rollout-max-response-len", "32"]
+    job = parse_job(base)
+    params = eval_sampling_params(job.rollout, job.train)  # defaults: one greedy sample, the rollout's length
+    assert (params["n"], params["temperature"], params["top_p"], params["max_new_tokens"]) == (1, 0.0, 1.0, 32)
+    flags = ["--n-samples-per-eval-prompt", "4", "--eval-temperature", "0.6", "--eval-top-p", "0.95"]
+    job = parse_job([*base[:1], str(tmp_path / "b"), *base[2:], *flags, "--eval-max-response-len", "16"])
+    params = eval_sampling_params(job.rollout, job.train)
+    assert (params["n"], params["temperature"], params["top_p"], params["max_new_tokens"]) == (4, 0.6, 0.95, 16)

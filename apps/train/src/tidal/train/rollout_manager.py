@@ -32,6 +32,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def eval_sampling_params(rollout, train) -> dict[str, Any]:
+    """The rollout's sampling parameters with evaluation's n, temperature, top-p and length (``--eval-*``)."""
+    params = {**rollout.sampling_params(), "n": train.n_samples_per_eval_prompt}
+    params |= {"temperature": train.eval_temperature, "top_p": train.eval_top_p}
+    if train.eval_max_response_len is not None:
+        params["max_new_tokens"] = train.eval_max_response_len
+    return params
+
+
 class RolloutManager:
     """Engines (launched or external), the router and the generation path of a job.
 
@@ -134,15 +143,8 @@ class RolloutManager:
         """
         from tidal.train.metrics import eval_metrics
 
-        train, n = self.job.train, self.job.train.n_samples_per_eval_prompt
-        params = {
-            **self.cfg.sampling_params(),
-            "n": n,
-            "temperature": train.eval_temperature,
-            "top_p": train.eval_top_p,
-        }
-        if train.eval_max_response_len is not None:
-            params["max_new_tokens"] = train.eval_max_response_len
+        n = self.job.train.n_samples_per_eval_prompt
+        params = eval_sampling_params(self.cfg, self.job.train)
         out: dict[str, float] = {}
         for index, (name, prompts) in enumerate(held_out.items()):
             samples, _ = self._generate_on_engines(prompts, params)
