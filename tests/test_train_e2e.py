@@ -77,7 +77,7 @@ def run(tmp_path_factory):
         "--rollout-max-response-len", "6",
         "--num-eval-prompts", "8",
         "--eval-prompt-data", "add", EVAL_DATA, "seen", TRAIN_DATA,  # two named sets, 2 samples each
-        "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0",
+        "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0", "--keep-best-by", "eval/add/pass@2",
         "--lr", "1e-4",
         "--entropy-coef", "1e-3",  # a gradient even if every group's rewards tie
         "--save-debug-rollout-data", str(out / "debug"),
@@ -162,6 +162,7 @@ def test_checkpoint_has_tracker(run):
     ckpt = Path(summary["checkpoint_dir"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (ckpt / "iter_0000002").is_dir()
+    assert (ckpt / "best_checkpointed_iteration.txt").read_text() == "2\n"  # --keep-best-by: the one saved, evaluated
 
 
 def test_accuracy_is_reported_before_and_after(run):
