@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, shipped_path
+
+EVAL_DATA, TRAIN_DATA = str(shipped_path(EVAL_FILE)), str(shipped_path(TRAIN_FILE))
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +76,8 @@ def run(tmp_path_factory):
         "--n-samples-per-prompt", "4",
         "--rollout-max-response-len", "6",
         "--num-eval-prompts", "8",
+        "--eval-prompt-data", "add", EVAL_DATA, "seen", TRAIN_DATA,  # two named sets, 2 samples each
+        "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0", "--keep-best-by", "eval/add/pass@2",
         "--lr", "1e-4",
         "--entropy-coef", "1e-3",  # a gradient even if every group's rewards tie
         "--save-debug-rollout-data", str(out / "debug"),
@@ -157,12 +162,16 @@ def test_checkpoint_has_tracker(run):
     ckpt = Path(summary["checkpoint_dir"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (ckpt / "iter_0000002").is_dir()
+    assert (ckpt / "best_checkpointed_iteration.txt").read_text() == "2\n"  # --keep-best-by: the one saved, evaluated
 
 
 def test_accuracy_is_reported_before_and_after(run):
     _, summary, records, _, output = run
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
-    assert records[-1]["eval/accuracy"] == summary["eval_after"]
+    assert records[-1]["eval/accuracy"] == summary["eval_after"] == records[-1]["eval/add/mean@2"]
+    for name in ("add", "seen"):  # mean@k and unbiased pass@k of each named set
+        mean, pass1, pass2 = (records[-1][f"eval/{name}/{m}"] for m in ("mean@2", "pass@1", "pass@2"))
+        assert 0.0 <= mean <= 1.0 and pass1 <= pass2 <= 1.0
     assert "rollout 2/2 | reward" in output
     png = Path(summary["curves"]).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

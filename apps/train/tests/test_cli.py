@@ -81,6 +81,14 @@ BAD = [
     (["--custom-rm-path", "os.path:sep"], "not a function"),
     (["--custom-generate-function-path", "no_such_module:fn"], "--custom-generate-function-path"),
     (["--dynamic-sampling-filter-path", "no_such_module:fn"], "--dynamic-sampling-filter-path"),
+    (
+        ["--loss-type", "custom_loss", "--custom-loss-function-path", "no_such_module:fn"],
+        "--custom-loss-function-path 'no_such_module:fn': cannot import",
+    ),
+    (["--custom-loss-function-path", "math:sqrt"], "--loss-type custom_loss and --custom-loss-function-path"),
+    (["--custom-advantage-function-path", "json:no_such_fn"], "--custom-advantage-function-path .*no_such_fn"),
+    (["--gamma", "2"], "--gamma must be in"),
+    (["--overlong-buffer-len", "64", "--rollout-max-response-len", "64"], "--overlong-buffer-len must be in"),
     (["--save", "{file}"], "--save .* is a file"),
     (["--output-dir", "{file}"], "--output-dir .* is a file"),
     (["--save-debug-rollout-data", "{file}"], "--save-debug-rollout-data .* is a file"),
@@ -125,6 +133,11 @@ BAD = [
     (["--prompt-data", "{qa}", "--input-key", "question"], "no key 'label'.*set --label-key"),
     (["--prompt-data", "{empty}"], "--prompt-data .* holds no records"),
     (["--eval-prompt-data", "/nonexistent.jsonl"], "--eval-prompt-data /nonexistent.jsonl is not a file"),
+    (["--eval-prompt-data", "a", "{data}", "b", "/nonexistent.jsonl"], "--eval-prompt-data /nonexistent.jsonl is not"),
+    (["--eval-prompt-data", "a", "{data}", "b"], "--eval-prompt-data takes PATH or NAME PATH"),
+    (["--n-samples-per-eval-prompt", "0"], "--n-samples-per-eval-prompt must be >= 1"),
+    (["--eval-prompt-data", "a", "{data}", "--keep-best-by", "eval/b/mean@1"], "--keep-best-by eval/b/mean@1 is no"),
+    (["--eval-top-p", "0"], "--eval-top-p in"),
     (["--lr", "abc"], "argument --lr: invalid float value"),
     (["--rollout-batch-sise", "4"], "did you mean --rollout-batch-size"),
     (["oops"], "unexpected argument 'oops'"),
@@ -421,3 +434,30 @@ def test_paths_sent_to_workers_are_absolute(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     job = parse_job(["--output-dir", "out"])
     assert job.train.output_dir == str(tmp_path / "out") and job.ckpt.save == str(tmp_path / "out" / "ckpt")
+
+
+def test_algorithm_flags_without_effect_warn_once(tmp_path, caplog):
+    job = parse_job(["--output-dir", str(tmp_path / "a"), "--gamma", "0.9", "--overlong-penalty-factor", "0.5"])
+    assert job.actor.gamma == 0.9
+    text = caplog.text
+    assert text.count("--gamma has no effect") == 1 and text.count("--overlong-penalty-factor has no effect") == 1
+    caplog.clear()
+    parse_job(["--output-dir", str(tmp_path / "b"), "--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.9"])
+    assert "no effect" not in caplog.text
+
+
+def test_named_eval_sets_parse_and_name_their_keys(tmp_path):
+    from tidal.train.config import eval_metric_keys
+    from tidal.train.task_data import EVAL_FILE, TRAIN_FILE, shipped_path
+
+    held_out, train = str(shipped_path(EVAL_FILE)), str(shipped_path(TRAIN_FILE))
+    argv = ["--eval-prompt-data", "add", held_out, "seen", train, "--n-samples-per-eval-prompt", "4"]
+    job = parse_job([*argv, "--output-dir", str(tmp_path / "a"), "--keep-best-by", "eval/seen/pass@4"])
+    assert job.train.eval_prompt_data == ("add", held_out, "seen", train)
+    assert eval_metric_keys(job.train) == [
+        "eval/accuracy",
+        *(f"eval/add/{m}" for m in ("mean@4", "pass@1", "pass@2", "pass@4")),
+        *(f"eval/seen/{m}" for m in ("mean@4", "pass@1", "pass@2", "pass@4")),
+    ]
+    one = parse_job(["--output-dir", str(tmp_path / "b")])  # the embedded recipe's one PATH, named by its stem
+    assert eval_metric_keys(one.train)[1] == "eval/addition_eval/mean@1"

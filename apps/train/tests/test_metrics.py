@@ -91,3 +91,63 @@ def test_rollout_line_names_each_phase():
     )
     assert line.startswith("rollout 3/10 | reward 0.500")
     assert "gen 1.0" in line and "train 2.0" in line
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    from itertools import combinations
+
+    from tidal.train.metrics import eval_metrics, pass_at_k
+
+    # pass@k = P(at least one right among k drawn without replacement from the n samples): count the subsets
+    for n, c, k in [(4, 1, 1), (4, 1, 2), (4, 2, 3), (5, 0, 2), (5, 5, 1), (6, 2, 4)]:
+        right = [1] * c + [0] * (n - c)
+        subsets = list(combinations(range(n), k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(right[i] for i in s) for s in subsets) / len(subsets))
+    rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0]]
+    got = eval_metrics("add", rewards)
+    assert got["eval/add/mean@4"] == pytest.approx(4 / 12)
+    assert got["eval/add/pass@1"] == pytest.approx((1 / 4 + 0 + 3 / 4) / 3)
+    assert got["eval/add/pass@2"] == pytest.approx((pass_at_k(4, 1, 2) + 0 + 1.0) / 3)
+    assert got["eval/add/pass@4"] == pytest.approx(2 / 3)
+    assert sorted(got) == ["eval/add/mean@4", "eval/add/pass@1", "eval/add/pass@2", "eval/add/pass@4"]
+
+
+def test_eval_sets_takes_one_path_or_named_pairs():
+    from tidal.train.config import eval_sets
+
+    assert eval_sets(("/data/held_out.jsonl",)) == [("held_out", "/data/held_out.jsonl")]
+    assert eval_sets("/data/x.jsonl") == [("x", "/data/x.jsonl")]
+    assert eval_sets(["aime", "/a.jsonl", "gsm", "/g.jsonl"]) == [("aime", "/a.jsonl"), ("gsm", "/g.jsonl")]
+    for bad in (["a", "/a.jsonl", "b"], ["a", "/a.jsonl", "a", "/b.jsonl"]):
+        with pytest.raises(ValueError, match="--eval-prompt-data"):
+            eval_sets(bad)
+
+
+def test_keep_best_by_names_the_best_saved_iteration_and_survives_a_resume(tmp_path):
+    from tidal.ckpt import best_iteration
+    from tidal.train.cli import parse_job
+    from tidal.train.loop import _best_so_far, _mark_best
+
+    argv = ["--output-dir", str(tmp_path / "run"), "--keep-best-by", "eval/accuracy", "--keep-last", "1"]
+    job = parse_job(argv)
+    history = [{"rollout": 0, "eval/accuracy": 0.4}, {"rollout": 1}, {"rollout": 2, "eval/accuracy": 0.3}]
+    best = None
+    for record in history:
+        best = _mark_best(job, record, best)
+    assert best == 0.4 and best_iteration(job.ckpt.save) == 1  # rollout 0 is saved as iteration 1
+    assert _best_so_far(job, history) == 0.4  # a resumed run starts from the recorded best
+    assert _mark_best(job, {"rollout": 3, "eval/accuracy": 0.5}, best) == 0.5 and best_iteration(job.ckpt.save) == 4
+
+
+def test_eval_sampling_params_follow_the_eval_flags(tmp_path):
+    from tidal.train.cli import parse_job
+    from tidal.train.rollout_manager import eval_sampling_params
+
+    base = ["--output-dir", str(tmp_path / "a"), "--rollout-temperature", "0.8", "--rollout-max-response-len", "32"]
+    job = parse_job(base)
+    params = eval_sampling_params(job.rollout, job.train)  # defaults: one greedy sample, the rollout's length
+    assert (params["n"], params["temperature"], params["top_p"], params["max_new_tokens"]) == (1, 0.0, 1.0, 32)
+    flags = ["--n-samples-per-eval-prompt", "4", "--eval-temperature", "0.6", "--eval-top-p", "0.95"]
+    job = parse_job([*base[:1], str(tmp_path / "b"), *base[2:], *flags, "--eval-max-response-len", "16"])
+    params = eval_sampling_params(job.rollout, job.train)
+    assert (params["n"], params["temperature"], params["top_p"], params["max_new_tokens"]) == (4, 0.6, 0.95, 16)

@@ -27,3 +27,15 @@ def test_agreement_panel_is_added_below_the_rewards(tmp_path):
     (width_a, height_a), (width_b, height_b) = _size(with_panel), _size(rewards_only)
     assert width_a == width_b and height_a > 1.5 * height_b
     assert not list(tmp_path.glob("*.tmp.png"))
+
+
+def test_each_eval_set_gets_its_curves(tmp_path):
+    from tidal.train.plots import _eval_keys
+
+    history = [
+        {"rollout": i, "rollout/reward/mean": 0.1 * i, "eval/accuracy": 0.3, "eval/add/mean@4": 0.3,
+         "eval/add/pass@1": 0.3, "eval/add/pass@4": 0.6, "eval/mul/mean@4": 0.1, "eval/mul/pass@4": 0.2}
+        for i in range(2)
+    ]  # fmt: skip
+    assert _eval_keys(history) == ["eval/add/mean@4", "eval/add/pass@4", "eval/mul/mean@4", "eval/mul/pass@4"]
+    assert _size(write_curves(tmp_path / "c.png", history, eval_before=0.2))[0] > 0

@@ -1,8 +1,9 @@
+import itertools
 import math
 
 import pytest
 import torch
-from tidal.actor.loss import LossSettings, actor_loss, grpo_advantages, kl_penalty, ppo_clip_loss
+from tidal.actor.loss import LossSettings, actor_loss, grpo_advantages, kl_penalty, load_function, ppo_clip_loss
 
 
 def test_grpo_advantages_matches_manual():
@@ -97,3 +98,142 @@ def test_actor_loss_requires_ref_log_probs_when_kl_on():
             LossSettings(eps_clip=0.2, eps_clip_high=0.2, kl_loss_coef=0.1),
             num_loss_tokens=3,
         )
+
+
+# Three samples packed with a padding tail: [prompt, prompt, a, a, tool, a] [prompt, a, a] [prompt, a, a, a] [pad x2]
+SEG_MASKS = [[0, 0, 1, 1, 0, 1], [0, 1, 1], [0, 1, 1, 1], [0, 0]]
+SEG_ADV = [1.0, -1.0, 0.5, 0.0]
+
+
+def seg_batch(seed=0):
+    torch.manual_seed(seed)
+    lengths = [len(m) for m in SEG_MASKS]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mask = torch.tensor([x for m in SEG_MASKS for x in m], dtype=torch.float32)
+    adv = torch.tensor([a for a, m in zip(SEG_ADV, SEG_MASKS, strict=True) for _ in m])
+    old = torch.randn(mask.numel()) * 0.5 - 1.5
+    lp = (old + torch.randn(mask.numel()) * 0.4).requires_grad_()  # ratios well outside [0.8, 1.28]
+    return lp, old, adv, mask, cu
+
+
+def samples(x, cu):
+    return [x[int(a) : int(b)] for a, b in itertools.pairwise(cu)][:3]  # the three real samples
+
+
+def per_sample_weights(mask, cu):
+    """The trainer's default aggregation (``--calculate-per-token-loss`` off): 1/len of each sample's actions."""
+    return torch.cat(
+        [torch.full((int(b - a),), 1.0 / max(float(mask[a:b].sum()), 1.0)) for a, b in itertools.pairwise(cu)]
+    )
+
+
+def test_gspo_sequence_ratio_matches_the_paper_values_and_gradients():
+    # GSPO: s_i = exp(1/|y_i| sum_t (log pi - log pi_old)), J = 1/G sum_i min(s_i A_i, clip(s_i, 1-e, 1+e_h) A_i)
+    lp, old, adv, mask, cu = seg_batch()
+    lp = (lp.detach() + torch.where(torch.arange(lp.numel()) < 6, 0.6, 0.0)).requires_grad_()  # clip sample 0
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.28, policy_loss="gspo")
+    fields = {"old_log_probs": old, "advantages": adv, "loss_weights": per_sample_weights(mask, cu)}
+    loss, sums = actor_loss(lp, None, fields, mask, settings, num_loss_tokens=3.0, cu_seqlens=cu)
+    (grad,) = torch.autograd.grad(loss, lp)
+
+    lp2 = lp.detach().clone().requires_grad_()
+    terms = []
+    for lp_i, old_i, m_i, a in zip(samples(lp2, cu), samples(old, cu), samples(mask, cu), SEG_ADV, strict=False):
+        s = torch.exp(((lp_i - old_i) * m_i).sum() / m_i.sum())
+        terms.append(-torch.minimum(s * a, s.clamp(0.8, 1.28) * a))
+    expected = torch.stack(terms).mean()
+    (expected_grad,) = torch.autograd.grad(expected, lp2)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, expected_grad)
+    assert 0 < float(sums["pg_clipfrac"]) < 1  # some sequences clipped, not all
+    assert grad[mask == 0].abs().max() == 0
+
+
+def test_cispo_clipped_detached_weight_times_log_prob():
+    # CISPO: J = 1/sum|y_i| sum_i sum_t sg(min(r_it, 1 + e_h)) A_i log pi(y_it); token-level aggregation
+    lp, old, adv, mask, _ = seg_batch(1)
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.28, policy_loss="cispo")
+    n = float(mask.sum())
+    loss, sums = actor_loss(lp, None, {"old_log_probs": old, "advantages": adv}, mask, settings, num_loss_tokens=n)
+    (grad,) = torch.autograd.grad(loss, lp)
+    expected, expected_grad, clipped = 0.0, torch.zeros_like(old), 0
+    for t in range(old.numel()):
+        if mask[t]:
+            r = math.exp(float(lp[t] - old[t]))
+            w = min(r, 1.28)
+            clipped += r > 1.28
+            expected += -w * float(adv[t]) * float(lp[t]) / n
+            expected_grad[t] = -w * float(adv[t]) / n  # the weight is a constant: no gradient through it
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(grad, expected_grad)
+    assert 0 < clipped < n and float(sums["pg_clipfrac"]) == pytest.approx(clipped / n)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    # dual-clip PPO (Ye et al. 2020): for A < 0 the objective is max(min(r A, clip(r) A), c A)
+    old = torch.zeros(4)
+    lp = torch.log(torch.tensor([5.0, 2.0, 5.0, 0.5])).requires_grad_()
+    adv = torch.tensor([-1.0, -1.0, 1.0, -1.0])
+    loss, _ = ppo_clip_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=3.0)
+    expected = []
+    for r, a in zip([5.0, 2.0, 5.0, 0.5], adv.tolist(), strict=True):
+        obj = min(r * a, min(max(r, 0.8), 1.2) * a)
+        expected.append(-(max(obj, 3.0 * a) if a < 0 else obj))
+    torch.testing.assert_close(loss, torch.tensor(expected))  # [3, 2, -6, 0.8]: token 0 bounded at c * |A|
+    loss.sum().backward()
+    assert lp.grad[0] == 0 and lp.grad[1] != 0  # the dual-clipped token has no gradient
+
+
+def test_tis_weights_each_token_by_the_truncated_engine_ratio():
+    lp, old, adv, mask, _ = seg_batch(2)
+    rollout = old + torch.randn(old.numel()) * 0.5
+    n = float(mask.sum())
+    fields = {"old_log_probs": old, "advantages": adv, "rollout_log_probs": rollout}
+    base = LossSettings(eps_clip=0.2, eps_clip_high=0.2)
+    with_tis = LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_tis=True, tis_clip=1.5)
+    plain, _ = ppo_clip_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=0.2)
+    loss, sums = actor_loss(lp, None, fields, mask, with_tis, num_loss_tokens=n)
+    w = torch.exp(old - rollout).clamp(max=1.5)
+    torch.testing.assert_close(loss, (plain * w * mask).sum() / n)
+    torch.testing.assert_close(sums["tis"], (w * mask).sum() / n)
+    assert not torch.isclose(loss, actor_loss(lp, None, fields, mask, base, num_loss_tokens=n)[0])
+    with pytest.raises(ValueError, match="--use-tis"):
+        actor_loss(lp, None, {"old_log_probs": old, "advantages": adv}, mask, with_tis, num_loss_tokens=n)
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_per_sample_and_per_token_aggregation(per_token):
+    # per token: sum over all action tokens / their count; per sample: mean over each sample's actions, then samples
+    lp, old, adv, mask, cu = seg_batch(3)
+    fields = {"old_log_probs": old, "advantages": adv}
+    if not per_token:
+        fields["loss_weights"] = per_sample_weights(mask, cu)
+    denom = float(mask.sum()) if per_token else 3.0
+    loss, _ = actor_loss(lp, None, fields, mask, LossSettings(eps_clip=0.2, eps_clip_high=0.2), num_loss_tokens=denom)
+    pg, _ = ppo_clip_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=0.2)
+    per_sample = [float((p * m).sum() / m.sum()) for p, m in zip(samples(pg, cu), samples(mask, cu), strict=True)]
+    token_sum = float((pg * mask).sum())
+    expected = token_sum / float(mask.sum()) if per_token else sum(per_sample) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    other = sum(per_sample) / 3 if per_token else token_sum / float(mask.sum())
+    assert loss.item() != pytest.approx(other, rel=1e-3)  # the two aggregations differ on this batch
+
+
+def test_sft_loss_is_the_mean_negative_log_likelihood_per_sample():
+    lp, _, _, mask, cu = seg_batch(4)
+    fields = {"loss_weights": per_sample_weights(mask, cu)}
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, loss_type="sft_loss")
+    loss, sums = actor_loss(lp, None, fields, mask, settings, num_loss_tokens=3.0)
+    expected = sum(-float((x * m).sum() / m.sum()) for x, m in zip(samples(lp, cu), samples(mask, cu), strict=True))
+    assert loss.item() == pytest.approx(expected / 3, rel=1e-5)
+    assert "sft_loss" in sums and "pg_loss" not in sums
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -fields["loss_weights"] * mask / 3)
+
+
+def test_load_function_names_the_flag():
+    assert load_function("math:sqrt", flag="--custom-loss-function-path") is math.sqrt
+    with pytest.raises(ValueError, match="--custom-loss-function-path 'no_such_module_x:f'"):
+        load_function("no_such_module_x:f", flag="--custom-loss-function-path")
+    with pytest.raises(ValueError, match="not a function"):
+        load_function("math:pi", flag="--custom-advantage-function-path")

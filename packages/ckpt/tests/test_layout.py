@@ -194,3 +194,22 @@ def test_readme_lists_each_bad_directory_message_verbatim(tmp_path, make, ckpt_s
         resolve_checkpoint(load_dir, ckpt_step=ckpt_step)
     message = str(e.value).replace(str(tmp_path), "DIR")
     assert message in README.read_text(), f"README lacks (or has a stale copy of):\n{message}"
+
+
+def test_keep_last_never_deletes_the_best_iteration(tmp_path):
+    from tidal.ckpt import best_iteration, mark_best_iteration
+    from tidal.ckpt.checkpoint import _prune
+    from tidal.ckpt.layout import BEST_FILENAME, COMPLETE_MARKER, TRACKER_FILENAME, iteration_dir_name, list_iterations
+
+    for i in range(1, 6):
+        (tmp_path / iteration_dir_name(i)).mkdir()
+        (tmp_path / iteration_dir_name(i) / COMPLETE_MARKER).write_text("")
+    (tmp_path / TRACKER_FILENAME).write_text("5\n")
+    assert best_iteration(tmp_path) is None
+    mark_best_iteration(tmp_path, 2)
+    assert (tmp_path / BEST_FILENAME).read_text() == "2\n" and best_iteration(tmp_path) == 2
+    _prune(tmp_path, keep=2, current=5)
+    assert list_iterations(tmp_path) == [2, 4, 5]  # the newest two, and the best
+    mark_best_iteration(tmp_path, 5)
+    _prune(tmp_path, keep=2, current=5)
+    assert list_iterations(tmp_path) == [4, 5]  # the former best is an old iteration like any other

@@ -278,18 +278,27 @@ def check_data_files(train: dict[str, Any], problems: Problems) -> None:
             "--recipe embedded for the shipped addition task"
         )
         return
-    train.setdefault("eval_prompt_data", train["prompt_data"])
+    from tidal.train.config import eval_sets
+
+    train.setdefault("eval_prompt_data", (train["prompt_data"],))
     defaults = section_defaults("train")
     keys = {key: train.get(key) or defaults[key] for key in ("input_key", "label_key")}
-    for key in ("prompt_data", "eval_prompt_data"):
-        problems.run(check_prompt_file, f"--{key.replace('_', '-')}", train[key], **keys)
+    problems.run(check_prompt_file, "--prompt-data", train["prompt_data"], **keys)
+    try:
+        sets = eval_sets(train["eval_prompt_data"])
+    except ValueError:
+        return  # TrainConfig reports it
+    for _, path in sets:
+        problems.run(check_prompt_file, "--eval-prompt-data", path, **keys)
 
 
-def check_import_paths(rollout: dict[str, Any], problems: Problems) -> None:
-    """Every ``pkg.module:fn`` option imports (a malformed one is RolloutConfig's to report)."""
-    for key in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path"):
-        if ":" in (rollout.get(key) or ""):
-            problems.run(check_import_path, f"--{key.replace('_', '-')}", rollout[key])
+def check_import_paths(rollout: dict[str, Any], problems: Problems, actor: dict[str, Any] | None = None) -> None:
+    """Every ``pkg.module:fn`` option imports (a malformed one is RolloutConfig's or ActorConfig's to report)."""
+    keys = [(rollout, k) for k in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path")]
+    keys += [(actor or {}, k) for k in ("custom_loss_function_path", "custom_advantage_function_path")]
+    for section, key in keys:
+        if ":" in (section.get(key) or ""):
+            problems.run(check_import_path, f"--{key.replace('_', '-')}", section[key])
 
 
 def check_output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: dict[str, Any], problems) -> None:
@@ -343,6 +352,17 @@ def check_job(
         problems.run(check_token_budget, batching, rollout)
     if ckpt is not None:
         problems.run(check_load, ckpt)
+        if train is not None:
+            problems.run(check_keep_best_by, train, ckpt)
+
+
+def check_keep_best_by(train, ckpt) -> None:
+    """``--keep-best-by eval/...`` names a metric the evaluation records."""
+    from tidal.train.config import eval_metric_keys
+
+    key = ckpt.keep_best_by
+    if key is not None and key.startswith("eval/") and key not in (keys := eval_metric_keys(train)):
+        raise ValueError(f"--keep-best-by {key} is no metric this run's evaluation records; one of {keys}")
 
 
 def _warn_without_fault_tolerance(rollout: dict[str, Any], train) -> None:

@@ -109,10 +109,11 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser) 
     checks.check_data_files(train, problems)
     hf, hf_config = _model(train, problems)
     propagate_shared(sections, {("train", "hf_checkpoint"): hf})
-    checks.check_import_paths(rollout, problems)
+    checks.check_import_paths(rollout, problems, actor)
     if not actor.get("use_kl_loss") and actor.get("kl_loss_coef"):
         logger.warning("--kl-loss-coef %s is ignored without --use-kl-loss (slime's rule)", actor["kl_loss_coef"])
         actor["kl_loss_coef"] = 0.0
+    _warn_without_effect(actor)
     if "rollout_batch_size" not in sections["batching"]:  # required: BatchingConfig has no default for it
         problems.add(
             "--rollout-batch-size is required (the base recipe has none): the prompts per rollout "
@@ -131,6 +132,15 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser) 
     checks.check_job(problems, **job, hf=hf, hf_config=hf_config, given=sections)
     problems.raise_if_any()
     return JobConfig(**job)
+
+
+def _warn_without_effect(actor: dict[str, Any]) -> None:
+    """One warning per algorithm option that the chosen estimator or loss ignores."""
+    estimator = actor.get("advantage_estimator", "grpo")
+    if "gamma" in actor and estimator != "reinforce_plus_plus":
+        logger.warning("--gamma has no effect with --advantage-estimator %s (reinforce_plus_plus only)", estimator)
+    if "overlong_penalty_factor" in actor and not actor.get("overlong_buffer_len"):
+        logger.warning("--overlong-penalty-factor has no effect without --overlong-buffer-len")
 
 
 def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], problems) -> None:

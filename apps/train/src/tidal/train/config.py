@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,8 +24,9 @@ class TrainConfig:
     and cached."""
     prompt_data: str | None = None
     """JSONL of training prompts and labels (required; the embedded recipe gives the shipped addition task)."""
-    eval_prompt_data: str | None = None
-    """JSONL of held-out prompts; None: --prompt-data."""
+    eval_prompt_data: tuple[str, ...] | None = field(default=None, metadata={"metavar": "[NAME] PATH"})
+    """Held-out prompt sets (JSONL): one PATH (named by its file stem), or NAME PATH [NAME PATH ...] as slime;
+    None: --prompt-data. The first set's mean@k is also logged as eval/accuracy."""
     input_key: str = "prompt"
     """Key of the prompt text in each JSONL record."""
     label_key: str = "label"
@@ -35,7 +38,15 @@ class TrainConfig:
     eval_interval: int = 0
     """Evaluate on held-out prompts every this many rollouts, and before the first; 0 only before and after."""
     num_eval_prompts: int = 64
-    """Held-out prompts per evaluation."""
+    """Held-out prompts per evaluation, of each eval set."""
+    n_samples_per_eval_prompt: int = 1
+    """Responses sampled per held-out prompt (k of mean@k and pass@k)."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of evaluation (0: greedy)."""
+    eval_top_p: float = 1.0
+    """Top-p of evaluation sampling."""
+    eval_max_response_len: int | None = None
+    """Most tokens an evaluation response may have; None: --rollout-max-response-len."""
     output_dir: str | None = None
     """Run folder: metrics, logs, weights handed to SGLang, checkpoints; None: a new runs/DATE-TIME, which
     runs/latest links to."""
@@ -78,6 +89,8 @@ class TrainConfig:
             ("--num-rollout", self.num_rollout, 1),
             ("--eval-interval", self.eval_interval, 0),
             ("--num-eval-prompts", self.num_eval_prompts, 1),
+            ("--n-samples-per-eval-prompt", self.n_samples_per_eval_prompt, 1),
+            ("--eval-max-response-len", self.eval_max_response_len or 1, 1),
             ("--tensor-model-parallel-size", self.tensor_model_parallel_size, 1),
             ("--context-parallel-size", self.context_parallel_size, 1),
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, 1),
@@ -94,10 +107,46 @@ class TrainConfig:
             raise ValueError(
                 f"--start-rollout-id must be in [0, --num-rollout={self.num_rollout}), got {self.start_rollout_id}"
             )
+        if self.eval_temperature < 0 or not 0 < self.eval_top_p <= 1:
+            got = f"{self.eval_temperature}/{self.eval_top_p}"
+            raise ValueError(f"--eval-temperature must be >= 0 and --eval-top-p in (0, 1], got {got}")
+        if self.eval_prompt_data is not None:
+            eval_sets(self.eval_prompt_data)
         if self.debug_rollout_only and self.debug_train_only:
             raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
         if not self.input_key or not self.label_key:
             raise ValueError("--input-key and --label-key must be non-empty")
+
+
+def eval_sets(value: str | Sequence[str]) -> list[tuple[str, str]]:
+    """``(name, path)`` of each held-out set of ``--eval-prompt-data``: ``PATH`` or ``NAME PATH [NAME PATH ...]``.
+
+    Raises:
+        ValueError: an odd number of values beyond one, or a name given twice.
+    """
+    values = [value] if isinstance(value, str) else list(value)
+    if len(values) == 1:
+        return [(Path(values[0]).stem or "eval", values[0])]
+    if not values or len(values) % 2:
+        raise ValueError(
+            f"--eval-prompt-data takes PATH or NAME PATH [NAME PATH ...], got {len(values)} values: {values}"
+        )
+    sets = list(zip(values[::2], values[1::2], strict=True))
+    names = [name for name, _ in sets]
+    if len(set(names)) != len(names) or any("/" in name for name in names):
+        raise ValueError(f"--eval-prompt-data names must be distinct and contain no '/', got {names}")
+    return sets
+
+
+def eval_metric_keys(train: TrainConfig) -> list[str]:
+    """The ``eval/...`` keys an evaluation of ``train``'s held-out sets records (as ``RolloutManager.evaluate``)."""
+    from tidal.train.metrics import pass_ks
+
+    n = train.n_samples_per_eval_prompt
+    keys = ["eval/accuracy"]
+    for name, _ in eval_sets(train.eval_prompt_data or train.prompt_data or ""):
+        keys += [f"eval/{name}/mean@{n}", *(f"eval/{name}/pass@{k}" for k in pass_ks(n))]
+    return keys
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

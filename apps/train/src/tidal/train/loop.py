@@ -16,7 +16,7 @@ from typing import Any
 
 from tidal.train.actor_group import ActorGroup
 from tidal.train.cluster import start_cluster
-from tidal.train.config import JobConfig
+from tidal.train.config import JobConfig, eval_sets
 from tidal.train.data import PromptDataset
 from tidal.train.metrics import MetricsLog, rollout_line
 from tidal.train.monitors import RewardSanity, check_engine_agreement, check_prompt_chat_template
@@ -32,11 +32,12 @@ def run(job: JobConfig) -> RunResult:
     out = Path(job.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = _datasets(job)
+    held_out = {name: data.head(job.train.num_eval_prompts) for name, data in eval_data.items()}
     with start_cluster(job, out, train_data) as cluster:
-        return _train(job, cluster.rollouts, cluster.actors, eval_data.head(job.train.num_eval_prompts), out)
+        return _train(job, cluster.rollouts, cluster.actors, held_out, out)
 
 
-def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, held_out: list, out: Path) -> RunResult:
+def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, held_out: dict, out: Path) -> RunResult:
     num_rollout = job.train.num_rollout
     metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
     result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None)
@@ -45,9 +46,10 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
     result.start_rollout_id, result.history = start, metrics_log.read()
     result.weights_dir = _serve_first_weights(job, rollouts, actors, version)
     if rollouts.has_engines:
-        result.eval_before = rollouts.evaluate(held_out)
+        result.eval_before = rollouts.evaluate(held_out)["eval/accuracy"]
         logger.info("held-out accuracy before RL: %.3f", result.eval_before)
     sanity = RewardSanity(job.train.reward_sanity_rollouts)
+    best = _best_so_far(job, result.history)
     loop_start = time.monotonic()
     retries_seen = 0  # the first rollout's count includes the start-up's (evaluation, weight loading)
     for rollout_id in range(start, num_rollout):
@@ -62,7 +64,8 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
                 result.weights_dir, times["time/weight_sync"] = timed(actors.sync_weights, rollouts, version)
         record = _record(rollout_id, samples, train_metrics, times)
         if rollouts.has_engines and (last or _due(rollout_id, job.train.eval_interval)):
-            record["eval/accuracy"], times["time/eval"] = timed(rollouts.evaluate, held_out)
+            evals, times["time/eval"] = timed(rollouts.evaluate, held_out)
+            record |= evals
         retries = rollouts.http_retries()  # resets, refusals, timeouts, 5xx survived (generation, sync, eval)
         record["rollout/http_retries"], retries_seen = float(retries - retries_seen), retries
         record["time/rollout"] = time.monotonic() - tick - times.get("time/eval", 0.0)
@@ -71,6 +74,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
         metrics_log.write(record)  # before the checkpoint: a checkpoint's rollout always has its record
         result.history.append(record)
         if actors and (last or _due(rollout_id, job.ckpt.save_interval)):
+            best = _mark_best(job, record, best)
             _save(job, rollouts, actors, rollout_id, version)
         write_curves(out / "curves.png", result.history, eval_before=result.eval_before,
                      mismatch_threshold=job.train.mismatch_warn_threshold)  # fmt: skip
@@ -85,8 +89,8 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
     return result
 
 
-def _datasets(job: JobConfig) -> tuple[PromptDataset, PromptDataset]:
-    """Training and held-out prompts, tokenized (chat template checked first when it is applied)."""
+def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
+    """Training prompts and each held-out set by name, tokenized (chat template checked first when it is applied)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(job.actor.hf_checkpoint)
@@ -98,7 +102,8 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, PromptDataset]:
         keys["apply_chat_template"] = True
     train_data = PromptDataset(job.train.prompt_data, tokenizer, **keys)
     check_prompt_chat_template(train_data.raw_texts, tokenizer, apply_chat_template=job.rollout.apply_chat_template)
-    return train_data, PromptDataset(job.train.eval_prompt_data, tokenizer, **keys)
+    sets = eval_sets(job.train.eval_prompt_data or job.train.prompt_data)
+    return train_data, {name: PromptDataset(path, tokenizer, **keys) for name, path in sets}
 
 
 def _resume(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, metrics_log: MetricsLog):
@@ -131,6 +136,28 @@ def _save(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup, rollout_
     actors.save(rollout_id, weight_version=version, carry=rollouts.carry_state())
     if job.train.save_hf:
         actors.save_hf(job.train.save_hf.replace("{rollout_id}", str(rollout_id)))
+
+
+def _best_so_far(job: JobConfig, history: list[dict]) -> float | None:
+    """--keep-best-by's value at the iteration a resumed run's best_checkpointed_iteration.txt names (None: none)."""
+    if job.ckpt.keep_best_by is None or not job.ckpt.save:
+        return None
+    from tidal.ckpt import best_iteration
+
+    iteration = best_iteration(job.ckpt.save)
+    return next((r.get(job.ckpt.keep_best_by) for r in history if r["rollout"] + 1 == iteration), None)
+
+
+def _mark_best(job: JobConfig, record: dict, best: float | None) -> float | None:
+    """Name the checkpoint about to be saved the best when --keep-best-by's metric beats ``best``; the new best."""
+    value = record.get(job.ckpt.keep_best_by) if job.ckpt.keep_best_by else None
+    if value is None or (best is not None and value <= best):
+        return best
+    from tidal.ckpt import mark_best_iteration
+
+    mark_best_iteration(job.ckpt.save, record["rollout"] + 1)  # the iteration rollout r is saved as
+    logger.info("best %s so far: %.4f (checkpoint iteration %d)", job.ckpt.keep_best_by, value, record["rollout"] + 1)
+    return value
 
 
 def _record(rollout_id: int, samples: list, train_metrics: dict[str, float], times: dict[str, float]) -> dict:

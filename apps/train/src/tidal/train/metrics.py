@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -129,3 +130,33 @@ def rollout_line(record: dict[str, Any], num_rollout: int) -> str:
     detail = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
     parts.append(f"{sum(phases.values()):.1f} s ({detail})")
     return " | ".join(parts)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt (Chen et al. 2021): ``1 - C(n - c, k) / C(n, k)``, ``n`` samples, ``c`` right."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k of the pass@k logged for ``n`` samples per prompt: 1, 2, 4, ... up to ``n``, and ``n``."""
+    return sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n})
+
+
+def eval_metrics(name: str, rewards: list[list[float]]) -> dict[str, float]:
+    """mean@k and pass@k (k = 1, 2, 4, ... up to n, and n) of one eval set, ``rewards[prompt][sample]``.
+
+    mean@k is the mean reward over every sample; a sample counts as solved for pass@k when its reward is > 0.
+    Keys: ``eval/<name>/mean@<n>``, ``eval/<name>/pass@<k>``.
+    """
+    n = len(rewards[0])
+    if any(len(r) != n for r in rewards):
+        raise ValueError(
+            f"eval set {name!r}: every prompt needs the same number of samples, got {set(map(len, rewards))}"
+        )
+    out = {f"eval/{name}/mean@{n}": sum(map(sum, rewards)) / (n * len(rewards))}
+    for k in pass_ks(n):
+        per_prompt = [pass_at_k(n, sum(1 for x in r if x > 0), k) for r in rewards]
+        out[f"eval/{name}/pass@{k}"] = sum(per_prompt) / len(per_prompt)
+    return out

@@ -47,15 +47,33 @@ def write_curves(
 def _rewards(ax, history: list[dict[str, Any]], eval_before: float | None) -> None:
     rollouts = [r["rollout"] + 1 for r in history]
     ax.plot(rollouts, [r["rollout/reward/mean"] for r in history], marker=".", label="train reward (mean)")
-    evals = [(0, eval_before)] if eval_before is not None else []
-    evals += [(r["rollout"] + 1, r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
-    if evals:
-        xs, ys = zip(*evals, strict=True)
-        ax.plot(xs, ys, marker="o", label="held-out accuracy (greedy)")
+    keys = _eval_keys(history) or ["eval/accuracy"]
+    for index, key in enumerate(keys):
+        evals = [(0, eval_before)] if eval_before is not None and index == 0 else []
+        evals += [(r["rollout"] + 1, r[key]) for r in history if key in r]
+        if evals:
+            xs, ys = zip(*evals, strict=True)
+            label = "held-out accuracy" if key == "eval/accuracy" else key.removeprefix("eval/")
+            ax.plot(xs, ys, marker="o", linestyle="--" if "/pass@" in key else "-", label=label)
     ax.set_xlabel("rollout")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small")
+
+
+def _eval_keys(history: list[dict[str, Any]]) -> list[str]:
+    """Each eval set's mean@k and its largest pass@k (k > 1), first set first (``eval/<name>/...`` keys)."""
+    keys: dict[str, None] = {}
+    for record in history:
+        keys |= dict.fromkeys(k for k in record if k.startswith("eval/") and k.count("/") == 2)
+    chosen = []
+    for name in dict.fromkeys(k.split("/")[1] for k in keys):
+        mine = [k for k in keys if k.split("/")[1] == name]
+        chosen += [k for k in mine if "/mean@" in k]
+        passes = sorted((int(k.rsplit("@", 1)[1]), k) for k in mine if "/pass@" in k)
+        if passes and passes[-1][0] > 1:
+            chosen.append(passes[-1][1])
+    return chosen
 
 
 def _agreement(ax, records: list[dict[str, Any]], threshold: float | None) -> None:

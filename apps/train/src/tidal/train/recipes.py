@@ -40,7 +40,7 @@ def embedded() -> dict[str, Any]:
     # per rollout of 64 prompts x 8 samples; sizes that suit the ~1M-parameter model on a 2-core CPU.
     return {
         "prompt_data": str(shipped_path(TRAIN_FILE)),
-        "eval_prompt_data": str(shipped_path(EVAL_FILE)),
+        "eval_prompt_data": (str(shipped_path(EVAL_FILE)),),
         "num_rollout": 150,
         "rollout_batch_size": 64,
         "n_samples_per_prompt": 8,

@@ -48,6 +48,15 @@ def _new_api_key(run_dir: Path) -> str:
     return key
 
 
+def eval_sampling_params(rollout, train) -> dict[str, Any]:
+    """The rollout's sampling parameters with evaluation's n, temperature, top-p and length (``--eval-*``)."""
+    params = {**rollout.sampling_params(), "n": train.n_samples_per_eval_prompt}
+    params |= {"temperature": train.eval_temperature, "top_p": train.eval_top_p}
+    if train.eval_max_response_len is not None:
+        params["max_new_tokens"] = train.eval_max_response_len
+    return params
+
+
 class RolloutManager:
     """Engines (launched or external), the router and the generation path of a job.
 
@@ -150,11 +159,25 @@ class RolloutManager:
             save_rollout_data(self.cfg.save_debug_rollout_data, rollout_id, samples)
         return samples, times
 
-    def evaluate(self, prompts: list[Prompt]) -> float:
-        """Greedy accuracy (mean reward) on the held-out ``prompts``."""
-        params = {**self.cfg.sampling_params(), "n": 1, "temperature": 0.0}
-        samples, _ = self._generate_on_engines(prompts, params)
-        return sum(float(s.reward) for s in samples) / len(samples)
+    def evaluate(self, held_out: dict[str, list[Prompt]]) -> dict[str, float]:
+        """mean@k and pass@k of each held-out set (``eval/<name>/...``); the first set's mean@k as ``eval/accuracy``.
+
+        Sampling: ``--n-samples-per-eval-prompt`` responses per prompt at ``--eval-temperature`` (0: greedy),
+        ``--eval-top-p``, at most ``--eval-max-response-len`` tokens.
+        """
+        from tidal.train.metrics import eval_metrics
+
+        n = self.job.train.n_samples_per_eval_prompt
+        params = eval_sampling_params(self.cfg, self.job.train)
+        out: dict[str, float] = {}
+        for index, (name, prompts) in enumerate(held_out.items()):
+            samples, _ = self._generate_on_engines(prompts, params)
+            rewards = [[float(s.reward) for s in samples[i : i + n]] for i in range(0, len(samples), n)]
+            metrics = eval_metrics(name, rewards)
+            if index == 0:
+                out["eval/accuracy"] = metrics[f"eval/{name}/mean@{n}"]
+            out |= metrics
+        return out
 
     def _generate_on_engines(self, prompts: list[Prompt], sampling_params: dict) -> tuple[list, float]:
         """Prompts split across engines; samples scored, in prompt-major order; also the slowest engine's own time."""

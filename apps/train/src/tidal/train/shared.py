@@ -19,6 +19,7 @@ SHARED: dict[Field, tuple[Field, ...]] = {
     ("train", "hf_checkpoint"): (("actor", "hf_checkpoint"), ("ckpt", "hf_checkpoint")),
     ("rollout", "n_samples_per_prompt"): (("batching", "n_samples_per_prompt"),),
     ("rollout", "rollout_temperature"): (("actor", "temperature"),),
+    ("rollout", "rollout_max_response_len"): (("actor", "max_response_len"),),
     ("batching", "rollout_batch_size"): (("rollout", "rollout_batch_size"),),
     ("train", "context_parallel_size"): (("batching", "context_parallel_size"),),
 }

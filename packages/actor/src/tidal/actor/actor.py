@@ -22,7 +22,7 @@ from tidal.actor.errors import ActorError
 from tidal.actor.hf_config import read_hf_config, to_transformer_config
 from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
-from tidal.actor.loss import LossSettings, actor_loss
+from tidal.actor.loss import LossSettings, actor_loss, load_function, policy_loss_of
 from tidal.actor.main_params import MainParams
 from tidal.actor.offload import CPUOffloadAdamW
 from tidal.actor.pipeline import (
@@ -100,7 +100,12 @@ class Actor:
             eps_clip_c=cfg.eps_clip_c,
             use_tis=cfg.use_tis,
             tis_clip=cfg.tis_clip,
+            policy_loss=policy_loss_of(cfg.advantage_estimator),
+            loss_type=cfg.loss_type,
         )
+        self._loss_fn = actor_loss
+        if cfg.loss_type == "custom_loss":
+            self._loss_fn = load_function(cfg.custom_loss_function_path, flag="--custom-loss-function-path")
         self.num_steps = 0
         self._autocast = cfg.bf16 and self.device.type == "cuda"
         if cfg.bf16 and not self._autocast:
@@ -217,8 +222,13 @@ class Actor:
 
         def loss_of(mb: PackedBatch, output: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
             fields = {k: v.to(self.device) for k, v in mb.token_fields.items()}
-            loss, sums = actor_loss(
-                *output, fields, mb.loss_mask.to(self.device), self.loss_settings, num_loss_tokens=num_loss_tokens
+            loss, sums = self._loss_fn(
+                *output,
+                fields,
+                mb.loss_mask.to(self.device),
+                self.loss_settings,
+                num_loss_tokens=num_loss_tokens,
+                cu_seqlens=mb.cu_seqlens,
             )
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value.float()

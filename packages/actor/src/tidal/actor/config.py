@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16")
 _KL_TYPES = ("k1", "k2", "k3")
-_ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+_ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+_LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,9 +58,31 @@ class ActorConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     advantage_estimator: str = "grpo"
-    """How rewards become advantages: grpo, rloo or reinforce_plus_plus_baseline."""
+    """How rewards become advantages and the policy loss: grpo (group baseline, token ratio), gspo (GRPO advantages,
+    one ratio per sequence: exp of its mean token log-ratio), cispo (GRPO advantages, clipped stop-gradient IS weight
+    times log-prob), rloo (leave-one-out baseline), reinforce_plus_plus (token returns with the KL in the reward,
+    whitened over the rollout) or reinforce_plus_plus_baseline (group baseline minus per-token KL, whitened)."""
     disable_grpo_std_normalization: bool = False
-    """GRPO without dividing by the group's reward std."""
+    """GRPO (and gspo, cispo) without dividing by the group's reward std (Dr.GRPO)."""
+    gamma: float = 1.0
+    """Discount of reinforce_plus_plus's per-token returns, in [0, 1]."""
+    loss_type: str = "policy_loss"
+    """policy_loss (RL, by --advantage-estimator), sft_loss (negative log-likelihood of the response tokens) or
+    custom_loss (--custom-loss-function-path)."""
+    custom_loss_function_path: str | None = None
+    """With --loss-type custom_loss: pkg.module:fn called as tidal.actor.loss.actor_loss is (same arguments, returns
+    (loss, metric sums))."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer.len): a response longer than
+    max response length minus this many tokens loses (excess / this) x --overlong-penalty-factor of reward;
+    0: off."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO's overlong penalty at the full --rollout-max-response-len (verl's overlong_buffer.penalty_factor)."""
+    max_response_len: int = field(default=1024, metadata={"flag": None})
+    """The rollout's --rollout-max-response-len (the overlong penalty's L_max)."""
+    custom_advantage_function_path: str | None = None
+    """pkg.module:fn(rewards, *, group_size, normalize_std) -> per-sample advantages [N], in place of the
+    estimator's (the estimator's policy loss still applies)."""
     eps_clip_c: float | None = None
     """Dual-clip PPO bound for negative advantages, > 1; None: off."""
     use_kl_loss: bool = False
@@ -108,6 +131,7 @@ class ActorConfig:
             raise ValueError(
                 f"--advantage-estimator must be one of {_ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}"
             )
+        self._check_algorithm()
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ValueError(f"--eps-clip-c must be > 1 (dual-clip bound), got {self.eps_clip_c}")
         if self.tis_clip <= 0:
@@ -120,3 +144,27 @@ class ActorConfig:
             raise ValueError(f"--log-probs-chunk-size must be >= 1, got {self.log_probs_chunk_size}")
         if self.temperature <= 0:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
+
+    def _check_algorithm(self) -> None:
+        if not 0 <= self.overlong_buffer_len < self.max_response_len:
+            raise ValueError(
+                f"--overlong-buffer-len must be in [0, --rollout-max-response-len={self.max_response_len}), got "
+                f"{self.overlong_buffer_len}; 0 turns the overlong penalty off"
+            )
+        if self.overlong_penalty_factor < 0:
+            raise ValueError(f"--overlong-penalty-factor must be >= 0, got {self.overlong_penalty_factor}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"--gamma must be in [0, 1], got {self.gamma}")
+        if self.loss_type not in _LOSS_TYPES:
+            raise ValueError(f"--loss-type must be one of {_LOSS_TYPES}, got {self.loss_type!r}")
+        if (self.loss_type == "custom_loss") != (self.custom_loss_function_path is not None):
+            raise ValueError(
+                "--loss-type custom_loss and --custom-loss-function-path go together: give both "
+                f"(got --loss-type {self.loss_type}, --custom-loss-function-path {self.custom_loss_function_path})"
+            )
+        for flag, path in (
+            ("--custom-loss-function-path", self.custom_loss_function_path),
+            ("--custom-advantage-function-path", self.custom_advantage_function_path),
+        ):
+            if path is not None and (path.count(":") != 1 or not all(path.split(":"))):
+                raise ValueError(f"{flag} must look like 'pkg.module:fn', got {path!r}")

@@ -1,70 +1,25 @@
-"""GRPO advantages and the PPO-clip policy loss with KL and entropy terms (token-level aggregation)."""
+"""The actor's loss: PPO-clip (GRPO, RLOO, REINFORCE++), GSPO's sequence ratio, CISPO, SFT; KL and entropy terms.
+
+Advantages come from :mod:`tidal.actor.advantages`; this module turns them and the log-probs into the loss.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tidal.actor.advantages import compute_advantages, grpo_advantages, sequence_mean
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["actor_loss", "compute_advantages", "grpo_advantages", "kl_penalty", "ppo_clip_loss"]
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-
-
-def grpo_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True) -> torch.Tensor:
-    """Group-relative advantages: each reward minus its group's mean (optionally over the group's std).
-
-    Samples of one prompt are consecutive: ``rewards[g * group_size : (g + 1) * group_size]``.
-
-    Args:
-        rewards: ``[N]`` one scalar reward per sample, ``N % group_size == 0``.
-        group_size: samples per prompt (``--n-samples-per-prompt``).
-        normalize_std: divide by the group's (unbiased) std plus 1e-6, as GRPO does.
-
-    Returns:
-        float32 ``[N]`` advantages (0 for a group whose rewards are all equal).
-
-    Raises:
-        ValueError: ``group_size < 1`` or ``N`` not a multiple of it.
-    """
-    if group_size < 1:
-        raise ValueError(f"--n-samples-per-prompt must be >= 1, got {group_size}")
-    if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"grpo_advantages needs a 1-D rewards tensor whose length is a multiple of group_size={group_size}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
-    grouped = rewards.float().reshape(-1, group_size)
-    centered = grouped - grouped.mean(dim=-1, keepdim=True)
-    if normalize_std and group_size > 1:
-        centered = centered / (grouped.std(dim=-1, keepdim=True) + 1e-6)
-    return centered.reshape(-1)
-
-
-def compute_advantages(
-    rewards: torch.Tensor, group_size: int, *, estimator: str = "grpo", normalize_std: bool = True
-) -> torch.Tensor:
-    """Per-sample advantages of one rollout by ``--advantage-estimator``.
-
-    - ``grpo``: reward minus the group mean, over the group std unless ``normalize_std`` is False.
-    - ``rloo``: reward minus the mean of the *other* samples of its group (leave-one-out baseline).
-    - ``reinforce_plus_plus_baseline``: reward minus the group mean, then whitened over the whole rollout.
-
-    Raises:
-        ValueError: an unknown estimator (naming the flag), or rewards that do not form whole groups.
-    """
-    if estimator == "grpo":
-        return grpo_advantages(rewards, group_size, normalize_std=normalize_std)
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"--advantage-estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
-    centered = grpo_advantages(rewards, group_size, normalize_std=False)
-    if estimator == "rloo":
-        return centered * (group_size / (group_size - 1)) if group_size > 1 else centered
-    if centered.numel() < 2:
-        return centered
-    return (centered - centered.mean()) / (centered.std() + 1e-6)
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -91,22 +46,41 @@ def ppo_clip_loss(
     eps_clip: float,
     eps_clip_high: float,
     eps_clip_c: float | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO-clip loss with separate low/high clip ranges (DAPO's clip-higher) and optional dual clip.
 
     ``loss = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_high))`` with ``r = exp(lp - old_lp)``; with
     ``eps_clip_c`` (dual-clip PPO), tokens with ``A < 0`` are further bounded by ``-A * eps_clip_c``.
 
+    ``log_ratio`` replaces ``lp - old_lp`` (GSPO: the sequence mean, :func:`tidal.actor.advantages.sequence_mean`).
+
     Returns:
         ``(loss [T], clipped [T])`` where ``clipped`` is 1.0 where the clipped branch was taken.
     """
-    ratio = torch.exp(log_probs - old_log_probs)
+    ratio = torch.exp(log_probs - old_log_probs if log_ratio is None else log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     loss = torch.maximum(unclipped, clipped)
     if eps_clip_c is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * eps_clip_c), loss)
     return loss, (clipped > unclipped).float()
+
+
+def cispo_loss(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, *, eps_clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token CISPO loss (MiniMax-M1): ``-sg(min(r, 1 + eps_clip_high)) * A * log pi``.
+
+    The importance weight is clipped and detached, so every token keeps its gradient ``A * w * grad log pi``;
+    as in the paper, no lower bound (``eps_low`` set large), only ``--eps-clip-high``.
+
+    Returns:
+        ``(loss [T], clipped [T])``, ``clipped`` 1.0 where the weight was truncated.
+    """
+    ratio = torch.exp(log_probs - old_log_probs).detach()
+    weight = ratio.clamp(max=1.0 + eps_clip_high)
+    return -weight * advantages * log_probs, (ratio > 1.0 + eps_clip_high).float()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +103,10 @@ class LossSettings:
     """Truncated importance sampling: weight each token by min(pi_old / pi_rollout, tis_clip) (``--use-tis``)."""
     tis_clip: float = 2.0
     """Upper bound of the TIS weight (``--tis-clip``)."""
+    policy_loss: str = "ppo_clip"
+    """``ppo_clip`` (token ratio), ``gspo`` (sequence ratio) or ``cispo``; from ``--advantage-estimator``."""
+    loss_type: str = "policy_loss"
+    """``policy_loss`` (RL), ``sft_loss`` (negative log-likelihood of the loss tokens) (``--loss-type``)."""
 
 
 def actor_loss(
@@ -139,6 +117,7 @@ def actor_loss(
     settings: LossSettings,
     *,
     num_loss_tokens: float,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level PPO loss of one micro-batch, normalised by the whole step's loss-token count.
 
@@ -154,15 +133,13 @@ def actor_loss(
         loss_mask: ``[T]`` float 0/1.
         settings: loss coefficients.
         num_loss_tokens: loss tokens in the whole optimizer step (all micro-batches, all DP ranks).
+        cu_seqlens: sequence boundaries of the packed batch (GSPO's sequence ratio needs them).
 
     Returns:
         ``(loss, sums)``: the scalar to backpropagate and detached token sums of each metric
         (``pg_loss``, ``pg_clipfrac``, ``kl``, ``entropy``, ``ppo_kl``), already divided by
         ``num_loss_tokens``.
     """
-    for name in ("old_log_probs", "advantages"):
-        if name not in fields:
-            raise ValueError(f"train_step needs token field {name!r}; got {sorted(fields)}")
     denom = max(float(num_loss_tokens), 1.0)
     mask = loss_mask.float()
     if "loss_weights" in fields:
@@ -171,27 +148,11 @@ def actor_loss(
     def reduce(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / denom
 
-    pg, clipped = ppo_clip_loss(
-        log_probs,
-        fields["old_log_probs"],
-        fields["advantages"],
-        eps_clip=settings.eps_clip,
-        eps_clip_high=settings.eps_clip_high,
-        eps_clip_c=settings.eps_clip_c,
-    )
-    sums: dict[str, torch.Tensor] = {}
-    if settings.use_tis:
-        if "rollout_log_probs" not in fields:
-            raise ValueError("--use-tis needs the engine's log-probs: token field 'rollout_log_probs' is missing")
-        tis = torch.exp(fields["old_log_probs"] - fields["rollout_log_probs"]).clamp(max=settings.tis_clip)
-        pg = pg * tis
-        sums["tis"] = reduce(tis)
-    loss = reduce(pg)
-    sums |= {
-        "pg_loss": loss.detach(),
-        "pg_clipfrac": reduce(clipped),
-        "ppo_kl": reduce((fields["old_log_probs"] - log_probs).detach()),
-    }
+    if settings.loss_type == "sft_loss":
+        loss = reduce(-log_probs)
+        sums = {"sft_loss": loss.detach()}
+    else:
+        loss, sums = _policy_loss(log_probs, fields, loss_mask, settings, reduce, cu_seqlens)
     if settings.kl_loss_coef != 0.0:
         if "ref_log_probs" not in fields:
             raise ValueError("--kl-loss-coef is non-zero but the batch has no 'ref_log_probs' token field")
@@ -205,3 +166,58 @@ def actor_loss(
             loss = loss - settings.entropy_coef * ent
     sums["loss"] = loss.detach()
     return loss, sums
+
+
+def _policy_loss(log_probs, fields, loss_mask, settings: LossSettings, reduce, cu_seqlens):
+    for name in ("old_log_probs", "advantages"):
+        if name not in fields:
+            raise ValueError(f"train_step needs token field {name!r}; got {sorted(fields)}")
+    old, adv = fields["old_log_probs"], fields["advantages"]
+    if settings.policy_loss == "cispo":
+        pg, clipped = cispo_loss(log_probs, old, adv, eps_clip_high=settings.eps_clip_high)
+    else:
+        log_ratio = None
+        if settings.policy_loss == "gspo":  # one ratio per sequence: exp(mean over its tokens of log r)
+            if cu_seqlens is None:
+                raise ValueError("--advantage-estimator gspo needs the batch's cu_seqlens (sequence boundaries)")
+            log_ratio = sequence_mean(log_probs - old, loss_mask, cu_seqlens.to(log_probs.device))
+        pg, clipped = ppo_clip_loss(
+            log_probs,
+            old,
+            adv,
+            eps_clip=settings.eps_clip,
+            eps_clip_high=settings.eps_clip_high,
+            eps_clip_c=settings.eps_clip_c,
+            log_ratio=log_ratio,
+        )
+    sums: dict[str, torch.Tensor] = {}
+    if settings.use_tis:
+        if "rollout_log_probs" not in fields:
+            raise ValueError("--use-tis needs the engine's log-probs: token field 'rollout_log_probs' is missing")
+        tis = torch.exp(old - fields["rollout_log_probs"]).clamp(max=settings.tis_clip)
+        pg = pg * tis
+        sums["tis"] = reduce(tis)
+    loss = reduce(pg)
+    sums |= {
+        "pg_loss": loss.detach(),
+        "pg_clipfrac": reduce(clipped),
+        "ppo_kl": reduce((old - log_probs).detach()),
+    }
+    return loss, sums
+
+
+def policy_loss_of(estimator: str) -> str:
+    """The policy loss an ``--advantage-estimator`` trains with (one of :data:`POLICY_LOSSES`)."""
+    return estimator if estimator in ("gspo", "cispo") else "ppo_clip"
+
+
+def load_function(path: str, *, flag: str) -> Callable:
+    """The function ``pkg.module:fn`` names (the app checked at parse time that it imports); errors name ``flag``."""
+    module_name, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{flag} {path!r}: cannot load it: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{flag} {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn

@@ -12,8 +12,16 @@ import time
 from collections.abc import Sequence
 
 import torch
+from tidal.actor.advantages import (
+    TOKEN_LEVEL_ESTIMATORS,
+    compute_advantages,
+    overlong_penalty,
+    token_advantages,
+    whiten,
+    whiten_sums,
+)
 from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
-from tidal.actor.loss import compute_advantages
+from tidal.actor.loss import load_function
 from tidal.batching import BatchingConfig, PackedBatch, pack_micro_batches, plan_from_config, plan_stats
 
 logger = logging.getLogger(__name__)
@@ -73,12 +81,14 @@ def train_on_rollout(
     cfg = actor.cfg
     if normalize_std is None:
         normalize_std = not cfg.disable_grpo_std_normalization
-    advantages = compute_advantages(
-        torch.tensor(rewards, dtype=torch.float32),
-        group_size,
-        estimator=cfg.advantage_estimator,
-        normalize_std=normalize_std,
+    reward_tensor = torch.tensor(rewards, dtype=torch.float32)
+    penalty = overlong_penalty(
+        torch.tensor([_response_len(m) for m in loss_masks]),
+        max_response_len=cfg.max_response_len,
+        buffer_len=cfg.overlong_buffer_len,
+        penalty_factor=cfg.overlong_penalty_factor,
     )
+    advantages = _sample_advantages(cfg, reward_tensor + penalty, group_size, normalize_std)
     steps = _plan_steps(batching, [len(t) for t in tokens], dp_size=dp_size)
     token_fields = {"advantages": [[float(advantages[i])] * len(t) for i, t in enumerate(tokens)]}
     if not cfg.calculate_per_token_loss:  # slime's default: mean over each sample's tokens, then over samples
@@ -108,8 +118,11 @@ def train_on_rollout(
             packed = [
                 [_with_field(mb, "ref_log_probs", reference.compute_log_probs(mb)) for mb in step] for step in packed
             ]
-        if cfg.kl_coef > 0:  # --kl-coef: KL to the reference as a per-token penalty on the advantage
+        if cfg.kl_coef > 0 and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS:
+            # --kl-coef: KL to the reference as a per-token penalty on the advantage
             packed = [[_kl_shaped(mb, cfg.kl_coef) for mb in step] for step in packed]
+    if cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
+        packed = _token_level(packed, cfg, device=actor.device)
     log_probs_time = time.monotonic() - start
 
     start = time.monotonic()
@@ -118,10 +131,68 @@ def train_on_rollout(
     metrics["time/log_probs"] = log_probs_time
     metrics["time/train"] = time.monotonic() - start
     metrics["train/num_steps"] = float(len(per_step))
+    if cfg.overlong_buffer_len:
+        metrics["train/overlong_penalty/mean"] = float(penalty.mean())
     if rollout_log_probs is not None:
         metrics |= _agreement(packed, device=actor.device)
     metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
     return metrics
+
+
+def _response_len(loss_mask: Sequence[int]) -> int:
+    """Tokens from the first trained token to the end (a multi-turn response's tool tokens count too)."""
+    first = next((i for i, m in enumerate(loss_mask) if m), len(loss_mask))
+    return len(loss_mask) - first
+
+
+def _sample_advantages(cfg, rewards: torch.Tensor, group_size: int, normalize_std: bool) -> torch.Tensor:
+    if cfg.custom_advantage_function_path is None:
+        return compute_advantages(rewards, group_size, estimator=cfg.advantage_estimator, normalize_std=normalize_std)
+    flag = "--custom-advantage-function-path"
+    fn = load_function(cfg.custom_advantage_function_path, flag=flag)
+    out = torch.as_tensor(fn(rewards, group_size=group_size, normalize_std=normalize_std), dtype=torch.float32)
+    if out.shape != rewards.shape:
+        raise ValueError(
+            f"{flag} {cfg.custom_advantage_function_path!r} returned shape {tuple(out.shape)}; it must return one "
+            f"advantage per sample, shape {tuple(rewards.shape)}"
+        )
+    return out
+
+
+def _token_level(packed: list[list[PackedBatch]], cfg, *, device) -> list[list[PackedBatch]]:
+    """REINFORCE++ (baseline): per-token advantages with the KL in the reward, whitened over the whole rollout."""
+    raw = []
+    for step in packed:
+        for mb in step:
+            fields = mb.token_fields
+            kl = fields["old_log_probs"] - fields["ref_log_probs"] if "ref_log_probs" in fields else None
+            raw.append(
+                token_advantages(
+                    fields["advantages"],
+                    kl,
+                    mb.loss_mask,
+                    mb.cu_seqlens,
+                    estimator=cfg.advantage_estimator,
+                    kl_coef=cfg.kl_coef,
+                    gamma=cfg.gamma,
+                )
+            )
+    flat = [mb for step in packed for mb in step]
+    sums = sum((whiten_sums(adv, mb.loss_mask) for adv, mb in zip(raw, flat, strict=True)), torch.zeros(3))
+    sums = _dp_sum(sums, device=device)
+    it = iter(raw)
+    return [[_with_field(mb, "advantages", whiten(next(it), mb.loss_mask, sums)) for mb in step] for step in packed]
+
+
+def _dp_sum(sums: torch.Tensor, *, device) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized() or parallel_state.get_data_parallel_world_size() == 1:
+        return sums
+    total = sums.to(device, copy=True)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total.cpu()
 
 
 def _with_old_log_probs(actor, mb: PackedBatch) -> PackedBatch:

@@ -24,7 +24,13 @@ if TYPE_CHECKING:
     from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
     from tidal.ckpt.checkpoint_io import CheckpointIO
     from tidal.ckpt.hf import save_hf_checkpoint
-    from tidal.ckpt.layout import TRACKER_FILENAME, list_iterations, resolve_checkpoint
+    from tidal.ckpt.layout import (
+        TRACKER_FILENAME,
+        best_iteration,
+        list_iterations,
+        mark_best_iteration,
+        resolve_checkpoint,
+    )
     from tidal.ckpt.state import TrainerState
 
 _LAZY = {
@@ -33,6 +39,8 @@ _LAZY = {
     "save_checkpoint": "checkpoint",
     "save_hf_checkpoint": "hf",
     "TRACKER_FILENAME": "layout",
+    "best_iteration": "layout",
+    "mark_best_iteration": "layout",
     "list_iterations": "layout",
     "resolve_checkpoint": "layout",
     "TrainerState": "state",
@@ -64,8 +72,10 @@ __all__ = [
     "NotAMegatronCheckpointError",
     "TrackerFileMissingError",
     "TrainerState",
+    "best_iteration",
     "list_iterations",
     "load_checkpoint",
+    "mark_best_iteration",
     "resolve_checkpoint",
     "save_checkpoint",
     "save_hf_checkpoint",

@@ -28,7 +28,13 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from tidal.ckpt import atomic
 from tidal.ckpt.async_save import DEFAULT_WAIT_TIMEOUT_S, AsyncSave, start_async_save
 from tidal.ckpt.errors import CheckpointError
-from tidal.ckpt.layout import TRACKER_FILENAME, iteration_dir_name, list_iterations, resolve_checkpoint
+from tidal.ckpt.layout import (
+    TRACKER_FILENAME,
+    best_iteration,
+    iteration_dir_name,
+    list_iterations,
+    resolve_checkpoint,
+)
 from tidal.ckpt.matching import check_request, requested_keys
 from tidal.ckpt.shims import sync_save_shims, weights_only_unpickling
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
@@ -226,10 +232,11 @@ def _gather_sections(sharded_state_dict: dict[str, Any]) -> dict[str, list[str]]
 
 
 def _prune(save_dir: Path, *, keep: int, current: int) -> None:
-    """Delete the oldest iterations beyond ``keep``; called only once ``current`` and the tracker are durable."""
+    """Delete the oldest iterations beyond ``keep`` but the best; once ``current`` and the tracker are durable."""
     tracked = (save_dir / TRACKER_FILENAME).read_text(encoding="utf-8").strip()
     assert tracked == str(current), f"the tracker names {tracked}, not the just-saved {current}"
-    others = [i for i in list_iterations(save_dir) if i != current]
+    best = best_iteration(save_dir)
+    others = [i for i in list_iterations(save_dir) if i not in (current, best)]
     doomed = others[: max(0, len(others) - (keep - 1))]
     for iteration in doomed:
         path = save_dir / iteration_dir_name(iteration)

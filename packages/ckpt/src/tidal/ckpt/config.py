@@ -33,6 +33,9 @@ class CkptConfig:
     """Save every this many rollouts; None saves only at the end."""
     keep_last: int | None = None
     """Keep only the newest K iterations in --save; None keeps all."""
+    keep_best_by: str | None = None
+    """A metrics.jsonl key, higher is better (e.g. eval/accuracy): the saved iteration with its best value is named
+    in best_checkpointed_iteration.txt and kept by --keep-last beyond its K."""
     async_save: bool = False
     """Write checkpoints in a background process; published at the next save or at exit."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
@@ -45,6 +48,8 @@ class CkptConfig:
         for flag, value in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}; leave it unset to disable it")
+        if self.keep_best_by is not None and not self.keep_best_by.strip():
+            raise ValueError("--keep-best-by must name a metrics.jsonl key such as eval/accuracy")
         if self.max_shard_bytes < 1:
             raise ValueError(f"--max-shard-bytes must be >= 1, got {self.max_shard_bytes}")
         if self.ckpt_step is not None and self.load is None:

@@ -21,6 +21,8 @@ from tidal.ckpt.errors import (
 logger = logging.getLogger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+BEST_FILENAME = "best_checkpointed_iteration.txt"
+"""Names the iteration with the best ``--keep-best-by`` metric; ``--keep-last`` never deletes it."""
 COMPLETE_MARKER = "metadata.json"
 """Written by megatron dist_checkpointing as the last step of a save."""
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -146,3 +148,23 @@ def resolve_checkpoint(load_dir: str | Path, *, ckpt_step: int | None = None, fl
         )
     logger.info("resolved %s %s to iteration %d (%s)", flag, load_dir, iteration, iter_dir)
     return iteration, iter_dir
+
+
+def mark_best_iteration(save_dir: str | Path, iteration: int) -> None:
+    """Name ``iteration`` the best one of ``save_dir`` (``--keep-best-by``): ``--keep-last`` keeps it beyond its K.
+
+    Written atomically (before or after that iteration is saved); a driver-side call, not collective.
+    """
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    from tidal.ckpt import atomic
+
+    atomic.replace_text(Path(save_dir) / BEST_FILENAME, f"{iteration}\n")
+
+
+def best_iteration(save_dir: str | Path) -> int | None:
+    """The iteration :func:`mark_best_iteration` named last in ``save_dir``; None when none was."""
+    path = Path(save_dir) / BEST_FILENAME
+    try:
+        return int(path.read_text(encoding="utf-8").strip())
+    except (FileNotFoundError, ValueError):
+        return None

@@ -1,0 +1,176 @@
+"""Each --advantage-estimator against its paper's formula, computed with plain Python on a hand-made batch.
+
+The batch: groups of different sizes (3, 1, 4, 2), responses with a prompt, a masked-out middle token
+(a tool output) and a padding tail, so token-level and sample-level masks both matter.
+"""
+
+import statistics
+
+import pytest
+import torch
+from tidal.actor import ActorConfig
+from tidal.actor.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    grpo_advantages,
+    overlong_penalty,
+    token_advantages,
+    whiten,
+    whiten_sums,
+)
+from tidal.actor.config import _ADVANTAGE_ESTIMATORS
+from tidal.actor.trainer import _kl_shaped, _response_len, _token_level
+from tidal.batching import pack
+
+REWARDS = [1.0, 0.0, 0.5, 0.7, 0.0, 1.0, 1.0, 0.25, 2.0, -1.0]
+GROUPS = [0, 0, 0, 1, 2, 2, 2, 2, 3, 3]
+
+
+def groups():
+    out: dict[int, list[int]] = {}
+    for i, g in enumerate(GROUPS):
+        out.setdefault(g, []).append(i)
+    return out.values()
+
+
+def test_estimator_lists_agree():
+    assert _ADVANTAGE_ESTIMATORS == ADVANTAGE_ESTIMATORS
+
+
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_grpo_and_dr_grpo_formula_on_groups_of_different_sizes(normalize_std):
+    # GRPO: A_i = (r_i - mean(group)) / (std(group) + eps); Dr.GRPO (no std normalisation): A_i = r_i - mean(group)
+    expected = [0.0] * len(REWARDS)
+    for members in groups():
+        rs = [REWARDS[i] for i in members]
+        mean = statistics.fmean(rs)
+        std = statistics.stdev(rs) if len(rs) > 1 else None
+        for i in members:
+            expected[i] = (REWARDS[i] - mean) / (std + 1e-6) if normalize_std and std is not None else REWARDS[i] - mean
+    for estimator in ("grpo", "gspo", "cispo"):  # gspo and cispo take GRPO's advantages
+        got = compute_advantages(
+            torch.tensor(REWARDS), 0, estimator=estimator, normalize_std=normalize_std, group_ids=torch.tensor(GROUPS)
+        )
+        torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_group_size_matches_group_ids():
+    rewards = torch.tensor(REWARDS[:8])
+    ids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    torch.testing.assert_close(grpo_advantages(rewards, 2), grpo_advantages(rewards, 0, group_ids=ids))
+
+
+def test_rloo_formula():
+    # RLOO: A_i = r_i - 1/(n-1) * sum_{j != i} r_j; a group of one has no baseline and no signal
+    expected = []
+    for i, g in enumerate(GROUPS):
+        others = [REWARDS[j] for j, h in enumerate(GROUPS) if h == g and j != i]
+        expected.append(REWARDS[i] - sum(others) / len(others) if others else 0.0)
+    got = compute_advantages(torch.tensor(REWARDS), 0, estimator="rloo", group_ids=torch.tensor(GROUPS))
+    torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+# Packed batch: three samples, prompt tokens (mask 0), a tool output inside the response (mask 0), padding tail.
+MASKS = [[0, 0, 1, 1, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1, 1]]
+SAMPLE_REWARDS = [1.0, -0.5, 2.0]
+KL = [[0.0, 0.0, 0.1, -0.2, 0.5, 0.3, 0.05], [0.0, 0.2, 0.2, -0.1], [0.0, 0.0, 0.0, 0.4, 0.1]]
+
+
+def packed_batch():
+    seqs = [list(range(1, len(m) + 1)) for m in MASKS]
+    ref = [[-1.0 - 0.1 * t for t in range(len(m))] for m in MASKS]
+    old = [[r + k for r, k in zip(rs, ks, strict=True)] for rs, ks in zip(ref, KL, strict=True)]
+    fields = {
+        "advantages": [[r] * len(m) for r, m in zip(SAMPLE_REWARDS, MASKS, strict=True)],
+        "old_log_probs": old,
+        "ref_log_probs": ref,
+    }
+    return pack(seqs, loss_masks=MASKS, token_fields=fields, pad_to_multiple_of=8)
+
+
+def reinforce_pp_reference(kl_coef, gamma, baseline):
+    """REINFORCE++: r_t = -kl_coef * KL_t (+ the reward on the last action), A_t = sum_{s>=t} gamma^(s-t) r_s;
+    the baseline variant: A_t = reward - kl_coef * KL_t; then whitened over every action token of the batch."""
+    per_sample = []
+    for mask, kl, reward in zip(MASKS, KL, SAMPLE_REWARDS, strict=True):
+        actions = [t for t, m in enumerate(mask) if m]
+        rs = [-kl_coef * kl[t] for t in actions]
+        if baseline:
+            per_sample.append({t: reward + r for t, r in zip(actions, rs, strict=True)})
+            continue
+        rs[-1] += reward
+        per_sample.append({t: sum(gamma ** (s - k) * rs[s] for s in range(k, len(rs))) for k, t in enumerate(actions)})
+    values = [v for d in per_sample for v in d.values()]
+    mean, var = statistics.fmean(values), statistics.pvariance(values)
+    out = []
+    for mask, d in zip(MASKS, per_sample, strict=True):
+        out += [(d[t] - mean) / (var + 1e-8) ** 0.5 if m else 0.0 for t, m in enumerate(mask)]
+    return torch.tensor(out + [0.0] * 8)[: packed_batch().tokens.numel()]
+
+
+@pytest.mark.parametrize(
+    ("estimator", "kl_coef", "gamma"),
+    [
+        ("reinforce_plus_plus", 0.0, 1.0),
+        ("reinforce_plus_plus", 0.1, 1.0),
+        ("reinforce_plus_plus", 0.1, 0.9),
+        ("reinforce_plus_plus_baseline", 0.1, 1.0),
+    ],
+)
+def test_reinforce_plus_plus_formula(estimator, kl_coef, gamma):
+    mb = packed_batch()
+    cfg = ActorConfig(hf_checkpoint="x", advantage_estimator=estimator, kl_coef=kl_coef, gamma=gamma)
+    # the trainer's path: two micro-batches of one rollout are whitened together (here: the batch twice)
+    ((got, again),) = _token_level([[mb, mb]], cfg, device="cpu")
+    expected = reinforce_pp_reference(kl_coef, gamma, baseline=estimator.endswith("baseline"))
+    torch.testing.assert_close(got.token_fields["advantages"], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again.token_fields["advantages"], expected, rtol=1e-5, atol=1e-5)
+    mask = mb.loss_mask.bool()
+    whitened = got.token_fields["advantages"][mask]
+    assert abs(float(whitened.mean())) < 1e-5
+    assert float(whitened.var(unbiased=False)) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_reinforce_plus_plus_no_kl_gives_the_reward_on_every_action():
+    mb = packed_batch()
+    raw = token_advantages(
+        mb.token_fields["advantages"], None, mb.loss_mask, mb.cu_seqlens, estimator="reinforce_plus_plus", kl_coef=0.0
+    )
+    expected = [r * m for r, mask in zip(SAMPLE_REWARDS, MASKS, strict=True) for m in mask]
+    torch.testing.assert_close(raw[: len(expected)], torch.tensor(expected))
+    assert whiten(raw, mb.loss_mask, whiten_sums(raw, mb.loss_mask))[mb.loss_mask == 0].abs().max() == 0
+
+
+def test_kl_coef_shapes_the_advantage_per_token():
+    # --kl-coef with a per-sample estimator: A_t = A - kl_coef * (log pi_old - log pi_ref) on action tokens
+    mb = packed_batch()
+    got = _kl_shaped(mb, 0.3).token_fields["advantages"]
+    expected = [
+        r - 0.3 * k * m
+        for r, mask, kl in zip(SAMPLE_REWARDS, MASKS, KL, strict=True)
+        for m, k in zip(mask, kl, strict=True)
+    ]
+    torch.testing.assert_close(got[: len(expected)], torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_estimator_and_loss_flags_are_checked():
+    with pytest.raises(ValueError, match="--advantage-estimator"):
+        ActorConfig(hf_checkpoint="x", advantage_estimator="ppo")
+    with pytest.raises(ValueError, match="--gamma"):
+        ActorConfig(hf_checkpoint="x", gamma=1.5)
+    with pytest.raises(ValueError, match="--custom-loss-function-path"):
+        ActorConfig(hf_checkpoint="x", loss_type="custom_loss")
+    with pytest.raises(ValueError, match="--custom-advantage-function-path"):
+        ActorConfig(hf_checkpoint="x", custom_advantage_function_path="no_colon")
+
+
+def test_dapo_overlong_penalty_formula():
+    # DAPO eq. 13: R = 0 if |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache if |y| <= L_max; x factor
+    lengths, l_max, l_cache, factor = [3, 12, 13, 14, 16], 16, 4, 0.5
+    expected = [factor * (0.0 if n <= l_max - l_cache else ((l_max - l_cache) - n) / l_cache) for n in lengths]
+    got = overlong_penalty(torch.tensor(lengths), max_response_len=l_max, buffer_len=l_cache, penalty_factor=factor)
+    torch.testing.assert_close(got, torch.tensor(expected))
+    assert overlong_penalty(torch.tensor(lengths), max_response_len=16, buffer_len=0, penalty_factor=1.0).eq(0).all()
+    assert _response_len([0, 0, 1, 1, 0, 1]) == 4 and _response_len([0, 0]) == 0
+    with pytest.raises(ValueError, match="--overlong-buffer-len"):
+        ActorConfig(hf_checkpoint="x", overlong_buffer_len=1024, max_response_len=1024)
