@@ -51,3 +51,38 @@ print("ok")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
     assert "[tidal cpu_stub] serving sgl_kernel" in result.stderr
+
+
+@no_cuda
+def test_release_patch_is_still_needed_and_makes_synchronize_a_no_op_only_inside_release() -> None:
+    # Why CpuMemoryReleaseFinder exists: SGLang's release_memory_occupation ends with
+    # torch.get_device_module().synchronize(), torch.cuda.synchronize() here, which raises on a machine without
+    # CUDA. When either stops holding, the patch in cpu_stub/sitecustomize.py may go.
+    code = """
+import inspect, torch, sitecustomize
+from sglang.srt.managers.scheduler_components import weight_updater as w
+patched = w.SchedulerWeightUpdaterManager.release_memory_occupation
+assert "torch.get_device_module().synchronize()" in inspect.getsource(patched.__wrapped__), "drop the patch"
+assert torch.get_device_module() is torch.cuda
+try:
+    torch.cuda.synchronize()
+except (RuntimeError, AssertionError):
+    pass
+else:
+    raise SystemExit("torch.cuda.synchronize() works without CUDA now: drop the patch")
+seen = []
+def fake_release(self, req):
+    torch.get_device_module().synchronize()  # the call SGLang ends with
+    seen.append(req)
+    return "released"
+w.SchedulerWeightUpdaterManager.release_memory_occupation = fake_release
+sitecustomize._patch_release(w)
+sync = torch.cuda.synchronize
+assert w.SchedulerWeightUpdaterManager.release_memory_occupation(None, "req") == "released" and seen == ["req"]
+assert torch.cuda.synchronize is sync  # restored afterwards
+print("ok")
+"""
+    result = _python(code, stub=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+    assert "[tidal cpu_stub] release_memory_occupation without torch.cuda.synchronize" in result.stderr

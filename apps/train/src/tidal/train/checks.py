@@ -329,6 +329,10 @@ def check_job(
         problems.run(check_wandb, train)
         if rollout is not None:
             problems.run(check_modes, train, rollout, colocate_given=colocate_given)
+            if placement is not None:
+                from tidal.train.handoff import resolve_sync_plan
+
+                problems.run(resolve_sync_plan, train, placement, rollout)
             _warn_without_fault_tolerance(given["rollout"], train)
         if placement is not None:
             dp = problems.run(check_model_parallel, train, placement)
