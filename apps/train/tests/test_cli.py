@@ -56,6 +56,10 @@ BAD = [
     (["--rollout-external-engine-addrs", "h:1", "h:1"], "--rollout-external-engine-addrs"),
     (["--rollout-external-engine-addrs", "h:1", "--use-fault-tolerance"], "--use-fault-tolerance"),
     (["--rollout-external-engine-addrs", "h:1", "--no-colocate"], "--no-colocate"),
+    (["--update-weight-transport", "rdma"], "--update-weight-transport must be one of tensor, nccl, disk"),
+    (["--update-weight-transport", "tensor", "--rollout-external-engine-addrs", "h:1"], "transport nccl"),
+    (["--rollout-external-engine-addrs", "h:1", "--offload"], "drop --offload-rollout"),
+    (["--update-weight-timeout", "0"], "--update-weight-timeout must be > 0"),
     # mistakes a new user makes: each is one line before anything starts
     (
         ["--hf-checkpoint", "{model}", "--prompt-data", "{data}", "--rm-type", "math", "--num-rollout", "100"],
