@@ -37,7 +37,7 @@ def move_tensors(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
             continue
         seen.add(id(t))
         if device.type == "cpu":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
             host.copy_(t.data, non_blocking=True)
             t.data = host
         else:
