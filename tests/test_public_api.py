@@ -17,12 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("packages/*/pyproject.toml"))
 APPS = sorted(p.parent.name for p in ROOT.glob("apps/*/pyproject.toml"))
 
-_NEXT_WEIGHT_SYNC = "next: in-memory weight sync (README 'Weight sync'); tested by the package's own tests"
 _NEXT_DAPO = "next: DAPO dynamic sampling in the loop (README 'Sampling strategies'); tested by the package's own tests"
 
 # (package, name) -> why it is public although nothing in this repository outside the package imports it.
 USER_ENTRY_POINTS = {
-    ("actor", "HFTensorBucket"): "what Actor.hf_tensor_buckets yields; " + _NEXT_WEIGHT_SYNC,
+    ("actor", "HFTensorBucket"): "what Actor.hf_tensor_buckets yields (the app's weight sync iterates it unnamed)",
     ("batching", "alignment_multiple"): "README API: tidal-batching is used standalone by other trainers",
     ("batching", "unpack_micro_batches"): "README API: inverts pack_micro_batches for a standalone trainer",
     ("placement", "shutdown_ray"): "README API: a user's own driver stops the Ray it started",
@@ -31,12 +30,9 @@ USER_ENTRY_POINTS = {
     ("rollout", "GroupFilter"): "the Protocol a --dynamic-sampling-filter-path function implements",
     ("rollout", "MultiTurn"): "builds multi-turn samples inside a user's --custom-generate-function-path function",
     ("rollout", "RewardFn"): "the Protocol a --custom-rm-path function implements",
-    ("rollout", "destroy_weights_update_group"): _NEXT_WEIGHT_SYNC,
     ("rollout", "filter_uniform_groups"): _NEXT_DAPO,
-    ("rollout", "init_weights_update_group"): _NEXT_WEIGHT_SYNC,
     ("rollout", "reward_variance"): _NEXT_DAPO,
     ("rollout", "sample_with_dynamic_filter"): _NEXT_DAPO,
-    ("rollout", "update_weights_from_distributed"): _NEXT_WEIGHT_SYNC,
 }
 
 

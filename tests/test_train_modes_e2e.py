@@ -108,6 +108,7 @@ def resumed(tmp_path_factory, external_engine):
         "--save", str(out / "ckpt"),
         "--save-debug-rollout-data", str(out / "debug"),
         "--use-tensorboard",
+        "--check-weight-update-equal",  # its own engine: tensors; the external one: broadcast over gloo
     ]  # fmt: skip
 
     def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
@@ -166,6 +167,19 @@ def test_resumed_engines_serve_the_checkpointed_weights(resumed):
     # The first rollout after resume was sampled by the weights of the checkpoint (version 2), not the HF start.
     out, *_ = resumed
     assert _records(out)[2]["rollout/weight_version"] == 2.0
+
+
+def test_external_engine_got_the_weights_by_broadcast_and_serves_them(resumed):
+    # An external engine is not co-located: --update-weight-transport defaults to nccl (gloo on CPU), without the
+    # memory hand-off. The killed run's own engine took tensors. Each sync was checked on the probe in fp32.
+    out, _, _, _, log, *_ = resumed
+    records = _records(out)
+    assert [r["weight_sync/transport"] for r in records] == ["tensor", "tensor", "nccl"]
+    assert records[2]["weight_sync/mb_per_s"] > 0
+    assert all(r["weight_sync/probe_logprob_abs_diff/mean"] < 1e-3 for r in records), records
+    assert "weight sync: nccl; offload: actor off, engines off" in log
+    events = [json.loads(line)["event"] for line in (out / "handoff.jsonl").read_text().splitlines()]
+    assert "engines.release" not in events[-4:] and events[-2:] == ["sync.nccl", "sync.check"]
 
 
 def test_fp32_served_engine_agrees_with_the_actor_to_rounding(resumed):

@@ -57,6 +57,10 @@ BAD = [
     (["--rollout-external-engine-addrs", "h:1", "--use-fault-tolerance"], "--use-fault-tolerance"),
     (["--rollout-external-engine-addrs", "h:1", "--rollout-num-gpus", "1"], "--rollout-num-gpus 1"),
     (["--rollout-num-gpus", "0"], "--rollout-num-gpus 0 places no SGLang engine"),
+    (["--update-weight-transport", "rdma"], "--update-weight-transport must be one of tensor, nccl, disk"),
+    (["--update-weight-transport", "tensor", "--rollout-external-engine-addrs", "h:1"], "transport nccl"),
+    (["--rollout-external-engine-addrs", "h:1", "--offload"], "drop --offload-rollout"),
+    (["--update-weight-timeout", "0"], "--update-weight-timeout must be > 0"),
     # mistakes a new user makes: each is one line before anything starts
     (
         [

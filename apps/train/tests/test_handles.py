@@ -45,3 +45,37 @@ def test_replayed_rollouts_come_from_disk_without_engines(tmp_path: Path):
     assert list(times) == ["time/generate"]  # no engine time: nothing was generated
     assert rollouts.http_retries() == 0
     assert rollouts.carry_state() is None
+
+
+def test_sync_plan_defaults_follow_the_placement():
+    from tidal.train.handoff import resolve_sync_plan
+
+    def plan(*flags):
+        job = parse_job(["--output-dir", "/tmp/unused-tidal-run", *flags])
+        return resolve_sync_plan(job.train, job.placement, job.rollout)
+
+    colocated = plan()  # the embedded recipe: co-located on one (logical) GPU
+    assert (colocated.transport, colocated.offload_train, colocated.offload_rollout) == ("tensor", True, True)
+    external = plan("--rollout-external-engine-addrs", "h:1")
+    assert (external.transport, external.offload_train, external.offload_rollout) == ("nccl", False, False)
+    assert plan("--no-offload-rollout").offload_train and not plan("--no-offload-rollout").offload_rollout
+    assert plan("--no-offload").transport == "tensor" and not plan("--no-offload").offload_train
+    assert plan("--update-weight-transport", "disk", "--update-weight-buffer-size", "1024").bucket_bytes == 1024
+
+
+def test_hand_off_log_writes_one_line_per_call(tmp_path: Path):
+    import json
+
+    from tidal.train.handoff import HandOffLog, probe_gap
+
+    log = HandOffLog(tmp_path / "handoff.jsonl")
+    log.add("engines.release")
+    log.rollout = 3
+    log.add("sync.tensor", version=4)
+    lines = [json.loads(line) for line in (tmp_path / "handoff.jsonl").read_text().splitlines()]
+    assert [(e["rollout"], e["event"]) for e in lines] == [(None, "engines.release"), (3, "sync.tensor")]
+    assert lines[1]["version"] == 4
+    # the probe compares the engine's response log-probs with the actor's at the response positions
+    gap = probe_gap([[([1, 2, 3, 4], [-0.5, -1.0])]], [[0.0, -9.0, -0.4, -1.0]])
+    assert abs(gap["weight_sync/probe_logprob_abs_diff/max"] - 0.1) < 1e-12
+    assert abs(gap["weight_sync/probe_logprob_abs_diff/mean"] - 0.05) < 1e-12

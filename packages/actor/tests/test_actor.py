@@ -82,6 +82,13 @@ def test_train_step_changes_weights_and_reports_metrics(dist_env, qwen2_dir):
     old = batch.token_fields["old_log_probs"]
     gain = ((after - old) * batch.token_fields["advantages"] * batch.loss_mask).sum()
     assert gain > 0
+    # the co-located hand-off: parameters, gradients and both Adam moments take part; on CPU nothing moves
+    held = list(actor._offloadable())
+    assert len(held) >= 3 * len(actor.params) and all(any(t is h for h in held) for t in actor.params)
+    moved = actor.offload()
+    assert moved["actor/offload_gb"] == 0.0 and moved["actor/offload_s"] >= 0.0
+    assert actor.onload()["actor/onload_gb"] == 0.0
+    assert torch.equal(actor.compute_log_probs(batch), after)
 
 
 def test_grad_accumulation_equals_one_big_batch(dist_env, qwen2_dir):

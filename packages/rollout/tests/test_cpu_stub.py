@@ -51,3 +51,47 @@ print("ok")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
     assert "[tidal cpu_stub] serving sgl_kernel" in result.stderr
+
+
+def test_release_patch_is_still_needed_and_makes_synchronize_a_no_op_only_inside_release() -> None:
+    # Why CpuMemoryReleaseFinder exists: SGLang's release_memory_occupation ends with
+    # torch.get_device_module().synchronize(), torch.cuda.synchronize() on a CUDA build of torch, which raises on a
+    # machine without CUDA. When either stops holding, the patch in cpu_stub/sitecustomize.py may go. SGLang's
+    # source is read, not imported (that takes ~30 s); test_engine.py runs the patched release on a real server.
+    code = """
+import ast, importlib.util, pathlib, torch, types, sitecustomize
+folder = pathlib.Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+folder = folder / "srt" / "managers" / "scheduler_components"
+src = (folder / "weight_updater.py").read_text()
+assert "class SchedulerWeightUpdaterManager" in src
+fn = next(n for n in ast.walk(ast.parse(src))
+          if isinstance(n, ast.FunctionDef) and n.name == "release_memory_occupation")
+assert "torch.get_device_module().synchronize()" in ast.get_source_segment(src, fn), "drop the patch"
+if not torch.cuda.is_available():
+    assert torch.get_device_module() is torch.cuda
+    try:
+        torch.cuda.synchronize()
+    except (RuntimeError, AssertionError):
+        pass
+    else:
+        raise SystemExit("torch.cuda.synchronize() works without CUDA now: drop the patch")
+spec = sitecustomize.CpuMemoryReleaseFinder().find_spec(sitecustomize.WEIGHT_UPDATER, [str(folder)])
+assert isinstance(spec.loader, sitecustomize._PatchingLoader) and spec.origin.endswith("weight_updater.py")
+seen = []
+class SchedulerWeightUpdaterManager:
+    def release_memory_occupation(self, req):
+        torch.get_device_module().synchronize()  # the call SGLang ends with
+        seen.append(req)
+        return "released"
+fake = types.ModuleType("fake")
+fake.SchedulerWeightUpdaterManager = SchedulerWeightUpdaterManager
+sitecustomize._patch_release(fake)
+sync = torch.cuda.synchronize
+assert SchedulerWeightUpdaterManager().release_memory_occupation("req") == "released" and seen == ["req"]
+assert torch.cuda.synchronize is sync  # restored afterwards
+print("ok")
+"""
+    result = _python(code, stub=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+    assert "[tidal cpu_stub] release_memory_occupation without torch.cuda.synchronize" in result.stderr

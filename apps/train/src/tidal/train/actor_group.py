@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from tidal.train.workers import ActorWorker, RolloutData
 if TYPE_CHECKING:
     from tidal.ckpt import TrainerState
     from tidal.train.config import JobConfig
+    from tidal.train.handoff import HandOffLog, SyncPlan
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,18 @@ class WeightsConsumer(Protocol):
 
     def load_weights(self, path: str | Path, version: int) -> None:
         """Serve the HF checkpoint at ``path`` as weight version ``version``."""
+
+    def weight_targets(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Per engine: URL, API key, TP size (what the actor's rank 0 sends tensors or broadcasts to)."""
+
+    def check_weight_version(self, version: int) -> None:
+        """Raise unless every engine reports ``version``."""
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Re-allocate the engines' released ``tags`` (nothing when none is released)."""
+
+    def probe(self) -> list[list[tuple[list[int], list[float]]]]:
+        """Per engine, ``(tokens, response log-probs)`` of the fixed probe prompts."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,13 +60,20 @@ class WeightExport:
 class ActorGroup:
     """All ranks of the actor; built by :meth:`start`, ready after :meth:`wait_ready`, stopped by :meth:`kill`."""
 
-    def __init__(self, job: JobConfig, weights: WeightExport) -> None:
+    def __init__(self, job: JobConfig, weights: WeightExport, *, plan: SyncPlan, handoff: HandOffLog) -> None:
         """Describe the group; no rank starts until :meth:`start`."""
         self.job = job
         self.weights = weights
+        self.plan = plan
+        self.handoff = handoff
         self.workers: list = []
         self.weights_dir: Path | None = None
-        """The version the engines serve now (None until the first export)."""
+        """The version the engines serve now (None until the first export, and on the in-memory transports)."""
+        self.last_sync: dict[str, Any] = {}
+        """Metrics of the latest sync: ``weight_sync/transport``, ``weight_sync/mb_per_s``, ... (the loop records
+        them)."""
+        self._offloaded = False
+        self._group: tuple[str, list] | None = None  # --update-weight-transport nccl: (group name, its engines)
 
     def start(self, placement) -> None:
         """Create one ``ActorWorker`` per actor GPU in its bundle; returns before the models are built."""
@@ -86,8 +108,14 @@ class ActorGroup:
         return len(self.workers)
 
     def train(self, samples: Sequence) -> dict[str, float]:
-        """Old log-probs, advantages and the optimizer steps of one rollout; the rollout's train metrics."""
-        return self._all("train", rollout_data(samples, self.job.rollout.n_samples_per_prompt))[0]
+        """Old log-probs, advantages and the optimizer steps of one rollout; the rollout's train metrics.
+
+        With --offload-train the ranks first bring their parameters, gradients and optimizer state back.
+        """
+        moved = self._onload()
+        metrics = self._all("train", rollout_data(samples, self.job.rollout.n_samples_per_prompt))[0]
+        self.handoff.add("actor.train")
+        return metrics | moved
 
     def load(self) -> TrainerState | None:
         """Load --load into every rank; the trainer state saved with it (None without --load).
@@ -126,8 +154,41 @@ class ActorGroup:
         self._all("save_hf", str(target), self.weights.max_shard_bytes)
         return target
 
-    def sync_weights(self, engines: WeightsConsumer, version: int) -> Path:
-        """Export the weights, have ``engines`` serve them as ``version``, then delete the version served before."""
+    def sync_weights(self, engines: WeightsConsumer, version: int) -> Path | None:
+        """Hand the current weights to ``engines`` as ``version`` over --update-weight-transport; checked, bounded.
+
+        With --offload-rollout the engines get their weights' memory back first and their KV cache after; with
+        --offload-train the actor leaves the GPU at the end. Every engine must then report ``version``. The
+        sync's metrics are in :attr:`last_sync`. Returns the folder the engines loaded (disk) or None.
+
+        Raises:
+            RolloutError: An engine refused, timed out (--update-weight-timeout) or reports another version.
+        """
+        plan, tick = self.plan, time.monotonic()
+        engines.resume_memory(["weights"])
+        metrics: dict[str, Any] = {}
+        target = None
+        if plan.transport == "disk":
+            target = self._sync_disk(engines, version)
+        else:
+            metrics = self._sync_in_memory(engines, version)
+        self.handoff.add(f"sync.{plan.transport}", version=version)
+        engines.check_weight_version(version)
+        engines.resume_memory(["kv_cache"])
+        seconds = time.monotonic() - tick
+        mb = metrics.get("weight_sync/mb") or self._exported_mb(target)
+        metrics |= {"weight_sync/transport": plan.transport, "weight_sync/mb": mb, "weight_sync/mb_per_s": mb / seconds}
+        if plan.check_equal:
+            metrics |= self._check_equal(engines, version)
+        if plan.offload_train:
+            metrics |= self._all("offload")[0]
+            self._offloaded = True
+            self.handoff.add("actor.offload")
+        self.last_sync = metrics
+        return target
+
+    def _sync_disk(self, engines: WeightsConsumer, version: int) -> Path:
+        """Export the weights, have ``engines`` serve them, then delete the version served before."""
         previous, target = self.weights_dir, self.export_weights(version)
         engines.load_weights(target, version)
         self.weights_dir = target
@@ -135,13 +196,80 @@ class ActorGroup:
             shutil.rmtree(previous, ignore_errors=True)
         return target
 
+    def _sync_in_memory(self, engines: WeightsConsumer, version: int) -> dict[str, float]:
+        plan = self.plan
+        targets = engines.weight_targets(plan.timeout_s)
+        if plan.transport == "tensor":
+            tp = max(t["tp_size"] for t in targets)
+            return self._all("sync_tensor", targets, str(version), plan.bucket_bytes, tp, timeout=plan.timeout_s)[0]
+        if self._group is None:
+            name = f"tidal_weights_{uuid.uuid4().hex[:8]}"  # a server another run used may still hold its group
+            self._all("init_weight_group", targets, name, plan.timeout_s, timeout=plan.timeout_s)
+            self._group = (name, targets)
+        name = self._group[0]
+        return self._all("sync_broadcast", targets, str(version), plan.bucket_bytes, name, plan.timeout_s,
+                         timeout=plan.timeout_s)[0]  # fmt: skip
+
+    def _check_equal(self, engines: WeightsConsumer, version: int) -> dict[str, float]:
+        """--check-weight-update-equal: the engines' and the actor's log-probs of the same probe tokens."""
+        from tidal.rollout import RolloutError
+        from tidal.train.handoff import probe_gap
+
+        samples = engines.probe()
+        actor_lps = self._all("probe_log_probs", [tokens for per in samples for tokens, _ in per])[0]
+        gap = probe_gap(samples, actor_lps)
+        mean = gap["weight_sync/probe_logprob_abs_diff/mean"]
+        self.handoff.add("sync.check", version=version, mean=mean)
+        if not mean <= self.plan.tolerance:
+            raise RolloutError(
+                f"--check-weight-update-equal: after the {self.plan.transport} sync of version {version} the engines' "
+                f"log-probs differ from the actor's by {mean:.4g} nats on average (max "
+                f"{gap['weight_sync/probe_logprob_abs_diff/max']:.4g}), above --check-weight-update-tolerance "
+                f"{self.plan.tolerance}: the engines do not serve the actor's weights"
+            )
+        return gap
+
+    def _exported_mb(self, target: Path | None) -> float:
+        return sum(f.stat().st_size for f in target.glob("*.safetensors")) / 2**20 if target else 0.0
+
+    def _onload(self) -> dict[str, float]:
+        if not self.plan.offload_train:
+            return {}
+        moved = self._all("onload")[0] if self._offloaded else {}
+        self._offloaded = False
+        self.handoff.add("actor.onload")
+        return moved
+
+    def close_weight_sync(self) -> None:
+        """Tear down the nccl transport's group on the engines (they keep serving); errors are only logged."""
+        if self._group is None:
+            return
+        name, targets = self._group
+        self._group = None
+        try:
+            self._all("close_weight_group", targets, name, timeout=60)
+        except Exception as e:  # the engines may be gone already: nothing left to tear down
+            logger.warning("could not close the weight-update group %s: %s", name, e)
+
     def kill(self) -> None:
         """Stop every rank's process."""
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
 
-    def _all(self, method: str, *args: Any) -> list:
-        return ray.get([getattr(worker, method).remote(*args) for worker in self.workers])
+    def _all(self, method: str, *args: Any, timeout: float | None = None) -> list:
+        """Call ``method`` on every rank and wait (at most ``timeout`` seconds plus a minute for the Ray calls)."""
+        futures = [getattr(worker, method).remote(*args) for worker in self.workers]
+        if timeout is None:
+            return ray.get(futures)
+        try:
+            return ray.get(futures, timeout=timeout + 60)
+        except ray.exceptions.GetTimeoutError as e:
+            from tidal.rollout import RolloutError
+
+            raise RolloutError(
+                f"{method} on the actor's {len(futures)} rank(s) did not finish within --update-weight-timeout "
+                f"{timeout:.0f} s (+60 s): an engine or a rank hangs; see the engines' logs"
+            ) from e
 
 
 def rollout_data(samples: Sequence, group_size: int) -> RolloutData:

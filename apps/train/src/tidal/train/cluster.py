@@ -17,6 +17,7 @@ from pathlib import Path
 from tidal.train.actor_group import ActorGroup, WeightExport
 from tidal.train.config import JobConfig
 from tidal.train.data import PromptDataset
+from tidal.train.handoff import HandOffLog, resolve_sync_plan
 from tidal.train.rollout_manager import RolloutManager
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,16 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
     from tidal.placement import create_placement, ray_session
 
     with_engines = not (job.train.debug_train_only or job.rollout.load_debug_rollout_data is not None)
-    rollouts = RolloutManager(job, train_data, log_dir=out / "logs")
+    plan = resolve_sync_plan(job.train, job.placement, job.rollout)
+    handoff = HandOffLog(out / "handoff.jsonl")
+    rollouts = RolloutManager(job, train_data, log_dir=out / "logs", plan=plan, handoff=handoff)
     actors = None
     if not job.train.debug_rollout_only:
-        actors = ActorGroup(
-            job, WeightExport(root=out / "weights", max_shard_bytes=job.train.update_weight_buffer_size)
-        )
+        weights = WeightExport(root=out / "weights", max_shard_bytes=job.train.update_weight_buffer_size)
+        actors = ActorGroup(job, weights, plan=plan, handoff=handoff)
+    if with_engines and actors is not None:
+        logger.info("weight sync: %s; offload: actor %s, engines %s", plan.transport,
+                    "on" if plan.offload_train else "off", "on" if plan.offload_rollout else "off")  # fmt: skip
     with ray_session(job.placement):
         placement = create_placement(job.placement)
         try:
@@ -61,6 +66,8 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
             )
             yield Cluster(rollouts=rollouts, actors=actors)
         finally:
+            if actors is not None:
+                actors.close_weight_sync()  # while the engines still run
             try:
                 rollouts.shutdown()  # the router, then the engines' servers (their process groups)
             finally:

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from tidal.rollout import RolloutConfig
 
 
+WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
+"""The values of --update-weight-transport."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """What the training loop itself owns: data, the number of rollouts, evaluation and outputs."""
@@ -62,8 +66,30 @@ class TrainConfig:
     """Pipeline stages of the actor, Megatron's 1F1B schedule."""
     update_weights_interval: int = 1
     """Hand the actor's weights to the engines every this many rollouts."""
+    update_weight_transport: str | None = None
+    """How new weights reach the engines: "tensor" (in-memory handles, CUDA IPC on GPU; co-located engines only),
+    "nccl" (the actor's rank 0 broadcasts buckets to every engine rank; gloo on CPU) or "disk" (an HF checkpoint
+    each engine reloads); None: tensor with --colocate, nccl without it or with --rollout-external-engine-addrs."""
     update_weight_buffer_size: int = 512 * 1024**2
-    """Bytes per weight-sync shard (the safetensors shard the engines reload)."""
+    """Bytes per weight-sync bucket (tensor, nccl) or safetensors shard (disk)."""
+    update_weight_timeout: float = 600.0
+    """Seconds one weight sync may take (group rendezvous, broadcasts, the engines' answers) before the run stops
+    with one error naming the engines."""
+    check_weight_update_equal: bool = False
+    """After every weight sync, compare the engines' log-probs on a fixed probe (the first training prompts) with
+    the actor's, record the gap and stop when its mean exceeds --check-weight-update-tolerance."""
+    check_weight_update_tolerance: float = 0.05
+    """Largest mean |engine - actor| log-prob gap (nats) --check-weight-update-equal accepts (bf16 serving next to
+    an fp32 actor sits around 0.005-0.015, fp32 serving below 1e-3)."""
+    offload: bool | None = None
+    """Offload both the actor and the engines (each also has its own option, which wins); None: on with --colocate
+    and engines this job launches."""
+    offload_train: bool | None = None
+    """Move the actor's parameters, gradients and optimizer state off the GPU while the engines generate, back
+    before training; None: --offload."""
+    offload_rollout: bool | None = None
+    """Have the engines release their weights and KV cache while the actor trains (resumed before generation:
+    weights, then the sync, then the KV cache; frees GPU memory with --sglang-enable-memory-saver); None: --offload."""
     save_hf: str | None = None
     """Also write an HF checkpoint at every save; "{rollout_id}" in the path is filled in."""
     debug_rollout_only: bool = False
@@ -100,6 +126,17 @@ class TrainConfig:
         ):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if self.update_weight_transport not in (None, *WEIGHT_TRANSPORTS):
+            raise ValueError(
+                f"--update-weight-transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
+                f"got {self.update_weight_transport!r}"
+            )
+        for flag, value in (
+            ("--update-weight-timeout", self.update_weight_timeout),
+            ("--check-weight-update-tolerance", self.check_weight_update_tolerance),
+        ):
+            if not value > 0:  # NaN too
+                raise ValueError(f"{flag} must be > 0, got {value}")
         if not self.mismatch_warn_threshold >= 0:  # NaN too
             value = self.mismatch_warn_threshold
             raise ValueError(f"--mismatch-warn-threshold must be >= 0 nats (0 disables the warning), got {value}")

@@ -62,6 +62,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
             if rollouts.has_engines and _due(rollout_id, job.train.update_weights_interval):
                 version = rollout_id + 1
                 result.weights_dir, times["time/weight_sync"] = timed(actors.sync_weights, rollouts, version)
+                times |= actors.last_sync  # weight_sync/transport, weight_sync/mb_per_s, ...
         record = _record(rollout_id, samples, train_metrics, times)
         if rollouts.has_engines and (last or _due(rollout_id, job.train.eval_interval)):
             evals, times["time/eval"] = timed(rollouts.evaluate, held_out)

@@ -30,6 +30,10 @@ from tidal.train.workers import EngineWorker
 if TYPE_CHECKING:
     from tidal.train.config import JobConfig
     from tidal.train.data import Prompt, PromptDataset
+    from tidal.train.handoff import HandOffLog, SyncPlan
+
+PROBE_PROMPTS = 4
+"""Training prompts (the first ones, a fixed set) --check-weight-update-equal samples after each sync."""
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +67,27 @@ class RolloutManager:
     Built by :meth:`start` and :meth:`wait_ready`; :meth:`shutdown` stops what it started.
     """
 
-    def __init__(self, job: JobConfig, train_data: PromptDataset, *, log_dir: Path) -> None:
-        """Describe the rollout side; nothing starts until :meth:`start`."""
+    def __init__(
+        self,
+        job: JobConfig,
+        train_data: PromptDataset,
+        *,
+        log_dir: Path,
+        plan: SyncPlan | None = None,
+        handoff: HandOffLog | None = None,
+    ) -> None:
+        """Describe the rollout side; nothing starts until :meth:`start`.
+
+        ``plan`` says whether the engines release their memory while the actor trains (--offload-rollout);
+        ``handoff`` records those calls.
+        """
         from tidal.rollout import resolve_reward_fn
+        from tidal.train.handoff import HandOffLog
 
         self.job, self.cfg, self.data, self.log_dir = job, job.rollout, train_data, log_dir
+        self.offload = plan is not None and plan.offload_rollout
+        self.handoff = handoff or HandOffLog(None)
+        self._released: list[str] = []  # memory tags the engines have released now
         self.reward_fn = resolve_reward_fn(self.cfg.custom_rm_path or self.cfg.rm_type)
         self.engines: list = []
         self.engine_urls: list[str] = []
@@ -108,6 +128,7 @@ class RolloutManager:
                 log_dir=logs,
                 env=dict(self.job.placement.ray_env),
                 fault_tolerant=self.job.train.use_fault_tolerance,
+                tp_size=self.job.placement.rollout_num_gpus_per_engine,
             )
             self._launch(worker)
 
@@ -143,6 +164,8 @@ class RolloutManager:
         from tidal.rollout import load_rollout_data, save_rollout_data
 
         tick = time.monotonic()
+        self.handoff.rollout = rollout_id
+        self.resume_memory(["weights", "kv_cache"])  # released and no sync since (--update-weights-interval > 1)
         extra: dict[str, float] = {}
         if self.cfg.load_debug_rollout_data:
             samples, engine_s = load_rollout_data(self.cfg.load_debug_rollout_data, rollout_id), None
@@ -155,9 +178,51 @@ class RolloutManager:
         if not self.cfg.load_debug_rollout_data:  # the driver-side path waits on the engines all along
             times["time/generate_engine"] = times["time/generate"] if engine_s is None else engine_s
         times.update(extra)
+        self.handoff.add("engines.generate")
+        if self.offload and self.has_engines:  # the actor trains next: hand it the memory
+            self.release_memory()
         if self.cfg.save_debug_rollout_data:
             save_rollout_data(self.cfg.save_debug_rollout_data, rollout_id, samples)
         return samples, times
+
+    def release_memory(self) -> None:
+        """Every engine releases its weights and KV cache (--offload-rollout), once idle."""
+        tags = ["weights", "kv_cache"]
+        ray.get([e.release_memory.remote(tags) for e in self.engines])
+        self._released = tags
+        self.handoff.add("engines.release")
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Every engine re-allocates those of ``tags`` it released (weights before the sync, KV cache after)."""
+        tags = [t for t in tags if t in self._released]
+        if not tags:
+            return
+        ray.get([e.resume_memory.remote(tags) for e in self.engines])
+        self._released = [t for t in self._released if t not in tags]
+        self.handoff.add("engines.resume." + "+".join(tags))
+
+    def weight_targets(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Per engine: URL, API key, TP size and ``timeout_s`` (the actor's rank 0 sends the weights there)."""
+        return ray.get([e.weight_target.remote(timeout_s) for e in self.engines])
+
+    def check_weight_version(self, version: int) -> None:
+        """Raise unless every engine reports weight version ``version`` (a sync that silently did not apply).
+
+        Raises:
+            RolloutError: naming each engine and the version it reports.
+        """
+        from tidal.rollout import RolloutError
+
+        seen = ray.get([e.weight_version.remote() for e in self.engines])
+        wrong = [f"{url}: {v!r}" for url, v in zip(self.engine_urls, seen, strict=True) if v != str(version)]
+        if wrong:
+            raise RolloutError(f"after the weight sync of version {version} engines report {', '.join(wrong)}")
+
+    def probe(self) -> list[list[tuple[list[int], list[float]]]]:
+        """Per engine, one sample of each of the first training prompts: ``(tokens, response log-probs)``."""
+        prompts = [list(p.ids) for p in self.data.head(PROBE_PROMPTS)]
+        params = {**self.cfg.sampling_params(), "max_new_tokens": 8}
+        return ray.get([e.probe.remote(prompts, params) for e in self.engines])
 
     def evaluate(self, held_out: dict[str, list[Prompt]]) -> dict[str, float]:
         """mean@k and pass@k of each held-out set (``eval/<name>/...``); the first set's mean@k as ``eval/accuracy``.
@@ -169,6 +234,7 @@ class RolloutManager:
 
         n = self.job.train.n_samples_per_eval_prompt
         params = eval_sampling_params(self.cfg, self.job.train)
+        self.resume_memory(["weights", "kv_cache"])
         out: dict[str, float] = {}
         for index, (name, prompts) in enumerate(held_out.items()):
             samples, _ = self._generate_on_engines(prompts, params)

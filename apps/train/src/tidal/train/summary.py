@@ -51,7 +51,7 @@ def write_summary(result: RunResult) -> None:
         "metrics": str(result.output_dir / "metrics.jsonl"),
         "curves": str(result.output_dir / "curves.png"),
         "checkpoint_dir": str(result.checkpoint_dir),
-        "weights_dir": str(result.weights_dir),
+        "weights_dir": None if result.weights_dir is None else str(result.weights_dir),
         "engine_pids": result.engine_pids,
     }
     (result.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

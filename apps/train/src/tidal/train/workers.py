@@ -116,6 +116,84 @@ class ActorWorker:
             out_dir, tensors, source_dir=self.hf_checkpoint, max_shard_bytes=max_shard_bytes
         )
 
+    def offload(self) -> dict[str, float]:
+        """Parameters, gradients and optimizer state to host memory (the engines generate meanwhile)."""
+        return self.actor.offload()
+
+    def onload(self) -> dict[str, float]:
+        """Back onto the device, before training."""
+        return self.actor.onload()
+
+    def sync_tensor(self, targets: list[dict[str, Any]], version: str, bucket_bytes: int, tp_size: int) -> dict:
+        """Every rank exports its buckets (TP gather, PP broadcast); rank 0 hands them to each engine as tensors.
+
+        On GPU the payload is CUDA IPC handles of rank 0's buckets, on CPU shared-memory handles: no weight bytes
+        cross HTTP. The last bucket sets ``version`` and flushes the engines' caches.
+        """
+        from tidal.rollout import update_weights_from_tensor
+
+        named = self._exported(bucket_bytes)
+        if self.rank != 0:
+            for _ in named:
+                pass
+            return {}
+        engines = [_client(t) for t in targets]
+        return update_weights_from_tensor(engines, named, bucket_bytes=bucket_bytes, weight_version=version,
+                                          tp_size=tp_size)  # fmt: skip
+
+    def init_weight_group(self, targets: list[dict[str, Any]], group_name: str, timeout_s: float) -> None:
+        """Rank 0: one process group with every engine rank (NCCL on GPU, gloo on CPU) for the broadcasts."""
+        if self.rank != 0:
+            return
+        from tidal.placement import PortAllocator
+        from tidal.rollout import init_weights_update_group
+
+        address = ray.util.get_node_ip_address()
+        port = PortAllocator(address).allocate(1)[0]
+        engines = [_client(t) for t in targets]
+        self.weight_group = init_weights_update_group(
+            engines, master_address=address, master_port=port, group_name=group_name,
+            engine_tp_sizes=[t["tp_size"] for t in targets], timeout_s=timeout_s,
+        )  # fmt: skip
+
+    def sync_broadcast(self, targets: list[dict[str, Any]], version: str, bucket_bytes: int, group_name: str,
+                       timeout_s: float) -> dict:  # fmt: skip
+        """Every rank exports its buckets; rank 0 broadcasts each into the weight group (bounded by ``timeout_s``)."""
+        from tidal.rollout import update_weights_from_distributed
+
+        named = self._exported(bucket_bytes)
+        if self.rank != 0:
+            for _ in named:
+                pass
+            return {}
+        engines = [_client(t) for t in targets]
+        return update_weights_from_distributed(
+            engines, self.weight_group, named, group_name=group_name, bucket_bytes=bucket_bytes,
+            weight_version=version, timeout_s=timeout_s,
+        )  # fmt: skip
+
+    def close_weight_group(self, targets: list[dict[str, Any]], group_name: str) -> None:
+        """Rank 0: tear the weight group down on the engines and here."""
+        if self.rank != 0 or getattr(self, "weight_group", None) is None:
+            return
+        from tidal.rollout import destroy_weights_update_group
+
+        group, self.weight_group = self.weight_group, None
+        destroy_weights_update_group([_client(t) for t in targets], group, group_name=group_name)
+
+    def _exported(self, bucket_bytes: int):
+        """``(hf_name, tensor)`` of every bucket, in the model's own dtype, on its device."""
+        dtype = next(iter(self.actor.params)).dtype
+        for bucket in self.actor.hf_tensor_buckets(dtype=dtype, bucket_bytes=bucket_bytes):
+            yield from bucket
+
+    def probe_log_probs(self, tokens: list[list[int]]) -> list[list[float]]:
+        """The actor's log-probs of each token list (tidal's convention: position t scores token t)."""
+        from tidal.batching import pack, unpack
+
+        batch = pack(tokens, pad_to_multiple_of=self.batching_cfg.pad_to_multiple_of)
+        return [lp.tolist() for lp in unpack(self.actor.compute_log_probs(batch), batch)]
+
     def save_checkpoint(self, iteration: int, common_state: dict[str, Any]) -> str:
         """Save model, optimizer and this rank's RNG states into --save (every rank takes part)."""
         return self.checkpoints.save(iteration, self.actor.sharded_state_dict(), common_state=common_state)
@@ -130,6 +208,13 @@ class ActorWorker:
         loaded, common = self.checkpoints.load(state)
         self.actor.load_state_dict(loaded)
         return common
+
+
+def _client(target: dict[str, Any]):
+    """A client of one engine for the actor's rank 0 (weight updates go to each engine directly, never a router)."""
+    from tidal.rollout import SGLangClient
+
+    return SGLangClient(target["url"], api_key=target.get("api_key"), request_timeout_s=target["timeout_s"])
 
 
 def _limit_cpu_threads() -> None:
@@ -169,6 +254,7 @@ class EngineWorker:
         env: dict[str, str] | None = None,
         fault_tolerant: bool = False,
         external_url: str | None = None,
+        tp_size: int = 1,
     ) -> None:
         setup_logging(f"engine {external_url or port}")
         from tidal.rollout import SGLangClient, SGLangEngine
@@ -184,6 +270,7 @@ class EngineWorker:
         if os.environ.get("CUDA_VISIBLE_DEVICES"):
             env.setdefault("CUDA_VISIBLE_DEVICES", os.environ["CUDA_VISIBLE_DEVICES"])
         self.startup_timeout_s = rollout_cfg.sglang_startup_timeout_s
+        self.tp_size = tp_size
         # --rollout-external-engine-addrs: a server someone else runs; tidal only talks to it (never starts,
         # restarts or stops it).
         self.external = external_url is not None
@@ -288,6 +375,29 @@ class EngineWorker:
             self.engine.restart()
             self.engine.update_weights_from_disk(path, weight_version=weight_version)
         self.engine.flush_cache()
+
+    def weight_target(self, timeout_s: float) -> dict[str, Any]:
+        """How the actor reaches this engine for weight updates: URL, API key, TP size, the sync's bound."""
+        api_key = getattr(self.engine, "_api_key", None)
+        return {"url": self.engine.url, "api_key": api_key, "tp_size": self.tp_size, "timeout_s": timeout_s}
+
+    def weight_version(self) -> str | None:
+        """The weight version the server reports now."""
+        return self.engine.get_model_info().get("weight_version")
+
+    def release_memory(self, tags: list[str]) -> None:
+        """Wait until the server is idle (an aborted request may still be finishing), then release ``tags``."""
+        self.engine.flush_cache()
+        self.engine.release_memory_occupation(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Re-allocate what :meth:`release_memory` freed."""
+        self.engine.resume_memory_occupation(tags)
+
+    def probe(self, prompts: list[list[int]], sampling_params: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+        """``(prompt + response tokens, response log-probs)`` of one sample per prompt (the parity probe)."""
+        outs = self.engine.generate(prompts, {**sampling_params, "n": 1})
+        return [(list(p) + o["output_ids"], o["output_log_probs"]) for p, o in zip(prompts, outs, strict=True)]
 
     def shutdown(self) -> None:
         """Stop the heartbeat, then the server and every process it started (an external server is left running)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss, load_function, policy_loss_of
 from tidal.actor.main_params import MainParams
-from tidal.actor.offload import CPUOffloadAdamW
+from tidal.actor.offload import CPUOffloadAdamW, move_tensors
 from tidal.actor.pipeline import (
     PipelineStage,
     all_reduce_tied_embedding_grad,
@@ -326,6 +327,44 @@ class Actor:
                 params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers, stage=self.stage
             )
         return self._exporters[key].buckets()
+
+    def offload(self) -> dict[str, float]:
+        """Move parameters, gradients and optimizer state to host memory (co-located: the engines need the GPU).
+
+        The weight-sync buffers are dropped. On a CPU actor nothing moves (the call is the same). Every tensor comes
+        back with :meth:`onload`; nothing may run on the model in between.
+
+        Returns:
+            ``actor/offload_gb`` (moved), ``actor/offload_s`` and, on CUDA, ``actor/gpu_allocated_gb`` after it.
+        """
+        self._exporters.clear()
+        return self._move(torch.device("cpu"), "offload")
+
+    def onload(self) -> dict[str, float]:
+        """Bring back what :meth:`offload` moved; ``actor/onload_gb``, ``actor/onload_s`` (and GPU memory on CUDA)."""
+        return self._move(self.device, "onload")
+
+    def _offloadable(self) -> Iterator[torch.Tensor]:
+        for p in self.params:
+            yield p
+            if p.grad is not None:
+                yield p.grad
+        if self.main_params:
+            for main in self.main_params.main:
+                yield main
+                if main.grad is not None:
+                    yield main.grad
+        if not isinstance(self.optimizer, CPUOffloadAdamW):  # its moments already live in host memory
+            for state in self.optimizer.state.values():
+                yield from (v for k, v in state.items() if torch.is_tensor(v) and k != "step")
+
+    def _move(self, device: torch.device, what: str) -> dict[str, float]:
+        tick = time.perf_counter()
+        moved = move_tensors(self._offloadable(), device)
+        metrics = {f"actor/{what}_gb": moved / 2**30, f"actor/{what}_s": time.perf_counter() - tick}
+        if self.device.type == "cuda":
+            metrics["actor/gpu_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
+        return metrics
 
     def _ensure_optimizer_state(self) -> None:
         """Give AdamW its zero state before the first step (same update as lazy init) so it can be checkpointed."""

@@ -9,6 +9,10 @@ of the weights. The update is torch's own fused AdamW on the CPU, the arithmetic
 the transfer and the CPU's speed (``bench/RESULTS.md``).
 
 On a CPU-only machine the same code runs with host-to-host copies, which is what the CPU tests exercise.
+
+:func:`move_tensors` is the co-located hand-off (``Actor.offload`` / ``Actor.onload``): it moves parameters,
+gradients and optimizer state between the GPU and (pinned) host memory in place, so every holder of a tensor (the
+model, the optimizer's state keyed by its parameters) sees it move.
 """
 
 from __future__ import annotations
@@ -19,6 +23,31 @@ from typing import Any
 
 import torch
 from torch.optim.adamw import adamw
+
+
+def move_tensors(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
+    """Move each tensor's data to ``device`` in place (``t.data = ...``); bytes moved (0 for those already there).
+
+    To the host, the copies land in pinned memory so that the way back is an asynchronous copy; the call returns
+    after the copies are done.
+    """
+    moved, seen = 0, set()
+    for t in tensors:
+        if t.device == device or id(t) in seen:
+            continue
+        seen.add(id(t))
+        if device.type == "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(t.data, non_blocking=True)
+            t.data = host
+        else:
+            t.data = t.data.to(device, non_blocking=True)
+        moved += t.numel() * t.element_size()
+    if moved and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        if device.type == "cpu":
+            torch.cuda.empty_cache()
+    return moved
 
 
 class CPUOffloadAdamW(torch.optim.Optimizer):

@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tidal.rollout.errors import RolloutError
 from tidal.rollout.server_process import ManagedServer
 from tidal.rollout.transport import DEFAULT_RETRIES
 
@@ -137,6 +136,7 @@ class SGLangEngine(ManagedServer):
         self.cpu = cpu
         # The last weights loaded from disk, re-applied by restart() so that a restarted engine serves them.
         self._disk_weights: dict[str, Any] | None = None
+        self._warned_memory_saver = False
 
     @classmethod
     def from_config(
@@ -227,20 +227,22 @@ class SGLangEngine(ManagedServer):
         """Free the engine's weights and KV cache (co-located mode: the trainer needs the GPU memory).
 
         SGLang frees device memory only when started with ``--enable-memory-saver`` (``--sglang-enable-
-        memory-saver``, torch_memory_saver, CUDA only); without it the call succeeds and frees nothing,
-        which is logged. The server must be idle: abort or finish requests first.
+        memory-saver``, torch_memory_saver, CUDA only); without it the call runs the same protocol (the KV cache
+        is flushed, the weights' buffers are stashed) and frees nothing, which is logged once. The server must
+        be idle: abort or finish requests first. On CPU it runs for real: the sgl_kernel stand-in's
+        ``CpuMemoryReleaseFinder`` keeps SGLang's trailing ``torch.cuda.synchronize()`` from killing the server.
 
         Args:
             tags: Subset of ``MEMORY_TAGS``; None frees all.
 
         Raises:
             ValueError: An unknown tag.
-            RolloutError: A CPU engine (see :meth:`_refuse_on_cpu`), or the server refused.
+            RolloutError: The server refused.
         """
         payload = self._memory_payload(tags)
-        self._refuse_on_cpu("release_memory_occupation")
         self.call("/release_memory_occupation", payload, what="release_memory_occupation")
-        if "--enable-memory-saver" not in _flag_names(self.extra_server_args):
+        if not self._warned_memory_saver and "--enable-memory-saver" not in _flag_names(self.extra_server_args):
+            self._warned_memory_saver = True
             logger.warning(
                 "%s: release_memory_occupation frees no memory without --sglang-enable-memory-saver; "
                 "weights and KV cache stay allocated",
@@ -252,22 +254,9 @@ class SGLangEngine(ManagedServer):
 
         Raises:
             ValueError: An unknown tag.
-            RolloutError: A CPU engine, or the server refused.
+            RolloutError: The server refused.
         """
-        payload = self._memory_payload(tags)
-        self._refuse_on_cpu("resume_memory_occupation")
-        self.call("/resume_memory_occupation", payload, what="resume_memory_occupation")
-
-    def _refuse_on_cpu(self, what: str) -> None:
-        # Seen with SGLang 0.5.23 on CPU: the scheduler's release_memory_occupation ends with
-        # torch.get_device_module().synchronize(), i.e. torch.cuda.synchronize(), which raises "Found no
-        # NVIDIA driver"; the scheduler dies and takes the whole server down (SIGQUIT). So never send it.
-        if self._use_cpu():
-            raise RolloutError(
-                f"{what} is not supported by a CPU SGLang server ({self.url}): SGLang 0.5.23 calls "
-                "torch.cuda.synchronize() there, which kills the server; memory release is for co-located "
-                "GPU engines (--sglang-enable-memory-saver)"
-            )
+        self.call("/resume_memory_occupation", self._memory_payload(tags), what="resume_memory_occupation")
 
     @staticmethod
     def _memory_payload(tags: Sequence[str] | None) -> dict[str, Any]:

@@ -13,6 +13,11 @@ serves ``sgl_kernel`` and every ``sgl_kernel.*`` submodule. Any attribute of tho
 callable that raises ``NotImplementedError`` naming itself, so an unexpected call fails loudly instead
 of computing garbage. ``tests/test_cpu_stub.py`` fails when upstream changes make this unnecessary.
 
+It also holds tidal's one patch of SGLang's own code on CPU (:class:`CpuMemoryReleaseFinder`): SGLang 0.5.23's
+``release_memory_occupation`` ends with ``torch.get_device_module().synchronize()``, which is
+``torch.cuda.synchronize()`` on a CPU machine with a CUDA build of torch and raises "Found no NVIDIA driver",
+killing the scheduler. There is nothing to wait for on CPU, so inside that one method the call is a no-op.
+
 This file must stay importable with the standard library only: it runs before anything else.
 """
 
@@ -80,10 +85,63 @@ class SglKernelStubFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+# The module whose release_memory_occupation synchronizes the (absent) CUDA device, and what marks the patch.
+WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater"
+RELEASE_MARKER = "[tidal cpu_stub] release_memory_occupation without torch.cuda.synchronize"
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real loader, then patches the module it made."""
+
+    def __init__(self, loader, patch):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._patch(module)
+
+
+def _patch_release(module):
+    """``release_memory_occupation`` with ``torch.cuda.synchronize`` a no-op while it runs (CPU: nothing to wait)."""
+    import torch
+
+    cls = module.SchedulerWeightUpdaterManager
+    release = cls.release_memory_occupation
+
+    def release_memory_occupation(self, recv_req):
+        synchronize = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda device=None: None
+        try:
+            return release(self, recv_req)
+        finally:
+            torch.cuda.synchronize = synchronize
+
+    release_memory_occupation.__wrapped__ = release
+    cls.release_memory_occupation = release_memory_occupation
+    sys.stderr.write(RELEASE_MARKER + "\n")
+
+
+class CpuMemoryReleaseFinder(importlib.abc.MetaPathFinder):
+    """Patches SGLang's weight updater as it is imported, so that memory release works on a CPU server."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        """The real spec of ``WEIGHT_UPDATER`` with a loader that patches it; None for anything else."""
+        if fullname != WEIGHT_UPDATER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, _patch_release)
+        return spec
+
+
 def install():
-    """Put the finder first on ``sys.meta_path`` (idempotent)."""
-    if not any(isinstance(finder, SglKernelStubFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, SglKernelStubFinder())
+    """Put the finders first on ``sys.meta_path`` (idempotent)."""
+    for finder in (SglKernelStubFinder, CpuMemoryReleaseFinder):
+        if not any(isinstance(f, finder) for f in sys.meta_path):
+            sys.meta_path.insert(0, finder())
 
 
 install()
