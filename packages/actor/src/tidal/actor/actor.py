@@ -100,6 +100,7 @@ class Actor:
             eps_clip_c=cfg.eps_clip_c,
             use_tis=cfg.use_tis,
             tis_clip=cfg.tis_clip,
+            tis_mode=cfg.tis_mode,
         )
         self.num_steps = 0
         self._autocast = cfg.bf16 and self.device.type == "cuda"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16")
 _KL_TYPES = ("k1", "k2", "k3")
+_TIS_MODES = ("truncate", "mask")
 _ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
@@ -72,6 +73,10 @@ class ActorConfig:
     """Truncated importance sampling between the engine's and the actor's old log-probs."""
     tis_clip: float = 2.0
     """Upper bound of the TIS weight."""
+    tis_mode: str = "truncate"
+    """What --use-tis does with a weight above --tis-clip: "truncate" lowers it to the bound (TIS), "mask" drops the
+    token from the loss (MIS). With stale samples (--max-staleness) the weight is behaviour -> proximal policy, as in
+    decoupled PPO."""
     check_for_nan_in_loss_and_grad: bool = field(default=True, metadata={"flag": "--no-check-for-nan-in-loss-and-grad"})
     """Stop with an error on a NaN/inf loss or gradient; False skips such steps with a warning."""
     log_probs_chunk_size: int = 1024
@@ -102,12 +107,13 @@ class ActorConfig:
                 raise ValueError(f"{flag} must be in [0, 1), got {value}")
         if self.eps_clip <= 0 or (self.eps_clip_high is not None and self.eps_clip_high <= 0):
             raise ValueError(f"--eps-clip/--eps-clip-high must be > 0, got {self.eps_clip}/{self.eps_clip_high}")
-        if self.kl_loss_type not in _KL_TYPES:
-            raise ValueError(f"--kl-loss-type must be one of {_KL_TYPES}, got {self.kl_loss_type!r}")
-        if self.advantage_estimator not in _ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"--advantage-estimator must be one of {_ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}"
-            )
+        for flag, value, choices in (
+            ("--kl-loss-type", self.kl_loss_type, _KL_TYPES),
+            ("--advantage-estimator", self.advantage_estimator, _ADVANTAGE_ESTIMATORS),
+            ("--tis-mode", self.tis_mode, _TIS_MODES),
+        ):
+            if value not in choices:
+                raise ValueError(f"{flag} must be one of {choices}, got {value!r}")
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ValueError(f"--eps-clip-c must be > 1 (dual-clip bound), got {self.eps_clip_c}")
         if self.tis_clip <= 0:

@@ -129,6 +129,8 @@ class LossSettings:
     """Truncated importance sampling: weight each token by min(pi_old / pi_rollout, tis_clip) (``--use-tis``)."""
     tis_clip: float = 2.0
     """Upper bound of the TIS weight (``--tis-clip``)."""
+    tis_mode: str = "truncate"
+    """Above the bound: "truncate" to it (TIS), or "mask" the token out of the loss (MIS) (``--tis-mode``)."""
 
 
 def actor_loss(
@@ -183,7 +185,15 @@ def actor_loss(
     if settings.use_tis:
         if "rollout_log_probs" not in fields:
             raise ValueError("--use-tis needs the engine's log-probs: token field 'rollout_log_probs' is missing")
-        tis = torch.exp(fields["old_log_probs"] - fields["rollout_log_probs"]).clamp(max=settings.tis_clip)
+        # Decoupled PPO: old_log_probs are the proximal policy's (the actor's before this step), rollout_log_probs
+        # the behaviour policy's (the engines', possibly --max-staleness versions older).
+        weight = torch.exp(fields["old_log_probs"] - fields["rollout_log_probs"])
+        if settings.tis_mode == "mask":
+            kept = (weight <= settings.tis_clip).float()
+            tis = weight * kept
+            sums["tis_masked_frac"] = reduce(1.0 - kept)
+        else:
+            tis = weight.clamp(max=settings.tis_clip)
         pg = pg * tis
         sums["tis"] = reduce(tis)
     loss = reduce(pg)
