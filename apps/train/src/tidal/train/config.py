@@ -51,6 +51,9 @@ class TrainConfig:
     """Pipeline stages of the actor, Megatron's 1F1B schedule."""
     update_weights_interval: int = 1
     """Hand the actor's weights to the engines every this many rollouts."""
+    max_staleness: int = 0
+    """Asynchronous training: rollouts are generated ahead of training by weights at most this many versions older
+    than the actor's (0: synchronous, generate then train; >= 1 needs engines on their own GPUs, --no-colocate)."""
     update_weight_buffer_size: int = 512 * 1024**2
     """Bytes per weight-sync shard (the safetensors shard the engines reload)."""
     save_hf: str | None = None
@@ -82,6 +85,7 @@ class TrainConfig:
             ("--context-parallel-size", self.context_parallel_size, 1),
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, 1),
             ("--update-weights-interval", self.update_weights_interval, 1),
+            ("--max-staleness", self.max_staleness, 0),
             ("--reward-sanity-rollouts", self.reward_sanity_rollouts, 0),
             ("--update-weight-buffer-size", self.update_weight_buffer_size, 1),
         ):

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from tidal.train.actor_group import ActorGroup
-from tidal.train.cluster import start_cluster
+from tidal.train.cluster import Cluster, start_cluster
 from tidal.train.config import JobConfig
 from tidal.train.data import PromptDataset
 from tidal.train.metrics import MetricsLog, rollout_line
 from tidal.train.monitors import RewardSanity, check_engine_agreement, check_prompt_chat_template
 from tidal.train.plots import write_curves
+from tidal.train.rollout_buffer import RolloutBuffer
 from tidal.train.rollout_manager import RolloutManager
 from tidal.train.summary import RunResult, overhead_share, write_summary
 
@@ -32,16 +33,17 @@ def run(job: JobConfig) -> RunResult:
     out = Path(job.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = _datasets(job)
-    with start_cluster(job, out, train_data) as cluster:
-        return _train(job, cluster.rollouts, cluster.actors, eval_data.head(job.train.num_eval_prompts), out)
+    with start_cluster(job, out, train_data) as cluster, RolloutBuffer(cluster.rollouts, job.train) as buffer:
+        return _train(job, cluster, buffer, eval_data.head(job.train.num_eval_prompts), out)
 
 
-def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, held_out: list, out: Path) -> RunResult:
+def _train(job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: list, out: Path) -> RunResult:
+    rollouts, actors = cluster.rollouts, cluster.actors
     num_rollout = job.train.num_rollout
     metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
     result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None)
     result.engine_pids = rollouts.engine_pids
-    start, version = _resume(job, rollouts, actors, metrics_log)
+    start, version = _resume(job, rollouts, buffer, actors, metrics_log)
     result.start_rollout_id, result.history = start, metrics_log.read()
     result.weights_dir = _serve_first_weights(job, rollouts, actors, version)
     if rollouts.has_engines:
@@ -52,7 +54,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
     retries_seen = 0  # the first rollout's count includes the start-up's (evaluation, weight loading)
     for rollout_id in range(start, num_rollout):
         tick, last = time.monotonic(), rollout_id == num_rollout - 1
-        samples, times = rollouts.generate(rollout_id)
+        samples, times = buffer.take(rollout_id, version)  # generated now, or ahead under --max-staleness
         sanity.observe(samples)
         train_metrics: dict[str, float] = {}
         if actors:
@@ -71,7 +73,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
         metrics_log.write(record)  # before the checkpoint: a checkpoint's rollout always has its record
         result.history.append(record)
         if actors and (last or _due(rollout_id, job.ckpt.save_interval)):
-            _save(job, rollouts, actors, rollout_id, version)
+            _save(job, buffer, actors, rollout_id, version)
         write_curves(out / "curves.png", result.history, eval_before=result.eval_before,
                      mismatch_threshold=job.train.mismatch_warn_threshold)  # fmt: skip
         eta = (time.monotonic() - loop_start) / (rollout_id + 1 - start) * (num_rollout - rollout_id - 1)
@@ -101,14 +103,15 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, PromptDataset]:
     return train_data, PromptDataset(job.train.eval_prompt_data, tokenizer, **keys)
 
 
-def _resume(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, metrics_log: MetricsLog):
-    """Load ``--load`` into the actor and the rollout carry-over into the manager; ``(first rollout, version)``."""
+def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, actors: ActorGroup | None, metrics_log):
+    """Load ``--load`` into the actor, the carry-over into the manager and the buffer; ``(first rollout, version)``."""
     start, version = job.train.start_rollout_id or 0, 0
     state = actors.load() if actors else None
     if state is not None:
         start = state.rollout_id + 1 if job.train.start_rollout_id is None else job.train.start_rollout_id
         version = state.weight_version
         rollouts.restore_carry(state.rollout_carry)  # partial rollout's unfinished groups: nothing is dropped
+        buffer.restore(state.rollout_buffer, start)  # rollouts generated ahead and not trained on yet
         logger.info("resumed from %s: rollout %d done; going on at rollout %d", job.ckpt.load, state.rollout_id, start)
     dropped = metrics_log.truncate(start)
     if dropped:
@@ -126,9 +129,10 @@ def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, actors: Actor
     return None
 
 
-def _save(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup, rollout_id: int, version: int) -> None:
-    """Megatron checkpoint (with the trainer's state and the rollout carry-over) and, with --save-hf, an HF copy."""
-    actors.save(rollout_id, weight_version=version, carry=rollouts.carry_state())
+def _save(job: JobConfig, buffer: RolloutBuffer, actors: ActorGroup, rollout_id: int, version: int) -> None:
+    """Megatron checkpoint (trainer state, rollout carry-over and buffer) and, with --save-hf, an HF copy."""
+    carry, buffered = buffer.checkpoint_state()
+    actors.save(rollout_id, weight_version=version, carry=carry, buffer=buffered)
     if job.train.save_hf:
         actors.save_hf(job.train.save_hf.replace("{rollout_id}", str(rollout_id)))
 
