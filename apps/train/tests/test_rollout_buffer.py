@@ -52,7 +52,11 @@ def _train_config(*flags: str):
 
 def test_staleness_counts_loss_tokens_only_and_stale_tokens_are_masked_not_dropped():
     samples = [_sample(["1", "3", "4"]), _sample(["2", "2"], mask=[1, 0])]
-    assert staleness_metrics(samples, 4) == {"rollout/staleness_max": 3.0, "rollout/staleness_mean": pytest.approx(1.5)}
+    assert staleness_metrics(samples, 4) == {
+        "rollout/staleness_max": 3.0,
+        "rollout/staleness_mean": pytest.approx(1.5),
+        "rollout/mixed_version_samples": 1.0,  # the first: resumed under newer weights
+    }
     kept, masked = mask_stale_tokens(samples, oldest=3)
     assert masked == 2  # the first sample's "1" and the second's first "2"; its masked "2" was not a loss token
     assert [list(s.response_loss_mask) for s in kept] == [[0, 1, 1], [0, 0]]

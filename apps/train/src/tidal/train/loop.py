@@ -1,7 +1,8 @@
 """The training loop, in the order things happen.
 
 Place and start the engines and the actor, resume from ``--load`` if given, then per rollout: generate (or
-replay saved samples), train (old log-probs, advantages, steps), sync weights, evaluate, log, checkpoint.
+replay saved samples; under ``--max-staleness`` K >= 1 the rollout buffer generated it ahead, while the actor
+trained), train (old log-probs, advantages, steps), sync weights, evaluate, log, checkpoint.
 
 Two handles do the work: the rollout manager (engines) and the actor group (trainer ranks). This module only
 composes them, keeps time and writes the run's records.

@@ -4,8 +4,10 @@ With ``--max-staleness 0`` a rollout is generated when the loop asks for it: the
 producer thread generates rollout ``j`` as soon as the engines serve weights of version ``>= j - K`` (the trainer
 holds version ``j`` when it trains on rollout ``j``), so rollout ``k + 1`` is generated while the actor trains on
 rollout ``k`` (K = 1, slime's one-step-off loop) and, for K > 1, the engines keep a buffer of up to K rollouts
-filled. A weight update waits for the requests in flight (SGLang's update lock), so every sample records the
-version that generated it, and its staleness at training time is at most K.
+filled. A weight update does not wait for the requests in flight: the engines abort them, load, and resume them
+under the new weights (``tidal.rollout.InterruptibleUpdates``, in the engine workers; on the driver-side path and
+for external servers the update waits for them instead). Every token records the version that sampled it, so a
+sample's staleness at training time is at most K; ``rollout/mixed_version_samples`` counts the resumed ones.
 
 Samples continued from an older rollout (``--partial-rollout`` carry-over) can hold tokens older than that: with
 K >= 1 such tokens are masked out of the loss (their sample stays, for its group's advantage) and counted in
@@ -192,11 +194,14 @@ def mask_stale_tokens(samples: list, oldest: int) -> tuple[list, int]:
 
 
 def staleness_metrics(samples: list, version: int) -> dict[str, Any]:
-    """``rollout/staleness_max`` and ``_mean``: ``version`` minus each loss token's weight version."""
-    stale = []
+    """``rollout/staleness_max``, ``_mean`` (``version`` minus each loss token's weight version), mixed samples."""
+    stale, mixed = [], 0
     for s in samples:
         mask = s.response_loss_mask or [1] * len(s.response_ids)
-        stale += [version - v for m, v in zip(mask, _token_versions(s), strict=True) if m]
+        versions = _token_versions(s)
+        stale += [version - v for m, v in zip(mask, versions, strict=True) if m]
+        mixed += len(set(versions)) > 1
+    metrics = {"rollout/mixed_version_samples": float(mixed)}
     if not stale:
-        return {"rollout/staleness_max": 0.0, "rollout/staleness_mean": 0.0}
-    return {"rollout/staleness_max": float(max(stale)), "rollout/staleness_mean": sum(stale) / len(stale)}
+        return metrics | {"rollout/staleness_max": 0.0, "rollout/staleness_mean": 0.0}
+    return metrics | {"rollout/staleness_max": float(max(stale)), "rollout/staleness_mean": sum(stale) / len(stale)}

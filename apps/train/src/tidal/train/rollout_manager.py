@@ -71,7 +71,11 @@ class RolloutManager:
         self._placement = placement
         model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
-            self._launch(EngineWorker.options(num_cpus=0).remote(cfg, model, log_dir=logs, external_url=url))
+            flush = self.job.train.max_staleness == 0
+            worker = EngineWorker.options(num_cpus=0).remote(
+                cfg, model, log_dir=logs, external_url=url, flush_after_update=flush
+            )
+            self._launch(worker)
         for e in range(0 if cfg.rollout_external_engine_addrs else self.job.placement.num_engines):
             ports = PortAllocator(placement.engine_node_ip(e)).engine_ports()
             worker = EngineWorker.options(**placement.engine_options(e)).remote(
@@ -82,8 +86,20 @@ class RolloutManager:
                 log_dir=logs,
                 env=dict(self.job.placement.ray_env),
                 fault_tolerant=self.job.train.use_fault_tolerance,
+                interruptible=self._interruptible(),
+                flush_after_update=self.job.train.max_staleness == 0,
             )
             self._launch(worker)
+
+    def _interruptible(self) -> bool:
+        """Whether a weight update aborts and resumes the requests in flight: --max-staleness >= 1 on the plain path.
+
+        Not on the driver-side path (partial rollout carries aborted groups over itself), not for a custom generate
+        function (a multi-turn sample cannot be resumed as one continuation), never for a server run elsewhere.
+        """
+        cfg, engines = self.cfg, self.job.placement.num_engines
+        driver_side = cfg.partial_rollout or cfg.dynamic_sampling_filter_path is not None or cfg.router_wanted(engines)
+        return self.job.train.max_staleness > 0 and not driver_side and not cfg.custom_generate_function_path
 
     def _launch(self, worker) -> None:
         self.engines.append(worker)
