@@ -194,6 +194,43 @@ def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, 
 
 
 @pytest.fixture(scope="module")
+def one_step_off(tmp_path_factory, external_engine):
+    """--max-staleness 1 (with --use-tis) for rollouts 0 and 1 on the shared server, then that run resumed from its
+    checkpoint of rollout 0, whose buffer must hold rollout 1, generated while rollout 0 trained."""
+    out = tmp_path_factory.mktemp("async")
+    external = ["--rollout-external-engine-addrs", external_engine]
+    args = [*COMMON, *external, "--num-rollout", "2", "--max-staleness", "1", "--use-tis", "--save-interval", "1"]
+    code, log, leftovers = _train([*args, "--save", str(out / "ckpt")], out=out)
+    assert code == 0 and not leftovers, log[-6000:]
+    again = out.parent / f"{out.name}-again"
+    code, again_log, _ = _train(
+        [*args, "--load", str(out / "ckpt"), "--ckpt-step", "1", "--save", str(again / "ckpt")], out=again
+    )
+    assert code == 0, again_log[-6000:]
+    return _records(out), _records(again), again_log
+
+
+def test_one_step_off_trains_on_samples_at_most_one_version_old(one_step_off):
+    records, *_ = one_step_off
+    assert [r["rollout"] for r in records] == [0, 1]
+    assert all(r["rollout/staleness_max"] <= 1 for r in records)  # --max-staleness 1, from the per-token versions
+    # Both rollouts were sampled by the initial weights: rollout 1 while the actor trained on rollout 0.
+    assert [r["rollout/weight_version"] for r in records] == [0.0, 0.0]
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0]
+    for r in records:
+        assert r["time/trainer_wait"] >= 0 and r["time/engine_wait"] >= 0 and r["rollout/stale_tokens_masked"] == 0
+        assert math.isfinite(r["train/loss"]) and "train/tis" in r  # decoupled PPO: pi_old / pi_behaviour
+
+
+def test_a_resumed_async_run_trains_on_the_buffered_rollout_it_checkpointed(one_step_off):
+    records, again, again_log = one_step_off
+    assert "resumed 1 buffered rollout(s) from the checkpoint: [1]" in again_log
+    assert [r["rollout"] for r in again] == [1]
+    for key in ("rollout/weight_version", "rollout/staleness_max", "rollout/reward/mean", "rollout/response_len/mean"):
+        assert again[0][key] == records[1][key], key  # the same samples, not generated again
+
+
+@pytest.fixture(scope="module")
 def debug_runs(tmp_path_factory, external_engine):
     """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them."""
     root = tmp_path_factory.mktemp("debug")
