@@ -98,6 +98,8 @@ class RolloutBuffer:
                 {"rollout_id": j, "samples": sample_records(samples), "metrics": metrics}
                 for j, (samples, metrics) in sorted(self._ready.items())
             ]
+            if buffered:
+                logger.info("the checkpoint holds %d buffered rollout(s): %s", len(buffered), sorted(self._ready))
             return self.rollouts.carry_state(), buffered or None
 
     def restore(self, buffered: list | None, start: int) -> None:
