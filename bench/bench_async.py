@@ -3,8 +3,9 @@
 Each run is the embedded default in decoupled mode (``--no-colocate --rollout-num-gpus 1``: the actor and the engine
 on their own logical GPUs), one run per K, in its own folder. From each run's ``metrics.jsonl`` and ``summary.json``:
 
-- the RL wall time (sum of ``time/rollout`` and ``time/eval``) until an evaluation first reaches the accuracy before
-  RL + ``--gain`` points (None when no evaluation does);
+- the trainer's time (sum of ``time/rollout``: waiting, training, syncing; not evaluating or checkpointing) until an
+  evaluation first reaches the accuracy before RL + ``--gain`` points (None when no evaluation does);
+- the RL wall time (``summary.json``: the whole loop, evaluations and checkpoints included);
 - the trainer's idle share: ``time/trainer_wait`` (waiting for a rollout) over the RL wall time;
 - the engines' idle share: ``time/engine_wait`` (between one rollout's generation and the next) over the wall time.
 
@@ -39,20 +40,19 @@ def run_one(k: int, out: Path, args: argparse.Namespace) -> dict:
     if code != 0:
         return {"max_staleness": k, "exit_code": code, "log": str(out.parent / f"{out.name}.log")}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    before = json.loads((out / "summary.json").read_text())["eval_before"]
+    summary = json.loads((out / "summary.json").read_text())
     return {"max_staleness": k, "command": " ".join(cmd[1:]), "process_wall_s": round(wall, 1)} | figures(
-        records, before, args.gain
+        records, summary["eval_before"], summary["rl_wall_s"], args.gain
     )
 
 
-def figures(records: list[dict], eval_before: float, gain: float) -> dict:
-    """Time to ``eval_before + gain``, idle shares and staleness of one run's records."""
+def figures(records: list[dict], eval_before: float, total: float, gain: float) -> dict:
+    """Time to ``eval_before + gain``, idle shares (of ``total`` s of RL wall time) and staleness of one run."""
     elapsed, reached = 0.0, None
     for r in records:
-        elapsed += r["time/rollout"] + r.get("time/eval", 0.0)
+        elapsed += r["time/rollout"]
         if reached is None and r.get("eval/accuracy", -1.0) >= eval_before + gain:
-            reached = {"rollout": r["rollout"], "rl_wall_s": round(elapsed, 1), "accuracy": r["eval/accuracy"]}
-    total = sum(r["time/rollout"] + r.get("time/eval", 0.0) for r in records)
+            reached = {"rollout": r["rollout"], "trainer_s": round(elapsed, 1), "accuracy": r["eval/accuracy"]}
     return {
         "eval_before": eval_before,
         "eval_last": next((r["eval/accuracy"] for r in reversed(records) if "eval/accuracy" in r), None),
