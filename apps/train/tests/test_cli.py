@@ -151,6 +151,17 @@ BAD = [
     (["--context-parallel-size", "2"], "--context-parallel-size"),
     (["--debug-train-only", "--load-debug-rollout-data", "/nonexistent"], "--load-debug-rollout-data .* not a dir"),
     (["--partial-rollout", "--rollout-external-engine-addrs", "h:1", "h:2", "--no-use-router"], "drop --no-use-router"),
+    (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+    (["--tis-mode", "clip"], "--tis-mode must be one of"),
+    (["--max-staleness", "1"], "--max-staleness 1 .* --colocate the engines share the actor's GPUs.*--no-colocate"),
+    (
+        ["--max-staleness", "2", "--no-colocate", "--rollout-num-gpus", "1", "--update-weights-interval", "2"],
+        "--update-weights-interval 2",
+    ),
+    (
+        ["--max-staleness", "1", "--rollout-external-engine-addrs", "h:1", "--debug-rollout-only"],
+        "--max-staleness 1 .*--debug-rollout-only",
+    ),
 ]
 
 

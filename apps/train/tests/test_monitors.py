@@ -63,6 +63,8 @@ def test_engine_actor_gap_below_the_threshold_disabled_or_absent_is_silent(caplo
         assert check_engine_agreement(_agreement(0.05), 0.05) is None
         assert check_engine_agreement(_agreement(0.2), 0.0) is None  # 0 disables
         assert check_engine_agreement({"rollout": 0}, 0.05) is None  # no actor or no engine: nothing measured
+        stale = {**_agreement(0.2), "rollout/staleness_max": 1.0}  # --max-staleness: sampled by older weights
+        assert check_engine_agreement(stale, 0.05) is None
     assert not caplog.text
 
 

@@ -237,3 +237,16 @@ def test_load_function_names_the_flag():
         load_function("no_such_module_x:f", flag="--custom-loss-function-path")
     with pytest.raises(ValueError, match="not a function"):
         load_function("math:pi", flag="--custom-advantage-function-path")
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_tis_truncates_or_masks_the_behaviour_to_proximal_weight(mode):
+    old = torch.tensor([-1.0, -1.0, -1.0])
+    rollout = old - torch.tensor([0.0, 0.5, 2.0])  # weights 1, e^0.5 (below the clip 2) and e^2 (above it)
+    fields = {"old_log_probs": old, "advantages": torch.ones(3), "rollout_log_probs": rollout}
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_tis=True, tis_clip=2.0, tis_mode=mode)
+    loss, sums = actor_loss(old.clone().requires_grad_(), None, fields, torch.ones(3), settings, num_loss_tokens=3)
+    last = 2.0 if mode == "truncate" else 0.0  # MIS drops the token whose weight exceeds the clip
+    assert loss.item() == pytest.approx(-(1.0 + math.exp(0.5) + last) / 3)
+    assert sums["tis"].item() == pytest.approx((1.0 + math.exp(0.5) + last) / 3)
+    assert ("tis_masked_frac" in sums) == (mode == "mask")

@@ -16,6 +16,7 @@ CARRY = [
     [{"prompt_ids": [1, 2], "response_ids": [7], "response_log_probs": [-0.5], "finish_reason": "abort", "label": "4"}],
     [{"prompt_ids": [3], "response_ids": [], "response_log_probs": [], "finish_reason": "abort", "label": None}],
 ]
+BUFFER = [{"rollout_id": 42, "samples": CARRY[0], "metrics": {"time/generate": 0.5}}]
 
 
 def _model(value: float) -> dict:
@@ -38,7 +39,13 @@ def test_trainer_state_round_trips_and_the_resumed_run_draws_the_same_next_batch
         random.seed(11), np.random.seed(12), torch.manual_seed(13)
         _ = random.random(), np.random.rand(5), torch.rand(7)  # mid-run: the streams have moved on
         saved = TrainerState.capture(
-            rollout_id=41, weight_version=42, data_epoch=3, data_offset=96, data_seed=7, rollout_carry=CARRY
+            rollout_id=41,
+            weight_version=42,
+            data_epoch=3,
+            data_offset=96,
+            data_seed=7,
+            rollout_carry=CARRY,
+            rollout_buffer=BUFFER,
         )
         save_checkpoint(save_dir, saved.rollout_id, _model(1.0), common_state=saved.to_dict())
         uninterrupted = _next_batch(saved)
@@ -56,6 +63,7 @@ def test_trainer_state_round_trips_and_the_resumed_run_draws_the_same_next_batch
     assert torch.equal(resumed.rng_state["torch"], saved.rng_state["torch"])
     assert after_resume == uninterrupted
     assert resumed.rollout_carry == CARRY  # partial rollout's unfinished groups survive the checkpoint
+    assert resumed.rollout_buffer == BUFFER  # and asynchronous training's rollouts not yet trained on
 
 
 def test_trainer_state_refuses_a_carry_that_is_not_plain_data():

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from tidal.rollout import Sample, SGLangEngine, generate_samples
+from tidal.rollout import InterruptibleUpdates, Sample, SGLangEngine, generate_samples
 from tidal.rollout.partial_rollout import resume_samples
 
 MAX_NEW = 200
@@ -71,6 +72,48 @@ def test_aborted_samples_resume_with_per_token_weight_versions(
         start = len(after.prompt_ids)
         expected = log_probs[torch.arange(start - 1, tokens.shape[1] - 1), tokens[0, start:]]
         torch.testing.assert_close(torch.tensor(after.response_log_probs), expected, atol=2e-3, rtol=0)
+
+
+def test_an_interruptible_update_aborts_the_generation_which_finishes_under_the_new_weights(
+    sglang_server: SGLangEngine, tiny_model_dir: Path
+) -> None:
+    prompts = [[3, 4, 5], [6, 7]]
+    params = {"n": 2, "max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
+    sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
+    gate = InterruptibleUpdates(sglang_server, timeout_s=60)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["samples"] = gate.generate(lambda: generate_samples(sglang_server, prompts, params), params)
+        except BaseException as e:
+            box["error"] = e
+
+    def load() -> None:  # the update itself: fast again, then the new version
+        sglang_server.call("/slow_down", {"forward_sleep_time": None})
+        sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="new")
+
+    sglang_server.call("/slow_down", {"forward_sleep_time": 0.05})  # 200 tokens take 10 s: still running at 2 s
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=2.0)
+        assert thread.is_alive(), "generation finished before the update; the slow-down did not take"
+        tick = time.monotonic()
+        gate.update(load)
+        assert time.monotonic() - tick < 5  # it did not wait for the 10 s generation
+        thread.join(timeout=60.0)
+    finally:
+        sglang_server.call("/slow_down", {"forward_sleep_time": None})
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    samples: list[Sample] = box["samples"]
+    assert gate.interrupted_samples == 4
+    for s in samples:  # finished, the old weights' tokens first, then the new ones'
+        assert s.finish_reason == "length" and len(s.response_ids) == MAX_NEW
+        versions = s.token_weight_versions
+        k = versions.count("old")
+        assert versions == ["old"] * k + ["new"] * (MAX_NEW - k) and k < MAX_NEW
+    assert any(s.token_weight_versions[0] == "old" for s in samples)  # cut mid-response
 
 
 def test_resume_keeps_the_length_limit_and_validates_versions() -> None:

@@ -131,12 +131,18 @@ class ActorGroup:
             state.restore_rng()
         return state
 
-    def save(self, rollout_id: int, *, weight_version: int, carry: list | None = None) -> None:
-        """Checkpoint model, optimizer, RNG and the trainer state (with the rollout carry-over) into --save."""
+    def save(
+        self, rollout_id: int, *, weight_version: int, carry: list | None = None, buffer: list | None = None
+    ) -> None:
+        """Checkpoint model, optimizer, RNG and the trainer state (rollout carry-over and buffer) into --save."""
         from tidal.ckpt import TrainerState
 
         state = TrainerState.capture(
-            rollout_id=rollout_id, weight_version=weight_version, data_seed=self.job.train.seed, rollout_carry=carry
+            rollout_id=rollout_id,
+            weight_version=weight_version,
+            data_seed=self.job.train.seed,
+            rollout_carry=carry,
+            rollout_buffer=buffer,
         )
         self._all("save_checkpoint", rollout_id + 1, state.to_dict())
 

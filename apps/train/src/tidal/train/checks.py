@@ -244,6 +244,35 @@ def check_router(rollout, placement) -> None:
         )
 
 
+def check_async(train, rollout, placement) -> None:
+    """``--max-staleness K >= 1`` overlaps generation with training: engines of their own, a weight sync per rollout."""
+    k = train.max_staleness
+    if k == 0:
+        return
+    if placement.colocate and not rollout.rollout_external_engine_addrs:
+        raise ValueError(
+            f"--max-staleness {k} generates the next rollouts while the actor trains, but with --colocate the engines "
+            "share the actor's GPUs and take turns with it, so nothing can overlap; pass --no-colocate (engines on "
+            "their own GPUs, --rollout-num-gpus) or drop --max-staleness"
+        )
+    clash = [
+        flag
+        for flag, given in (
+            ("--debug-rollout-only", train.debug_rollout_only),  # no actor: the weights never advance
+            ("--debug-train-only", train.debug_train_only),  # no engine: nothing to overlap
+            ("--load-debug-rollout-data", rollout.load_debug_rollout_data),
+        )
+        if given
+    ]
+    if clash:
+        raise ValueError(f"--max-staleness {k} overlaps generation with training; {clash[0]} has only one of them")
+    if train.update_weights_interval != 1:
+        raise ValueError(
+            f"--max-staleness {k} counts staleness in weight versions, one per rollout; --update-weights-interval "
+            f"{train.update_weights_interval} would make it {train.update_weights_interval} times looser: drop it"
+        )
+
+
 def check_load(ckpt) -> None:
     """``--load`` names a loadable Megatron checkpoint (each kind of bad folder has its own message)."""
     if not ckpt.load:
@@ -337,6 +366,8 @@ def check_job(
     del actor  # its own fields are checked by ActorConfig; listed so that every section comes by name
     if rollout is not None and placement is not None:
         problems.run(check_router, rollout, placement)
+        if train is not None:
+            problems.run(check_async, train, rollout, placement)
     if train is not None:
         problems.run(check_pipeline, train, hf_config, hf)
         problems.run(check_wandb, train)

@@ -70,6 +70,9 @@ class TrainConfig:
     """How new weights reach the engines: "tensor" (in-memory handles, CUDA IPC on GPU; co-located engines only),
     "nccl" (the actor's rank 0 broadcasts buckets to every engine rank; gloo on CPU) or "disk" (an HF checkpoint
     each engine reloads); None: tensor with --colocate, nccl without it or with --rollout-external-engine-addrs."""
+    max_staleness: int = 0
+    """Asynchronous training: rollouts are generated ahead of training by weights at most this many versions older
+    than the actor's (0: synchronous, generate then train; >= 1 needs engines on their own GPUs, --no-colocate)."""
     update_weight_buffer_size: int = 512 * 1024**2
     """Bytes per weight-sync bucket (tensor, nccl) or safetensors shard (disk)."""
     update_weight_timeout: float = 600.0
@@ -121,6 +124,7 @@ class TrainConfig:
             ("--context-parallel-size", self.context_parallel_size, 1),
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, 1),
             ("--update-weights-interval", self.update_weights_interval, 1),
+            ("--max-staleness", self.max_staleness, 0),
             ("--reward-sanity-rollouts", self.reward_sanity_rollouts, 0),
             ("--update-weight-buffer-size", self.update_weight_buffer_size, 1),
         ):

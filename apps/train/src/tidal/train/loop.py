@@ -1,7 +1,8 @@
 """The training loop, in the order things happen.
 
 Place and start the engines and the actor, resume from ``--load`` if given, then per rollout: generate (or
-replay saved samples), train (old log-probs, advantages, steps), sync weights, evaluate, log, checkpoint.
+replay saved samples; under ``--max-staleness`` K >= 1 the rollout buffer generated it ahead, while the actor
+trained), train (old log-probs, advantages, steps), sync weights, evaluate, log, checkpoint.
 
 Two handles do the work: the rollout manager (engines) and the actor group (trainer ranks). This module only
 composes them, keeps time and writes the run's records.
@@ -15,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from tidal.train.actor_group import ActorGroup
-from tidal.train.cluster import start_cluster
+from tidal.train.cluster import Cluster, start_cluster
 from tidal.train.config import JobConfig, eval_sets
 from tidal.train.data import PromptDataset
 from tidal.train.metrics import MetricsLog, rollout_line
 from tidal.train.monitors import RewardSanity, check_engine_agreement, check_prompt_chat_template
 from tidal.train.plots import write_curves
+from tidal.train.rollout_buffer import RolloutBuffer
 from tidal.train.rollout_manager import RolloutManager
 from tidal.train.summary import RunResult, overhead_share, write_summary
 
@@ -33,16 +35,17 @@ def run(job: JobConfig) -> RunResult:
     out.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = _datasets(job)
     held_out = {name: data.head(job.train.num_eval_prompts) for name, data in eval_data.items()}
-    with start_cluster(job, out, train_data) as cluster:
-        return _train(job, cluster.rollouts, cluster.actors, held_out, out)
+    with start_cluster(job, out, train_data) as cluster, RolloutBuffer(cluster.rollouts, job.train) as buffer:
+        return _train(job, cluster, buffer, held_out, out)
 
 
-def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, held_out: dict, out: Path) -> RunResult:
+def _train(job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: dict, out: Path) -> RunResult:
+    rollouts, actors = cluster.rollouts, cluster.actors
     num_rollout = job.train.num_rollout
     metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
     result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None)
     result.engine_pids = rollouts.engine_pids
-    start, version = _resume(job, rollouts, actors, metrics_log)
+    start, version = _resume(job, rollouts, buffer, actors, metrics_log)
     result.start_rollout_id, result.history = start, metrics_log.read()
     result.weights_dir = _serve_first_weights(job, rollouts, actors, version)
     if rollouts.has_engines:
@@ -54,7 +57,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
     retries_seen = 0  # the first rollout's count includes the start-up's (evaluation, weight loading)
     for rollout_id in range(start, num_rollout):
         tick, last = time.monotonic(), rollout_id == num_rollout - 1
-        samples, times = rollouts.generate(rollout_id)
+        samples, times = buffer.take(rollout_id, version)  # generated now, or ahead under --max-staleness
         sanity.observe(samples)
         train_metrics: dict[str, float] = {}
         if actors:
@@ -76,7 +79,7 @@ def _train(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, 
         result.history.append(record)
         if actors and (last or _due(rollout_id, job.ckpt.save_interval)):
             best = _mark_best(job, record, best)
-            _save(job, rollouts, actors, rollout_id, version)
+            _save(job, buffer, actors, rollout_id, version)
         write_curves(out / "curves.png", result.history, eval_before=result.eval_before,
                      mismatch_threshold=job.train.mismatch_warn_threshold)  # fmt: skip
         eta = (time.monotonic() - loop_start) / (rollout_id + 1 - start) * (num_rollout - rollout_id - 1)
@@ -107,14 +110,15 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
     return train_data, {name: PromptDataset(path, tokenizer, **keys) for name, path in sets}
 
 
-def _resume(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, metrics_log: MetricsLog):
-    """Load ``--load`` into the actor and the rollout carry-over into the manager; ``(first rollout, version)``."""
+def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, actors: ActorGroup | None, metrics_log):
+    """Load ``--load`` into the actor, the carry-over into the manager and the buffer; ``(first rollout, version)``."""
     start, version = job.train.start_rollout_id or 0, 0
     state = actors.load() if actors else None
     if state is not None:
         start = state.rollout_id + 1 if job.train.start_rollout_id is None else job.train.start_rollout_id
         version = state.weight_version
         rollouts.restore_carry(state.rollout_carry)  # partial rollout's unfinished groups: nothing is dropped
+        buffer.restore(state.rollout_buffer, start)  # rollouts generated ahead and not trained on yet
         logger.info("resumed from %s: rollout %d done; going on at rollout %d", job.ckpt.load, state.rollout_id, start)
     dropped = metrics_log.truncate(start)
     if dropped:
@@ -132,9 +136,10 @@ def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, actors: Actor
     return None
 
 
-def _save(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup, rollout_id: int, version: int) -> None:
-    """Megatron checkpoint (with the trainer's state and the rollout carry-over) and, with --save-hf, an HF copy."""
-    actors.save(rollout_id, weight_version=version, carry=rollouts.carry_state())
+def _save(job: JobConfig, buffer: RolloutBuffer, actors: ActorGroup, rollout_id: int, version: int) -> None:
+    """Megatron checkpoint (trainer state, rollout carry-over and buffer) and, with --save-hf, an HF copy."""
+    carry, buffered = buffer.checkpoint_state()
+    actors.save(rollout_id, weight_version=version, carry=carry, buffer=buffered)
     if job.train.save_hf:
         actors.save_hf(job.train.save_hf.replace("{rollout_id}", str(rollout_id)))
 

@@ -60,6 +60,8 @@ def check_engine_agreement(record: Mapping[str, Any], threshold: float) -> str |
     mean = record.get("rollout/logprob_abs_diff/mean")
     if mean is None or not threshold or mean <= threshold:  # a NaN mean warns
         return None
+    if record.get("rollout/staleness_max", 0.0) > 0:  # --max-staleness: older weights sampled; the gap is expected
+        return None
     message = (
         f"rollout {record.get('rollout')}: the engine's and the actor's log-probs of the sampled tokens differ by "
         f"{mean:.4f} nats on average (max {record.get('rollout/logprob_abs_diff/max', float('nan')):.3f}, "

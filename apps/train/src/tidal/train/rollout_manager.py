@@ -114,7 +114,11 @@ class RolloutManager:
 
         model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
-            self._launch(EngineWorker.options(num_cpus=0).remote(cfg, model, log_dir=logs, external_url=url))
+            flush = self.job.train.max_staleness == 0
+            worker = EngineWorker.options(num_cpus=0).remote(
+                cfg, model, log_dir=logs, external_url=url, flush_after_update=flush
+            )
+            self._launch(worker)
         hosts = [self._engine_host(placement, e) for e in range(self.job.placement.num_engines)]
         if cfg.sglang_api_key is None and any(h not in LOOPBACK for h in hosts):
             self.cfg = cfg = dataclasses.replace(cfg, sglang_api_key=_new_api_key(Path(self.job.train.output_dir)))
@@ -129,6 +133,8 @@ class RolloutManager:
                 env=dict(self.job.placement.ray_env),
                 fault_tolerant=self.job.train.use_fault_tolerance,
                 tp_size=self.job.placement.rollout_num_gpus_per_engine,
+                interruptible=self._interruptible(),
+                flush_after_update=self.job.train.max_staleness == 0,
             )
             self._launch(worker)
 
@@ -138,6 +144,16 @@ class RolloutManager:
             return self.cfg.sglang_host
         nodes = {b.node_ip for b in placement.bundles} | {ray.util.get_node_ip_address()}  # the driver's too
         return placement.engine_node_ip(engine) if len(nodes) > 1 else "127.0.0.1"
+
+    def _interruptible(self) -> bool:
+        """Whether a weight update aborts and resumes the requests in flight: --max-staleness >= 1 on the plain path.
+
+        Not on the driver-side path (partial rollout carries aborted groups over itself), not for a custom generate
+        function (a multi-turn sample cannot be resumed as one continuation), never for a server run elsewhere.
+        """
+        cfg, engines = self.cfg, self.job.placement.num_engines
+        driver_side = cfg.partial_rollout or cfg.dynamic_sampling_filter_path is not None or cfg.router_wanted(engines)
+        return self.job.train.max_staleness > 0 and not driver_side and not cfg.custom_generate_function_path
 
     def _launch(self, worker) -> None:
         self.engines.append(worker)

@@ -255,9 +255,11 @@ class EngineWorker:
         fault_tolerant: bool = False,
         external_url: str | None = None,
         tp_size: int = 1,
+        interruptible: bool = False,
+        flush_after_update: bool = True,
     ) -> None:
         setup_logging(f"engine {external_url or port}")
-        from tidal.rollout import SGLangClient, SGLangEngine
+        from tidal.rollout import InterruptibleUpdates, SGLangClient, SGLangEngine
 
         self.fault_tolerant = fault_tolerant  # --use-fault-tolerance: restart a dead engine, resend its requests
         self.max_concurrency = rollout_cfg.generate_max_concurrency
@@ -282,6 +284,11 @@ class EngineWorker:
             )
         )
         self.health_check = (rollout_cfg.rollout_health_check_interval, rollout_cfg.rollout_health_check_timeout)
+        # --max-staleness >= 1: a weight update aborts the requests in flight; they resume under the new weights
+        self.interrupt = InterruptibleUpdates(self.engine) if interruptible else None
+        # SGLang flushes its cache in the update itself; the second flush waits for an idle server, which under
+        # --max-staleness (requests of the next rollouts already running) it may not be.
+        self.flush_after_update = flush_after_update
         self.heartbeat = None
         from transformers import AutoTokenizer
 
@@ -332,16 +339,23 @@ class EngineWorker:
 
         tick = time.monotonic()
         self.ensure_alive()
-        samples = generate_samples(
-            self.engine,
-            prompts,
-            sampling_params,
-            labels=labels,
-            decode=self._decode,
-            generate_fn=self.generate_fn,
-            max_concurrency=self.max_concurrency,
-            max_restarts=1 if self.fault_tolerant else 0,
-        )
+
+        def generate() -> list:
+            return generate_samples(
+                self.engine,
+                prompts,
+                sampling_params,
+                labels=labels,
+                decode=self._decode,
+                generate_fn=self.generate_fn,
+                max_concurrency=self.max_concurrency,
+                max_restarts=1 if self.fault_tolerant else 0,
+            )
+
+        if self.interrupt is None:
+            samples = generate()
+        else:
+            samples = self.interrupt.generate(generate, sampling_params, decode=self._decode)
         if self.heartbeat is not None:  # a restart during generation ends a paused heartbeat's pause
             self.heartbeat.resume()
         return samples, time.monotonic() - tick
@@ -359,6 +373,12 @@ class EngineWorker:
         A server that died (or stopped answering through every retry) is restarted and loaded under
         --use-fault-tolerance; otherwise the error is one line naming the server and its log.
         """
+        if self.interrupt is not None:  # abort the requests in flight first (they resume after the update)
+            self.interrupt.update(lambda: self._update_weights_from_disk(path, weight_version))
+        else:
+            self._update_weights_from_disk(path, weight_version)
+
+    def _update_weights_from_disk(self, path: str, weight_version: str) -> None:
         from tidal.rollout import EngineUnavailableError
 
         self.ensure_alive()
@@ -374,7 +394,8 @@ class EngineWorker:
             logger.warning("%s failed while loading weights (%s); restarting it", self.engine.describe(), e)
             self.engine.restart()
             self.engine.update_weights_from_disk(path, weight_version=weight_version)
-        self.engine.flush_cache()
+        if self.flush_after_update:
+            self.engine.flush_cache()
 
     def weight_target(self, timeout_s: float) -> dict[str, Any]:
         """How the actor reaches this engine for weight updates: URL, API key, TP size, the sync's bound."""

@@ -103,6 +103,7 @@ class Actor:
             tis_clip=cfg.tis_clip,
             policy_loss=policy_loss_of(cfg.advantage_estimator),
             loss_type=cfg.loss_type,
+            tis_mode=cfg.tis_mode,
         )
         self._loss_fn = actor_loss
         if cfg.loss_type == "custom_loss":

@@ -8,6 +8,7 @@ _DTYPES = ("float32", "bfloat16")
 _KL_TYPES = ("k1", "k2", "k3")
 _ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 _LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
+_TIS_MODES = ("truncate", "mask")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +96,10 @@ class ActorConfig:
     """Truncated importance sampling between the engine's and the actor's old log-probs."""
     tis_clip: float = 2.0
     """Upper bound of the TIS weight."""
+    tis_mode: str = "truncate"
+    """What --use-tis does with a weight above --tis-clip: "truncate" lowers it to the bound (TIS), "mask" drops the
+    token from the loss (MIS). With stale samples (--max-staleness) the weight is behaviour -> proximal policy, as in
+    decoupled PPO."""
     check_for_nan_in_loss_and_grad: bool = field(default=True, metadata={"flag": "--no-check-for-nan-in-loss-and-grad"})
     """Stop with an error on a NaN/inf loss or gradient; False skips such steps with a warning."""
     log_probs_chunk_size: int = 1024
@@ -146,6 +151,8 @@ class ActorConfig:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
 
     def _check_algorithm(self) -> None:
+        if self.tis_mode not in _TIS_MODES:
+            raise ValueError(f"--tis-mode must be one of {_TIS_MODES}, got {self.tis_mode!r}")
         if not 0 <= self.overlong_buffer_len < self.max_response_len:
             raise ValueError(
                 f"--overlong-buffer-len must be in [0, --rollout-max-response-len={self.max_response_len}), got "

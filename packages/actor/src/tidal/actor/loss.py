@@ -107,6 +107,8 @@ class LossSettings:
     """``ppo_clip`` (token ratio), ``gspo`` (sequence ratio) or ``cispo``; from ``--advantage-estimator``."""
     loss_type: str = "policy_loss"
     """``policy_loss`` (RL), ``sft_loss`` (negative log-likelihood of the loss tokens) (``--loss-type``)."""
+    tis_mode: str = "truncate"
+    """Above the bound: "truncate" to it (TIS), or "mask" the token out of the loss (MIS) (``--tis-mode``)."""
 
 
 def actor_loss(
@@ -194,7 +196,15 @@ def _policy_loss(log_probs, fields, loss_mask, settings: LossSettings, reduce, c
     if settings.use_tis:
         if "rollout_log_probs" not in fields:
             raise ValueError("--use-tis needs the engine's log-probs: token field 'rollout_log_probs' is missing")
-        tis = torch.exp(old - fields["rollout_log_probs"]).clamp(max=settings.tis_clip)
+        # Decoupled PPO: old_log_probs are the proximal policy's (the actor's before this step), rollout_log_probs
+        # the behaviour policy's (the engines', possibly --max-staleness versions older).
+        weight = torch.exp(old - fields["rollout_log_probs"])
+        if settings.tis_mode == "mask":
+            kept = (weight <= settings.tis_clip).float()
+            tis = weight * kept
+            sums["tis_masked_frac"] = reduce(1.0 - kept)
+        else:
+            tis = weight.clamp(max=settings.tis_clip)
         pg = pg * tis
         sums["tis"] = reduce(tis)
     loss = reduce(pg)

@@ -45,6 +45,9 @@ class TrainerState:
     rollout_carry: list[Any] | None = dataclasses.field(default=None, repr=False)
     """What the rollout side carries from one rollout to the next (partial rollout's unfinished groups), as plain
     lists/dicts of JSON types; opaque here. None: nothing carried."""
+    rollout_buffer: list[Any] | None = dataclasses.field(default=None, repr=False)
+    """Rollouts generated but not yet trained on (asynchronous training), as plain JSON data; opaque here. None:
+    none was waiting."""
 
     @classmethod
     def capture(
@@ -56,8 +59,9 @@ class TrainerState:
         data_offset: int = 0,
         data_seed: int = 0,
         rollout_carry: list[Any] | None = None,
+        rollout_buffer: list[Any] | None = None,
     ) -> TrainerState:
-        """The given counters (and rollout carry-over) plus this process's python/numpy/torch RNG states, taken now."""
+        """The given counters (and rollout carry-over and buffer) plus this process's python/numpy/torch RNG states."""
         return cls(
             rollout_id=rollout_id,
             weight_version=weight_version,
@@ -66,6 +70,7 @@ class TrainerState:
             data_seed=data_seed,
             rng_state=_host_rng_state(),
             rollout_carry=rollout_carry,
+            rollout_buffer=rollout_buffer,
         )
 
     def restore_rng(self) -> None:
@@ -81,10 +86,11 @@ class TrainerState:
         """Plain dict for ``save_checkpoint(common_state=...)`` (loadable with ``weights_only=True``).
 
         Raises:
-            CheckpointError: ``rollout_carry`` is not plain JSON data (it could be saved but not loaded back).
+            CheckpointError: ``rollout_carry`` or ``rollout_buffer`` is not plain JSON data (it could be saved but
+                not loaded back).
         """
         try:
-            json.dumps(self.rollout_carry)
+            json.dumps([self.rollout_carry, self.rollout_buffer])
         except (TypeError, ValueError) as e:
             raise CheckpointError(
                 f"the rollout carry-over is not plain data and would not load back from the checkpoint: {e}; "
@@ -103,9 +109,9 @@ class TrainerState:
                 f"checkpoint common state lacks trainer field(s) {missing} (it has {sorted(state)}); it was not "
                 f"written by tidal's trainer. Load it with --hf-checkpoint or a fresh --save directory instead."
             )
-        opaque = ("rng_state", "rollout_carry")
+        opaque = ("rng_state", "rollout_carry", "rollout_buffer")
         values: dict[str, Any] = {name: int(state[name]) for name in names if name in state and name not in opaque}
-        return cls(**values, rng_state=state.get("rng_state"), rollout_carry=state.get("rollout_carry"))
+        return cls(**values, **{name: state.get(name) for name in opaque})
 
 
 def _host_rng_state() -> dict[str, Any]:

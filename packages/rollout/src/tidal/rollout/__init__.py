@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from tidal.rollout.generation import check_chat_template, filter_uniform_groups, generate_samples, rollout_metrics
     from tidal.rollout.health import Heartbeat
     from tidal.rollout.import_path import load_callable
-    from tidal.rollout.partial_rollout import generate_partial_rollout
+    from tidal.rollout.partial_rollout import InterruptibleUpdates, generate_partial_rollout
     from tidal.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
     from tidal.rollout.types import Sample
@@ -59,6 +59,7 @@ _LAZY = {
     "Heartbeat": "health",
     "load_callable": "import_path",
     "generate_partial_rollout": "partial_rollout",
+    "InterruptibleUpdates": "partial_rollout",
     "RewardFn": "rewards",
     "resolve_reward_fn": "rewards",
     "score_samples": "rewards",
@@ -88,6 +89,7 @@ __all__ = [
     "GenerateFn",
     "GroupFilter",
     "Heartbeat",
+    "InterruptibleUpdates",
     "MultiTurn",
     "RewardFn",
     "RolloutConfig",

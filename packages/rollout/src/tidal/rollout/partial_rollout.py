@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.rollout.client import SGLangClient
 from tidal.rollout.dispatch import fresh_group, run_groups
+from tidal.rollout.errors import RolloutError
 from tidal.rollout.progress import DEFAULT_LOG_EVERY_S, GenerationProgress
 from tidal.rollout.rewards import RewardFn, score_samples
 from tidal.rollout.types import Sample
@@ -74,6 +76,61 @@ def mask_offpolicy_tokens(samples: Sequence[Sample], current_version: str | None
         mask = [m if v == current_version else 0 for m, v in zip(mask, versions, strict=True)]
         out.append(dataclasses.replace(s, response_loss_mask=mask))
     return out
+
+
+class InterruptibleUpdates:
+    """Weight updates that do not wait for the requests in flight: they are aborted, and resumed under the new weights.
+
+    One per engine, shared by the threads that generate on it and the one that loads its weights (asynchronous
+    training, ``--max-staleness``). :meth:`update` aborts the engine's requests, then loads; :meth:`generate` runs a
+    generation and continues every sample an update cut, once that update is done, so the samples it returns are
+    finished and record per token which weights sampled it (``Sample.response_weight_versions``).
+    """
+
+    def __init__(self, engine: SGLangClient, *, timeout_s: float = 600.0) -> None:
+        """Interrupt ``engine``'s requests on update; a generation waits at most ``timeout_s`` for an update."""
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.interrupted_samples = 0
+        """Samples cut by an update and resumed, so far."""
+        self._updating = 0
+        self._cond = threading.Condition()
+
+    def update(self, load: Callable[[], None]) -> None:
+        """Abort the requests in flight, then ``load()`` the new weights (e.g. ``engine.update_weights_from_disk``)."""
+        with self._cond:
+            self._updating += 1  # before the abort: a generation that sees its samples cut waits for this update
+        try:
+            self.engine.abort()
+            load()
+        finally:
+            with self._cond:
+                self._updating -= 1
+                self._cond.notify_all()
+
+    def generate(
+        self,
+        generate: Callable[[], list[Sample]],
+        sampling_params: Mapping[str, Any],
+        *,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> list[Sample]:
+        """``generate()``'s samples, those an update aborted resumed after it, under its weights.
+
+        Raises:
+            RolloutError: An update did not finish within ``timeout_s``.
+        """
+        samples = generate()
+        while any(s.finish_reason == "abort" for s in samples):
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._updating == 0, timeout=self.timeout_s):
+                    raise RolloutError(
+                        f"{self.engine.url}: a weight update did not finish in {self.timeout_s:.0f} s while "
+                        f"{sum(s.finish_reason == 'abort' for s in samples)} interrupted sample(s) waited to resume"
+                    )
+            self.interrupted_samples += sum(s.finish_reason == "abort" for s in samples)
+            samples = resume_samples(self.engine, samples, sampling_params, decode=decode)
+        return samples
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
