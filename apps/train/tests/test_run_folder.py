@@ -22,7 +22,7 @@ def _finished_run(folder: Path, *, checkpoint: bool = True) -> None:
 def test_runs_without_output_dir_each_get_a_fresh_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = parse_job([])
-    assert Path(first.train.output_dir).parent == Path("runs")
+    assert Path(first.train.output_dir).parent == Path("runs").absolute()  # absolute: workers get it
     assert first.ckpt.save == str(Path(first.train.output_dir) / "ckpt")
     _finished_run(Path(first.train.output_dir))
     second = parse_job([])  # the same command again: no refusal, its own folder
