@@ -226,8 +226,8 @@ class SGLangEngine(ManagedServer):
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Free the engine's weights and KV cache (co-located mode: the trainer needs the GPU memory).
 
-        SGLang frees device memory only when started with ``--enable-memory-saver`` (``--sglang-enable-
-        memory-saver``, torch_memory_saver, CUDA only); without it the call runs the same protocol (the KV cache
+        SGLang frees device memory only when `train` passes ``--sglang-enable-memory-saver`` (SGLang's memory
+        saver: torch_memory_saver, CUDA only); without it the call runs the same protocol (the KV cache
         is flushed, the weights' buffers are stashed) and frees nothing, which is logged once. The server must
         be idle: abort or finish requests first. On CPU it runs for real: the sgl_kernel stand-in's
         ``CpuMemoryReleaseFinder`` keeps SGLang's trailing ``torch.cuda.synchronize()`` from killing the server.
