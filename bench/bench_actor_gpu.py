@@ -479,9 +479,10 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         profile(report, args, lambda: actor.train_step(biggest), "train")
         profile(report, args, logprob_pass, "logprob")
     if args.max_tokens_recompute:
-        enable_layer_recompute(actor.model)
+        enable_layer_recompute(actor.model, args.recompute_num_layers)
+        layers = f"_{args.recompute_num_layers}_layers" if args.recompute_num_layers else ""
         for max_tokens in args.max_tokens_recompute:
-            train(max_tokens, f"tidal_train_recompute_{max_tokens}")
+            train(max_tokens, f"tidal_train_recompute{layers}_{max_tokens}")
     export_section(report, args, actor)
 
 
@@ -739,6 +740,7 @@ def main() -> None:
     p.add_argument("--max-tokens-logprob", type=int, default=32768)
     p.add_argument("--max-tokens-train", type=int, nargs="*", default=[16384, 32768])
     p.add_argument("--max-tokens-recompute", type=int, nargs="*", default=[])
+    p.add_argument("--recompute-num-layers", type=int, default=0, help="with --max-tokens-recompute: first N (0: all)")
     p.add_argument("--precision", choices=["bf16-main", "autocast"], default="bf16-main")
     p.add_argument("--no-fused", action="store_true", help="fused_kernels=False (no Triton kernels)")
     p.add_argument("--ab-fused", action="store_true", help="also time the actor with fused kernels off")

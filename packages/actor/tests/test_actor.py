@@ -125,6 +125,25 @@ def test_recompute_activations_gives_the_same_step(dist_env, qwen2_dir):
         torch.testing.assert_close(p1, p2, atol=1e-6, rtol=0, msg=name)
 
 
+def test_recompute_num_layers_recomputes_only_the_first_layers(dist_env, qwen2_dir):
+    cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0)
+    plain = Actor(ActorConfig(**cfg))
+    partial = Actor(ActorConfig(**cfg, recompute_activations=True, recompute_num_layers=1))
+    assert len(partial.model.decoder.layers) > 1
+    calls = {}
+    for i, layer in enumerate(partial.model.decoder.layers):
+        layer.self_attention.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+    b1, b2 = rl_batch(plain, SEQS), rl_batch(partial, SEQS)  # (a forward each: counted from here on)
+    calls.clear()
+    m1, m2 = plain.train_step([b1]), partial.train_step([b2])
+    assert calls == {0: 2, **{i: 1 for i in range(1, len(partial.model.decoder.layers))}}
+    assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-5)
+    for (name, p1), p2 in zip(plain.model.named_parameters(), partial.model.parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, atol=1e-6, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="--recompute-num-layers 2 needs --recompute-activations"):
+        ActorConfig(hf_checkpoint="x", recompute_num_layers=2)
+
+
 def test_config_errors_name_the_flag():
     with pytest.raises(ValueError, match="--eps-clip"):
         ActorConfig(hf_checkpoint="x", eps_clip=0.0)

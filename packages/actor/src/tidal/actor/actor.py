@@ -77,7 +77,7 @@ class Actor:
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage)
         if cfg.recompute_activations:
-            enable_layer_recompute(self.model)
+            enable_layer_recompute(self.model, cfg.recompute_num_layers)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # with tied embeddings split over stages, the first stage's embedding and the last stage's output weight
         self._tied_index = None

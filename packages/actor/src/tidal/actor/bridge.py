@@ -111,15 +111,16 @@ def _process_groups() -> ProcessGroupCollection:
     return groups
 
 
-def enable_layer_recompute(model: GPTModel) -> None:
-    """Recompute every transformer layer during backward instead of keeping its activations.
+def enable_layer_recompute(model: GPTModel, num_layers: int = 0) -> None:
+    """Recompute the first ``num_layers`` transformer layers (0: every layer) in backward, not keep their activations.
 
     Uses ``torch.utils.checkpoint`` (non-reentrant) per layer rather than Megatron's
     ``recompute_granularity="full"``: Megatron's ``CheckpointFunction`` does not restore the autocast
     state, so under bf16 autocast its recomputation ran in fp32 (3.5x slower on an H200, and not the
     forward that produced the loss). The layers have no dropout, so no RNG state needs replaying.
     """
-    for layer in model.decoder.layers:
+    layers = list(model.decoder.layers)
+    for layer in layers[:num_layers] if num_layers > 0 else layers:
         forward = layer.forward
 
         def checkpointed(*args, _forward=forward, **kwargs):

@@ -34,6 +34,10 @@ class ActorConfig:
     memory ~2 bytes x tokens x vocab / tp per micro-batch: 10 GB at 32k tokens, 152k vocab)."""
     recompute_activations: bool = False
     """Recompute each transformer layer in backward instead of storing its activations."""
+    recompute_num_layers: int = 0
+    """With --recompute-activations: recompute only the first N layers of each pipeline stage (Megatron's block
+    method), keeping the others' activations; 0 recomputes every layer. Trades memory
+    (about 1/layers of the activations per layer) for a forward of each recomputed layer."""
     lr: float = 1e-6
     """Peak learning rate."""
     lr_warmup_steps: int = field(default=0, metadata={"flag": "--lr-warmup-iters"})
@@ -118,8 +122,18 @@ class ActorConfig:
                 "fp32 parameters are their own main copy: drop --fp32-main-params"
             )
 
+    def _check_recompute(self) -> None:
+        if self.recompute_num_layers < 0:
+            raise ValueError(f"--recompute-num-layers must be >= 0 (0: every layer), got {self.recompute_num_layers}")
+        if self.recompute_num_layers and not self.recompute_activations:
+            raise ValueError(
+                f"--recompute-num-layers {self.recompute_num_layers} needs --recompute-activations (it says how many "
+                "layers to recompute)"
+            )
+
     def __post_init__(self) -> None:
         self._check_model()
+        self._check_recompute()
         for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay), ("--clip-grad", self.clip_grad)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
