@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
-from tidal.actor.attention import _varlen_attn_supports_gqa
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +148,7 @@ def split_rope_qkv(
     ``bias`` is the QKV projection's bias (``[groups * (heads_per_group + 2) * dim]``, or None): megatron's linear
     layer adds it as a separate broadcast add (and sums its gradient in another pass); here it rides along.
     ``expand_kv`` returns k and v repeated for each q head of their group (``repeat_interleave``), for an attention
-    kernel without grouped-query support (torch 2.11's ``varlen_attn``), instead of a separate copy there.
+    kernel without grouped-query support (tidal's own attention takes them grouped), instead of a separate copy.
     ``qk_norm`` (Qwen3's q/k RMSNorm over each head) normalises q and k before the rotation; norm and rotation are
     one fp32 computation rounded once.
 
@@ -262,10 +261,9 @@ class PackedSelfAttention(SelfAttention):
         dim = self.hidden_size_per_attention_head
         if self.fused_kernels and mixed.is_cuda and dim & (dim - 1) == 0:
             from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
-        # varlen_attn without grouped-query support would repeat k/v itself: write them repeated right away
-        expand = mixed.is_cuda and not _varlen_attn_supports_gqa()
         qk_norm = self._qk_norm()  # None for layers without q/k norm
-        q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, expand, qk_norm)
+        # k/v stay grouped: the varlen attention kernel takes them so (packed_causal_attention)
+        q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, False, qk_norm)
         return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
 
 
