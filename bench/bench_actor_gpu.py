@@ -362,7 +362,7 @@ def time_optimizer_steps(actor) -> list[float]:
     return step_times
 
 
-def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
+def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:  # noqa: C901
     from tidal.actor import Actor
     from tidal.actor.bridge import enable_layer_recompute
     from tidal.batching import pack_micro_batches, plan_micro_batches, unpack
@@ -457,6 +457,10 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
             train(max(fits), f"tidal_train_{max(fits)}_recompute_lm_head_{actor._recompute_lm_head}")
         finally:
             actor._recompute_lm_head = not actor._recompute_lm_head
+    if args.ab_wgrad_fusion and fits and actor._fused:  # the fusion is on with fused kernels (CUDA)
+        wgrad_fusion_ab(
+            report, actor, train_mbs(max(fits)), lambda: train(max(fits), f"tidal_train_{max(fits)}_no_wgrad_fusion")
+        )
     if args.ab_fused and actor._fused:  # the same passes with SwiGLU, RoPE and the log-softmax unfused (eager)
         from tidal.actor import fused
 
@@ -484,6 +488,30 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         for max_tokens in args.max_tokens_recompute:
             train(max_tokens, f"tidal_train_recompute{layers}_{max_tokens}")
     export_section(report, args, actor)
+
+
+def wgrad_fusion_ab(report: dict, actor, mbs, time_without) -> None:
+    """The same step with megatron's gradient-accumulation fusion on and off: gradients agree, time without it."""
+    from tidal.actor.compat import WgradAccum
+
+    x, g = (torch.randn(8192, n, device=DEV, dtype=torch.bfloat16) for n in (1536, 4096))
+    main_grad = torch.randn(4096, 1536, device=DEV)
+    want = main_grad + g.float().t() @ x.float()
+    WgradAccum.wgrad_gemm_accum_fp32(x, g, main_grad)
+    report["wgrad_accum_max_rel_diff"] = float((main_grad - want).abs().max() / want.abs().max())
+    linears = [m for m in actor.model.modules() if hasattr(m, "gradient_accumulation_fusion")]
+    norms = {}
+    for on in (True, False):
+        for m in linears:
+            m.gradient_accumulation_fusion = on
+        norms[on] = actor.train_step(mbs)["train/grad_norm"]
+    report["wgrad_fusion_grad_norm_on_off"] = [norms[True], norms[False]]
+    log(f"wgrad fusion: accum rel diff {report['wgrad_accum_max_rel_diff']:.2e}, grad norm on/off {norms}")
+    try:
+        time_without()
+    finally:
+        for m in linears:
+            m.gradient_accumulation_fusion = True
 
 
 def export_section(report: dict, args, actor) -> None:
@@ -746,6 +774,7 @@ def main() -> None:
     p.add_argument("--ab-fused", action="store_true", help="also time the actor with fused kernels off")
     p.add_argument("--keep-lm-head", action="store_true", help="recompute_lm_head=False (keep the chunks' logits)")
     p.add_argument("--ab-lm-head", action="store_true", help="also time training with the other LM-head setting")
+    p.add_argument("--ab-wgrad-fusion", action="store_true", help="also time training with wgrad fusion off")
     p.add_argument("--bucket-mb", type=int, default=512, help="weight-export bucket size")
     p.add_argument("--hf-train-mbs", type=int, nargs="*", default=[2])
     p.add_argument("--hf-logprob-mbs", type=int, default=8)

@@ -162,3 +162,55 @@ def test_patch8_p2p_communicator_synchronizes_cuda(dist_env, monkeypatch):
     with pytest.raises(CUDA_ERRORS):  # after batched send/receive (batch_p2p_sync, the default)
         compat.ORIGINALS["P2PCommunicator._communicate"](comm, **nothing)
     assert torch.cuda.synchronize is not compat._cpu_synchronize  # restored after the calls too
+
+
+def test_patch9_megatron_refuses_wgrad_fusion_without_apex_and_the_shim_accumulates(dist_env):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, layers
+
+    compat.apply_wgrad_accumulation_fusion()
+    assert compat.ORIGINALS["megatron.core.tensor_parallel.layers._grad_accum_fusion_available"]() is False
+    config = _tiny_config()
+    config.gradient_accumulation_fusion = True
+    layers._grad_accum_fusion_available = False  # what megatron finds without APEX
+    try:
+        with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+            ColumnParallelLinear(4, 6, config=config, init_method=torch.nn.init.normal_, bias=False)
+    finally:
+        layers._grad_accum_fusion_available = True
+    linear = ColumnParallelLinear(4, 6, config=config, init_method=torch.nn.init.normal_, bias=False)
+    main_grad = torch.full((6, 4), 0.5)
+    linear.weight.main_grad = main_grad
+    x = torch.randn(3, 2, 4, requires_grad=True)
+    g = torch.randn(3, 2, 6)
+    out, _ = linear(x)
+    out.backward(g)
+    assert linear.weight.grad is None  # no separate weight gradient: it went into main_grad
+    expected = 0.5 + g.reshape(-1, 6).t() @ x.detach().reshape(-1, 4)
+    torch.testing.assert_close(main_grad, expected)
+    assert x.grad is not None
+
+
+def test_patch9_shim_adds_half_precision_gradients_into_fp32():
+    x, g = torch.randn(5, 3, dtype=torch.bfloat16), torch.randn(5, 2, dtype=torch.bfloat16)
+    main_grad = torch.ones(2, 3)
+    compat.WgradAccum.wgrad_gemm_accum_fp32(x, g, main_grad)
+    torch.testing.assert_close(main_grad, 1 + g.float().t() @ x.float())
+
+
+def test_patch9_main_params_take_fused_weight_gradients(dist_env):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from tidal.actor.main_params import MainParams
+
+    compat.apply_wgrad_accumulation_fusion()
+    config = _tiny_config(params_dtype=torch.bfloat16, gradient_accumulation_fusion=True)
+    linear = ColumnParallelLinear(4, 6, config=config, init_method=torch.nn.init.normal_, bias=True)
+    linear = linear.to(torch.bfloat16)
+    main = MainParams(list(linear.parameters()))
+    x = torch.randn(5, 4, dtype=torch.bfloat16)
+    for _ in range(2):  # two micro-batches accumulate
+        out, _ = linear(x)
+        out.float().sum().backward()
+    weight_grad, bias_grad = main.main[0].grad, main.main[1].grad
+    torch.testing.assert_close(weight_grad, 2 * torch.ones(5, 6).t() @ x.float())
+    torch.testing.assert_close(bias_grad, torch.full((6,), 10.0))  # the bias takes the hook's path
+    assert all(p.grad is None for p in linear.parameters())

@@ -15,7 +15,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
-from tidal.actor.compat import apply_cpu_compat
+from tidal.actor.compat import apply_cpu_compat, apply_wgrad_accumulation_fusion
 from tidal.actor.config import ActorConfig
 from tidal.actor.context_parallel import context_parallel_size, gather_rows, shard_inputs
 from tidal.actor.distributed import all_reduce_gradients, clip_gradients
@@ -63,6 +63,10 @@ class Actor:
         self._exporters: dict[tuple, HFExporter] = {}
         self.spec = read_hf_config(cfg.hf_checkpoint)
         self.stage = PipelineStage.current(self.spec.num_layers)
+        # bf16 weights with fp32 main copies on CUDA: the weight-gradient GEMMs accumulate into the main gradients
+        wgrad_fusion = self._fused and cfg.fp32_main_params
+        if wgrad_fusion:
+            apply_wgrad_accumulation_fusion()
         config = to_transformer_config(
             self.spec,
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -71,6 +75,7 @@ class Actor:
             fused_swiglu=self._fused,
             context_parallel_size=context_parallel_size(),
             pipeline_model_parallel_size=self.stage.size,
+            gradient_accumulation_fusion=wgrad_fusion,
         )
         # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
         model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused)

@@ -37,7 +37,15 @@ patch wrong or unnecessary):
    ``variable_seq_lengths`` needs) and after every batched send/receive (``_communicate``, ``batch_p2p_sync``, the
    default). Both are wrapped; ``torch.cuda.synchronize`` itself is left alone everywhere else.
 
-Patches 2–4, 7 and 8 are applied only when ``torch.cuda.is_available()`` is false.
+9. Megatron's gradient-accumulation fusion (``TransformerConfig.gradient_accumulation_fusion``), which the actor
+   turns on for bf16 parameters with fp32 main copies on CUDA: each linear layer's weight gradient is accumulated by
+   the GEMM itself into the fp32 main gradient (``weight.main_grad``, set by ``main_params.MainParams``), with no
+   bf16 gradient and no separate add in between. Megatron takes that GEMM from APEX's ``fused_weight_gradient_mlp_cuda``
+   and refuses the option without APEX; ``WgradAccum`` is the same two functions in torch (``addmm`` with
+   ``out_dtype=float32``: cuBLAS with beta = 1 into the main gradient), installed with megatron's availability flag by
+   ``apply_wgrad_accumulation_fusion``, called by the actor before it builds such a model.
+
+Patches 2–4, 7 and 8 are applied only when ``torch.cuda.is_available()`` is false; patch 9 only when the actor asks.
 """
 
 from __future__ import annotations
@@ -233,3 +241,32 @@ def apply_cpu_compat() -> bool:
             "synchronize)"
         )
     return True
+
+
+class WgradAccum:
+    """APEX's ``fused_weight_gradient_mlp_cuda`` in torch: ``main_grad += grad_output^T @ input``, in place."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        """Accumulate the weight gradient of half-precision ``[..., in]`` / ``[..., out]`` into fp32 ``[out, in]``."""
+        grad_t = grad_output.reshape(-1, grad_output.size(-1)).t()
+        x = total_input.reshape(-1, total_input.size(-1))
+        if main_grad.is_cuda and grad_t.dtype != main_grad.dtype:
+            torch.addmm(main_grad, grad_t, x, out_dtype=main_grad.dtype, out=main_grad)
+        else:  # no mixed-dtype addmm on the CPU (aten::addmm.dtype_out is CUDA-only): the same sum, unfused
+            main_grad.add_(grad_t.to(main_grad.dtype) @ x.to(main_grad.dtype))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32  # a half-precision main gradient: the same call
+
+
+def apply_wgrad_accumulation_fusion() -> None:
+    """Patch 9: let megatron's linear layers accumulate weight gradients into ``main_grad`` (idempotent)."""
+    from megatron.core.tensor_parallel import layers
+
+    if getattr(layers, "fused_weight_gradient_mlp_cuda", None) is WgradAccum:
+        return
+    available = layers._grad_accum_fusion_available  # False without APEX: megatron would refuse the option
+    ORIGINALS["megatron.core.tensor_parallel.layers._grad_accum_fusion_available"] = lambda: available
+    layers.fused_weight_gradient_mlp_cuda = WgradAccum
+    layers._grad_accum_fusion_available = True
+    logger.info("gradient-accumulation fusion: linear weight gradients accumulate into the fp32 main gradients")

@@ -124,11 +124,14 @@ def to_transformer_config(
     fused_swiglu: bool = False,
     context_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    gradient_accumulation_fusion: bool = False,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` equivalent to the HF model (no dropout, no TE).
 
     ``fused_swiglu`` turns on megatron's SwiGLU fusion (``torch.compile``d; saves only the MLP's fc1 output for
-    backward instead of three tensors); every other fusion stays off.
+    backward instead of three tensors); ``gradient_accumulation_fusion`` makes linear layers accumulate weight
+    gradients into each weight's ``main_grad`` (needs ``compat.apply_wgrad_accumulation_fusion``); every other fusion
+    stays off.
 
     With ``pipeline_model_parallel_size`` > 1 the settings Megatron's 1F1B schedule needs for packed micro-batches of
     varying length: ``variable_seq_lengths`` (stages exchange each activation's shape first), which megatron-core
@@ -184,7 +187,7 @@ def to_transformer_config(
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=context_parallel_size,

@@ -7,8 +7,10 @@ activations), while the optimizer works on fp32 copies: RL learning rates (~1e-6
 
 Gradients: autograd writes each parameter's bf16 gradient; a post-accumulate-grad hook adds it into the fp32
 ``.grad`` of the parameter's main copy and frees it, so accumulation over micro-batches is in fp32 and at most one
-bf16 gradient per parameter exists at a time. Memory per parameter: 2 (bf16) + 4 (main) + 4 (main grad) + 8 (Adam)
-= 18 bytes, against 16 for fp32 parameters, but activations are half the size and no bf16 weight copies are cached.
+bf16 gradient per parameter exists at a time. Linear layers under megatron's gradient-accumulation fusion skip the
+bf16 gradient: their weight-gradient GEMM adds into ``param.main_grad``, the same fp32 tensor. Memory per parameter:
+2 (bf16) + 4 (main) + 4 (main grad) + 8 (Adam) = 18 bytes, against 16 for fp32 parameters, but activations are half
+the size and no bf16 weight copies are cached.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class MainParams:
                 if hasattr(p, attr):
                     setattr(main, attr, getattr(p, attr))
             main.grad = torch.zeros_like(main)
+            p.main_grad = main.grad  # where megatron's gradient-accumulation fusion adds linear weight gradients
             self.main.append(main)
         self._handles = [
             p.register_post_accumulate_grad_hook(_accumulator(m)) for p, m in zip(params, self.main, strict=True)
@@ -63,6 +66,8 @@ class MainParams:
 
 def _accumulator(main: torch.nn.Parameter):
     def hook(param: torch.Tensor) -> None:
+        if param.grad is None:  # gradient-accumulation fusion: the GEMM already added it into main_grad
+            return
         main.grad.add_(param.grad)
         param.grad = None
 
