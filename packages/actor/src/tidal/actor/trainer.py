@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -87,7 +88,8 @@ def train_on_rollout(
         with ``rollout_log_probs``, the engine-actor agreement over the whole rollout (every DP rank's tokens):
         "rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl". With a critic
         also its steps' mean "critic/value_loss", "critic/clipfrac", "critic/values_mean", "critic/grad_norm", ...,
-        "critic/explained_variance" of its values before the steps, "critic/returns_mean" and "train/critic_only".
+        "critic/explained_variance" of its values before the steps (absent when the returns do not vary),
+        "critic/returns_mean" and "train/critic_only".
     """
     cfg = actor.cfg
     if normalize_std is None:
@@ -193,10 +195,10 @@ def _gae(packed: list[list[PackedBatch]], cfg, *, device) -> tuple[list[list[Pac
             adv, returns = next(it)
             mb = _with_field(mb, "returns", returns)
             out[-1].append(_with_field(mb, "advantages", whiten(adv, mb.loss_mask, sums)))
-    metrics = {
-        "critic/explained_variance": explained_variance(ev_sums),
-        "critic/returns_mean": float(ev_sums[1]) / max(float(ev_sums[0]), 1.0),
-    }
+    metrics = {"critic/returns_mean": float(ev_sums[1]) / max(float(ev_sums[0]), 1.0)}
+    ev = explained_variance(ev_sums)
+    if math.isfinite(ev):  # undefined when every return is the same
+        metrics["critic/explained_variance"] = ev
     return out, metrics
 
 
