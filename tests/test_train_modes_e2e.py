@@ -244,7 +244,8 @@ def test_the_checkpoint_of_an_async_run_holds_the_rollout_generated_ahead(one_st
 
 @pytest.fixture(scope="module")
 def debug_runs(tmp_path_factory, external_engine):
-    """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them."""
+    """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them with PPO (a critic; the first
+    rollout trains it alone)."""
     root = tmp_path_factory.mktemp("debug")
     data = root / "rollouts"
     gen = [*COMMON, "--num-rollout", "2", "--debug-rollout-only", "--save-debug-rollout-data", str(data),
@@ -252,7 +253,9 @@ def debug_runs(tmp_path_factory, external_engine):
            "--rollout-external-engine-addrs", external_engine]  # fmt: skip
     code, gen_log, gen_left = _train(gen, out=root / "gen")
     assert code == 0, gen_log[-6000:]
-    trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data)]
+    trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data),
+           "--advantage-estimator", "ppo", "--num-critic-only-steps", "1", "--value-clip", "0.2", "--lambd", "0.95",
+           "--critic-lr", "1e-3"]  # fmt: skip
     code, train_log, train_left = _train(trn, out=root / "train")
     assert code == 0, train_log[-6000:]
     return root, data, gen_left | train_left
@@ -269,7 +272,7 @@ def test_rollout_only_generates_without_training(debug_runs):
     assert not (root / "gen" / "ckpt").exists()
 
 
-def test_train_only_trains_on_the_saved_rollouts(debug_runs):
+def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
     from tidal.rollout import load_rollout_data
 
     root, data, leftovers = debug_runs
@@ -278,7 +281,14 @@ def test_train_only_trains_on_the_saved_rollouts(debug_runs):
     for r in records:
         saved = load_rollout_data(data, r["rollout"])
         assert r["rollout/reward/mean"] == pytest.approx(sum(s.reward for s in saved) / len(saved))
-        assert r["train/grad_norm"] >= 0.0 and "train/loss" in r
+        assert r["critic/lr"] == 1e-3 and r["critic/grad_norm"] >= 0.0
+        for key in ("critic/value_loss", "critic/clipfrac", "critic/values_mean", "critic/returns_mean"):
+            assert math.isfinite(r[key]), key
+        assert math.isfinite(r.get("critic/explained_variance", 0.0))  # absent when the returns did not vary
+    # --num-critic-only-steps 1: rollout 0 trains the critic alone, rollout 1 both
+    assert records[0]["train/critic_only"] == 1.0 and "train/loss" not in records[0]
+    assert records[1]["train/critic_only"] == 0.0 and records[1]["train/grad_norm"] > 0.0
+    assert math.isfinite(records[1]["train/loss"])
     summary = json.loads((root / "train" / "summary.json").read_text())
     assert summary["engine_pids"] == []
     assert (root / "train" / "ckpt" / "latest_checkpointed_iteration.txt").exists()

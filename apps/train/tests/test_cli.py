@@ -162,6 +162,14 @@ BAD = [
         ["--max-staleness", "1", "--rollout-external-engine-addrs", "h:1", "--debug-rollout-only"],
         "--max-staleness 1 .*--debug-rollout-only",
     ),
+    (["--value-clip", "0.2"], "^--value-clip .*only --advantage-estimator ppo has .*pass --advantage-estimator ppo"),
+    (["--num-critic-only-steps", "2"], "^--num-critic-only-steps .*--advantage-estimator ppo"),
+    (["--advantage-estimator", "grpo", "--lambd", "0.95"], "^--lambd .*--advantage-estimator grpo"),
+    (["--critic-lr", "1e-5"], "^--critic-lr .*--advantage-estimator ppo"),
+    (["--advantage-estimator", "ppo", "--lambd", "2"], "^--lambd must be in \\[0, 1\\]"),
+    (["--advantage-estimator", "ppo", "--value-clip", "-1"], "^--value-clip must be > 0"),
+    (["--critic-load", "{file}"], "^--critic-load starts the critic of --advantage-estimator ppo"),
+    (["--advantage-estimator", "ppo", "--critic-load", "/nonexistent"], "^--critic-load /nonexistent does not exist"),
 ]
 
 

@@ -4,6 +4,7 @@ The batch: groups of different sizes (3, 1, 4, 2), responses with a prompt, a ma
 (a tool output) and a padding tail, so token-level and sample-level masks both matter.
 """
 
+import dataclasses
 import statistics
 
 import pytest
@@ -12,6 +13,9 @@ from tidal.actor import ActorConfig
 from tidal.actor.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
+    explained_variance,
+    explained_variance_sums,
+    gae_advantages,
     grpo_advantages,
     overlong_penalty,
     token_advantages,
@@ -19,7 +23,7 @@ from tidal.actor.advantages import (
     whiten_sums,
 )
 from tidal.actor.config import _ADVANTAGE_ESTIMATORS
-from tidal.actor.trainer import _kl_shaped, _response_len, _token_level
+from tidal.actor.trainer import _gae, _kl_shaped, _response_len, _token_level
 from tidal.batching import pack
 
 REWARDS = [1.0, 0.0, 0.5, 0.7, 0.0, 1.0, 1.0, 0.25, 2.0, -1.0]
@@ -155,7 +159,7 @@ def test_kl_coef_shapes_the_advantage_per_token():
 
 def test_estimator_and_loss_flags_are_checked():
     with pytest.raises(ValueError, match="--advantage-estimator"):
-        ActorConfig(hf_checkpoint="x", advantage_estimator="ppo")
+        ActorConfig(hf_checkpoint="x", advantage_estimator="ppo2")
     with pytest.raises(ValueError, match="--gamma"):
         ActorConfig(hf_checkpoint="x", gamma=1.5)
     with pytest.raises(ValueError, match="--custom-loss-function-path"):
@@ -174,3 +178,98 @@ def test_dapo_overlong_penalty_formula():
     assert _response_len([0, 0, 1, 1, 0, 1]) == 4 and _response_len([0, 0]) == 0
     with pytest.raises(ValueError, match="--overlong-buffer-len"):
         ActorConfig(hf_checkpoint="x", overlong_buffer_len=1024, max_response_len=1024)
+
+
+# PPO: the critic's value of the state before each token (tidal's convention), on every position of the batch.
+VALUES = [[0.0, 0.3, 0.5, -0.2, 9.0, 0.8, 0.1], [0.4, 0.6, -0.3, 0.2], [7.0, 7.0, 0.2, 0.9, -0.4]]
+
+
+def gae_reference(kl_coef, gamma, lambd):
+    """GAE straight from the definition on each sample's action tokens t = 0..n-1 (tool and prompt tokens skipped):
+    r_t = -kl_coef * KL_t (+ the reward on the last action), delta_t = r_t + gamma * V_{t+1} - V_t with V_n = 0,
+    A_t = sum_{l >= 0} (gamma * lambd)^l delta_{t+l}; returns R_t = A_t + V_t."""
+    adv, ret = [], []
+    for mask, kl, values, reward in zip(MASKS, KL, VALUES, SAMPLE_REWARDS, strict=True):
+        actions = [t for t, m in enumerate(mask) if m]
+        rs = [-kl_coef * kl[t] for t in actions]
+        rs[-1] += reward
+        vs = [values[t] for t in actions] + [0.0]
+        deltas = [rs[k] + gamma * vs[k + 1] - vs[k] for k in range(len(rs))]
+        a = {t: sum((gamma * lambd) ** (s - k) * deltas[s] for s in range(k, len(rs))) for k, t in enumerate(actions)}
+        adv += [a.get(t, 0.0) for t in range(len(mask))]
+        ret += [a[t] + values[t] if t in a else 0.0 for t in range(len(mask))]
+    pad = packed_batch().tokens.numel() - len(adv)
+    return torch.tensor(adv + [0.0] * pad), torch.tensor(ret + [0.0] * pad)
+
+
+def ppo_batch():
+    mb = packed_batch()
+    values = torch.tensor([v for vs in VALUES for v in vs] + [5.0] * (mb.tokens.numel() - sum(map(len, VALUES))))
+    return mb, values
+
+
+@pytest.mark.parametrize(
+    ("kl_coef", "gamma", "lambd"), [(0.0, 1.0, 1.0), (0.1, 1.0, 0.95), (0.2, 0.9, 0.8), (0.0, 0.99, 0.0)]
+)
+def test_gae_formula(kl_coef, gamma, lambd):
+    mb, values = ppo_batch()
+    kl = mb.token_fields["old_log_probs"] - mb.token_fields["ref_log_probs"]
+    adv, ret = gae_advantages(
+        mb.token_fields["advantages"],
+        kl,
+        values,
+        mb.loss_mask,
+        mb.cu_seqlens,
+        kl_coef=kl_coef,
+        gamma=gamma,
+        lambd=lambd,
+    )
+    expected_adv, expected_ret = gae_reference(kl_coef, gamma, lambd)
+    torch.testing.assert_close(adv, expected_adv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ret, expected_ret, rtol=1e-5, atol=1e-5)
+    if lambd == 1.0 and gamma == 1.0 and kl_coef == 0.0:  # Monte-Carlo: every action's return is the reward
+        expected = [r * m for r, mask in zip(SAMPLE_REWARDS, MASKS, strict=True) for m in mask]
+        torch.testing.assert_close(ret[: len(expected)], torch.tensor(expected))
+
+
+def test_ppo_trainer_path_whitens_the_gae_advantages_over_the_rollout_and_keeps_raw_returns():
+    mb, values = ppo_batch()
+    mb = dataclasses.replace(mb, token_fields={**mb.token_fields, "old_values": values})
+    cfg = ActorConfig(hf_checkpoint="x", advantage_estimator="ppo", kl_coef=0.1, gamma=0.9, lambd=0.8)
+    ((got, again),), metrics = _gae([[mb, mb]], cfg, device="cpu")
+    expected_adv, expected_ret = gae_reference(0.1, 0.9, 0.8)
+    mask = mb.loss_mask.bool()
+    raw = expected_adv[mask]
+    whitened = (expected_adv - raw.mean()) / (raw.var(unbiased=False) + 1e-8) ** 0.5 * mb.loss_mask
+    for out in (got, again):
+        torch.testing.assert_close(out.token_fields["advantages"], whitened, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.token_fields["returns"], expected_ret, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.token_fields["old_values"], values)
+    r, v = expected_ret[mask].double(), values[mask].double()
+    assert metrics["critic/explained_variance"] == pytest.approx(
+        float(1 - (r - v).var(unbiased=False) / r.var(unbiased=False))
+    )
+    assert metrics["critic/returns_mean"] == pytest.approx(float(r.mean()))
+
+
+def test_explained_variance_of_a_perfect_and_a_constant_critic():
+    returns, mask = torch.tensor([1.0, 2.0, 4.0, 9.0]), torch.tensor([1, 1, 1, 0])
+    assert explained_variance(explained_variance_sums(returns, returns, mask)) == pytest.approx(1.0)
+    assert explained_variance(explained_variance_sums(torch.full((4,), 2.0), returns, mask)) == pytest.approx(0.0)
+
+
+def test_critic_flags_need_ppo():
+    for kwargs, flag in (
+        ({"value_clip": 0.2}, "--value-clip"),
+        ({"num_critic_only_steps": 2}, "--num-critic-only-steps"),
+        ({"lambd": 0.9}, "--lambd"),
+        ({"critic_lr": 1e-5}, "--critic-lr"),
+    ):
+        with pytest.raises(ValueError, match=f"^{flag} .*--advantage-estimator ppo"):
+            ActorConfig(hf_checkpoint="x", **kwargs)
+        ActorConfig(hf_checkpoint="x", advantage_estimator="ppo", **kwargs)
+    for kwargs, flag in (({"lambd": 1.5}, "--lambd"), ({"value_clip": 0.0}, "--value-clip")):
+        with pytest.raises(ValueError, match=flag):
+            ActorConfig(hf_checkpoint="x", advantage_estimator="ppo", **kwargs)
+    with pytest.raises(ValueError, match="--custom-advantage-function-path"):
+        ActorConfig(hf_checkpoint="x", advantage_estimator="ppo", custom_advantage_function_path="m:f")

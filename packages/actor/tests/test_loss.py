@@ -3,7 +3,16 @@ import math
 
 import pytest
 import torch
-from tidal.actor.loss import LossSettings, actor_loss, grpo_advantages, kl_penalty, load_function, ppo_clip_loss
+from tidal.actor.loss import (
+    LossSettings,
+    actor_loss,
+    critic_loss,
+    grpo_advantages,
+    kl_penalty,
+    load_function,
+    ppo_clip_loss,
+    value_loss,
+)
 
 
 def test_grpo_advantages_matches_manual():
@@ -250,3 +259,57 @@ def test_tis_truncates_or_masks_the_behaviour_to_proximal_weight(mode):
     assert loss.item() == pytest.approx(-(1.0 + math.exp(0.5) + last) / 3)
     assert sums["tis"].item() == pytest.approx((1.0 + math.exp(0.5) + last) / 3)
     assert ("tis_masked_frac" in sums) == (mode == "mask")
+
+
+@pytest.mark.parametrize("value_clip", [None, 0.2])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_value_loss_matches_ppo_clipped_value_formula_values_and_gradients(value_clip, per_token):
+    # L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per action token, aggregated as the actor's
+    _, old, _, mask, cu = seg_batch(4)
+    torch.manual_seed(5)
+    returns = torch.randn(mask.numel())
+    values = (old + torch.randn(mask.numel()) * 0.4).requires_grad_()  # many tokens moved further than 0.2
+    fields = {"old_values": old, "returns": returns}
+    if not per_token:
+        fields["loss_weights"] = per_sample_weights(mask, cu)
+    denom = float(mask.sum()) if per_token else 3.0
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, value_clip=value_clip)
+    loss, sums = critic_loss(values, None, fields, mask, settings, num_loss_tokens=denom)
+    loss.backward()
+
+    ref_values = values.detach().clone().requires_grad_()
+    expected, clipped_tokens, weights = 0.0, 0, fields.get("loss_weights", torch.ones(mask.numel()))
+    for t in range(mask.numel()):
+        if not mask[t]:
+            continue
+        v, v_old, r = ref_values[t], float(old[t]), float(returns[t])
+        term = (v - r) ** 2
+        if value_clip is not None:
+            v_clip = v_old + min(max(float(v) - v_old, -value_clip), value_clip)
+            if v_clip - r != float(v) - r:  # the clipped branch is constant in v: no gradient through it
+                clipped = torch.tensor((v_clip - r) ** 2)
+                clipped_tokens += int(clipped > term)
+                term = torch.maximum(term, clipped)
+        expected = expected + 0.5 * term * float(weights[t]) / denom
+    expected.backward()
+    expected = float(expected.detach())
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    torch.testing.assert_close(values.grad, ref_values.grad, rtol=1e-5, atol=1e-7)
+    assert sums["value_loss"].item() == pytest.approx(expected, rel=1e-5)
+    if value_clip is None:
+        assert sums["clipfrac"].item() == 0.0
+    else:
+        assert clipped_tokens > 0 and (values.grad[mask.bool()] == 0).sum() == clipped_tokens  # clipped: no gradient
+        if per_token:
+            assert sums["clipfrac"].item() == pytest.approx(clipped_tokens / denom)
+    expected_mean = float((values.detach() * mask * weights).sum()) / denom
+    assert sums["values_mean"].item() == pytest.approx(expected_mean, rel=1e-5)
+
+
+def test_value_loss_clips_only_moves_away_from_the_return():
+    old, returns = torch.tensor([0.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, -1.0])
+    values = torch.tensor([0.5, 2.0, 0.5])  # 0.5 towards the return; past it; 0.5 away from it
+    loss, clipped = value_loss(values, old, returns, value_clip=0.2)
+    # 1: 0.5*(0.5-1)^2 < 0.5*(0.2-1)^2: the clipped (pessimistic) branch; 2: 0.5*1 > 0.5*0.64; 3: 1.125 > 0.72
+    torch.testing.assert_close(loss, torch.tensor([0.32, 0.5, 1.125]))
+    torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 0.0]))

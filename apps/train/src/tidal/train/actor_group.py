@@ -107,13 +107,13 @@ class ActorGroup:
         """Number of ranks (a group without ranks is falsy: nothing trains)."""
         return len(self.workers)
 
-    def train(self, samples: Sequence) -> dict[str, float]:
-        """Old log-probs, advantages and the optimizer steps of one rollout; the rollout's train metrics.
+    def train(self, samples: Sequence, rollout_id: int = 0) -> dict[str, float]:
+        """Old log-probs, advantages and the optimizer steps of rollout ``rollout_id``; its train metrics.
 
         With --offload-train the ranks first bring their parameters, gradients and optimizer state back.
         """
         moved = self._onload()
-        metrics = self._all("train", rollout_data(samples, self.job.rollout.n_samples_per_prompt))[0]
+        metrics = self._all("train", rollout_data(samples, self.job.rollout.n_samples_per_prompt, rollout_id))[0]
         self.handoff.add("actor.train")
         return metrics | moved
 
@@ -278,7 +278,7 @@ class ActorGroup:
             ) from e
 
 
-def rollout_data(samples: Sequence, group_size: int) -> RolloutData:
+def rollout_data(samples: Sequence, group_size: int, rollout_id: int = 0) -> RolloutData:
     """What the ranks train on, from scored samples: tidal's log-prob convention puts 0 on the prompt tokens."""
     return RolloutData(
         tokens=[s.tokens for s in samples],
@@ -286,4 +286,5 @@ def rollout_data(samples: Sequence, group_size: int) -> RolloutData:
         rollout_log_probs=[[0.0] * len(s.prompt_ids) + list(s.response_log_probs) for s in samples],
         rewards=[float(s.reward) for s in samples],
         group_size=group_size,
+        rollout_id=rollout_id,
     )

@@ -285,6 +285,23 @@ def check_load(ckpt) -> None:
         raise ValueError(str(e) if "--load" in str(e) else f"--load {ckpt.load}: {e}") from e
 
 
+def check_critic(actor, ckpt) -> None:
+    """``--critic-load`` starts the critic of ``--advantage-estimator ppo`` and names a loadable checkpoint."""
+    if not ckpt.critic_load:
+        return
+    if actor.advantage_estimator != "ppo":
+        raise ValueError(
+            f"--critic-load starts the critic of --advantage-estimator ppo (got --advantage-estimator "
+            f"{actor.advantage_estimator}): pass --advantage-estimator ppo or drop --critic-load"
+        )
+    from tidal.ckpt import CheckpointError, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(ckpt.critic_load, flag="--critic-load")
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e
+
+
 def check_wandb(train) -> None:
     """``--use-wandb`` needs the wandb package, which tidal does not depend on."""
     if train.use_wandb:
@@ -363,7 +380,6 @@ def check_job(
     given: dict[str, dict[str, Any]],
 ) -> None:
     """The checks that span sections, on every section that could be built (None: it already has a problem)."""
-    del actor  # its own fields are checked by ActorConfig; listed so that every section comes by name
     if rollout is not None and placement is not None:
         problems.run(check_router, rollout, placement)
         if train is not None:
@@ -386,6 +402,8 @@ def check_job(
         problems.run(check_token_budget, batching, rollout)
     if ckpt is not None:
         problems.run(check_load, ckpt)
+        if actor is not None:
+            problems.run(check_critic, actor, ckpt)
         if train is not None:
             problems.run(check_keep_best_by, train, ckpt)
 

@@ -61,7 +61,7 @@ def _train(job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: di
         sanity.observe(samples)
         train_metrics: dict[str, float] = {}
         if actors:
-            train_metrics, times["time/actor_call"] = timed(actors.train, samples)
+            train_metrics, times["time/actor_call"] = timed(actors.train, samples, rollout_id)
             if rollouts.has_engines and _due(rollout_id, job.train.update_weights_interval):
                 version = rollout_id + 1
                 result.weights_dir, times["time/weight_sync"] = timed(actors.sync_weights, rollouts, version)

@@ -33,6 +33,8 @@ class RolloutData:
     """Scalar reward of each sample."""
     group_size: int
     """Samples per prompt (consecutive samples form one group)."""
+    rollout_id: int = 0
+    """The rollout's index (the actor waits during the first --num-critic-only-steps)."""
 
 
 @ray.remote
@@ -80,6 +82,11 @@ class ActorWorker:
             from tidal.actor import ReferenceModel
 
             self.reference = ReferenceModel(actor_cfg, load_dir=ckpt_cfg.ref_load)
+        self.critic = None
+        if actor_cfg.advantage_estimator == "ppo":  # a second model on the same GPUs, with its own optimizer
+            from tidal.actor import Critic
+
+            self.critic = Critic(actor_cfg, load_dir=ckpt_cfg.critic_load)
 
     def ready(self) -> bool:
         """True once the model is built and loaded (the constructor finished)."""
@@ -100,6 +107,8 @@ class ActorWorker:
             rank=_dp_rank(),
             dp_size=self.dp_size,
             reference=self.reference,
+            critic=self.critic,
+            rollout_id=rollout.rollout_id,
         )
 
     def save_hf(self, out_dir: str, max_shard_bytes: int | None = None) -> str:
@@ -117,12 +126,12 @@ class ActorWorker:
         )
 
     def offload(self) -> dict[str, float]:
-        """Parameters, gradients and optimizer state to host memory (the engines generate meanwhile)."""
-        return self.actor.offload()
+        """Parameters, gradients and optimizer state (the critic's too) to host memory while the engines generate."""
+        return self.actor.offload() | (self.critic.offload() if self.critic else {})
 
     def onload(self) -> dict[str, float]:
         """Back onto the device, before training."""
-        return self.actor.onload()
+        return self.actor.onload() | (self.critic.onload() if self.critic else {})
 
     def sync_tensor(self, targets: list[dict[str, Any]], version: str, bucket_bytes: int, tp_size: int) -> dict:
         """Every rank exports its buckets (TP gather, PP broadcast); rank 0 hands them to each engine as tensors.
@@ -195,8 +204,11 @@ class ActorWorker:
         return [lp.tolist() for lp in unpack(self.actor.compute_log_probs(batch), batch)]
 
     def save_checkpoint(self, iteration: int, common_state: dict[str, Any]) -> str:
-        """Save model, optimizer and this rank's RNG states into --save (every rank takes part)."""
-        return self.checkpoints.save(iteration, self.actor.sharded_state_dict(), common_state=common_state)
+        """Save model, optimizer (the critic's too) and this rank's RNG states into --save (every rank takes part)."""
+        state = self.actor.sharded_state_dict()
+        if self.critic:
+            state |= self.critic.checkpoint_sections()
+        return self.checkpoints.save(iteration, state, common_state=common_state)
 
     def finalize_saves(self) -> list[str]:
         """Wait for a pending --async-save to be durable and published (every rank calls it)."""
@@ -205,8 +217,12 @@ class ActorWorker:
     def load_checkpoint(self) -> dict[str, Any]:
         """Load --load (model, optimizer unless --no-load-optim, RNG unless --no-load-rng); its common state."""
         state = self.actor.sharded_state_dict(with_optimizer=self.checkpoints.load_optimizer)
+        if self.critic:
+            state |= self.critic.checkpoint_sections(with_optimizer=self.checkpoints.load_optimizer)
         loaded, common = self.checkpoints.load(state)
         self.actor.load_state_dict(loaded)
+        if self.critic:
+            self.critic.load_checkpoint_sections(loaded)
         return common
 
 

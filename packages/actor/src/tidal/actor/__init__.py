@@ -27,6 +27,7 @@ from tidal.actor.errors import ActorError  # noqa: E402
 if TYPE_CHECKING:
     from tidal.actor.actor import Actor
     from tidal.actor.bridge import build_gpt_model, load_hf_weights, named_hf_tensors
+    from tidal.actor.critic import Critic
     from tidal.actor.distributed import data_parallel_rank_and_size, destroy_distributed, init_distributed
     from tidal.actor.hf_config import read_hf_config, to_transformer_config
     from tidal.actor.hf_export import HFTensorBucket
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "Actor": "actor",
+    "Critic": "critic",
     "build_gpt_model": "bridge",
     "load_hf_weights": "bridge",
     "named_hf_tensors": "bridge",
@@ -66,6 +68,7 @@ __all__ = [
     "Actor",
     "ActorConfig",
     "ActorError",
+    "Critic",
     "HFTensorBucket",
     "ReferenceModel",
     "build_gpt_model",

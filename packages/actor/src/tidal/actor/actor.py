@@ -51,6 +51,15 @@ class Actor:
     parallelism (``pipeline``) micro-batches go through Megatron's 1F1B schedule; results are the same on every rank.
     """
 
+    value_head = False
+    """A scalar value head in place of the LM head (:class:`tidal.actor.critic.Critic`)."""
+    kind = "actor"
+    """The model's name in logs and offload metrics (``actor/offload_gb``)."""
+    metric_prefix = "train"
+    """Prefix of ``train_step``'s metrics (``train/loss``)."""
+    ckpt_prefix = ""
+    """Prefix of the model's keys in Megatron checkpoints (two models may share one checkpoint)."""
+
     def __init__(self, cfg: ActorConfig) -> None:
         apply_cpu_compat()
         if not parallel_state.model_parallel_is_initialized():
@@ -78,15 +87,16 @@ class Actor:
             gradient_accumulation_fusion=wgrad_fusion,
         )
         # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
-        model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused)
+        model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused, value_head=self.value_head)
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
-        load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage)
+        load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage, value_head=self.value_head)
         if cfg.recompute_activations:
             enable_layer_recompute(self.model, cfg.recompute_num_layers)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # with tied embeddings split over stages, the first stage's embedding and the last stage's output weight
         self._tied_index = None
-        if self.spec.tie_word_embeddings and self.stage.size > 1 and (self.stage.first or self.stage.last):
+        tied = self.spec.tie_word_embeddings and not self.value_head
+        if tied and self.stage.size > 1 and (self.stage.first or self.stage.last):
             tied = self.model.shared_embedding_or_output_weight()
             self._tied_index = next(i for i, p in enumerate(self.params) if p is tied)
         # With --fp32-main-params the optimizer owns fp32 copies of the (bf16) model parameters.
@@ -118,7 +128,8 @@ class Actor:
         if cfg.bf16 and not self._autocast:
             logger.warning("--bf16 has no effect on CPU: computing in %s", cfg.params_dtype)
         logger.info(
-            "actor built from %s: %s, %d params on this rank, device %s",
+            "%s built from %s: %s, %d params on this rank, device %s",
+            self.kind,
             cfg.hf_checkpoint,
             self.spec.model_type,
             sum(p.numel() for p in self.params),
@@ -146,20 +157,7 @@ class Actor:
         if cp is not None:
             tokens, position_ids, params, targets = cp.tokens, cp.position_ids, cp.packed_seq_params, cp.targets
 
-        def head(*, hidden_states, output_layer, output_weight, **_):
-            return chunked_log_probs(
-                hidden_states,
-                output_layer,
-                output_weight,
-                targets,
-                chunk_size=self.cfg.log_probs_chunk_size,
-                temperature=self.cfg.temperature,
-                with_entropy=with_entropy,
-                entropy_grad=self.cfg.entropy_coef != 0.0,
-                fused=self._fused,
-                recompute=self._recompute_lm_head,
-            )
-
+        head = self._head(targets, with_entropy=with_entropy)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
             out = self.model(
                 tokens.unsqueeze(0),
@@ -176,6 +174,25 @@ class Actor:
             ent = gather_rows(ent, batch, cp.shard) if ent is not None else None
         lp = to_token_convention(lp, cu)
         return lp, (to_token_convention(ent, cu) if ent is not None else None)
+
+    def _head(self, targets: torch.Tensor, *, with_entropy: bool):
+        """The last stage's output processor: per-row ``(log-probs, entropy or None)`` of ``targets``."""
+
+        def head(*, hidden_states, output_layer, output_weight, **_):
+            return chunked_log_probs(
+                hidden_states,
+                output_layer,
+                output_weight,
+                targets,
+                chunk_size=self.cfg.log_probs_chunk_size,
+                temperature=self.cfg.temperature,
+                with_entropy=with_entropy,
+                entropy_grad=self.cfg.entropy_coef != 0.0,
+                fused=self._fused,
+                recompute=self._recompute_lm_head,
+            )
+
+        return head
 
     @torch.no_grad()
     def compute_log_probs(self, batch: PackedBatch) -> torch.Tensor:
@@ -293,15 +310,11 @@ class Actor:
             stacked = torch.stack([totals[k] for k in keys])
             if parallel_state.get_data_parallel_world_size() > 1:
                 dist.all_reduce(stacked, group=parallel_state.get_data_parallel_group())
-            metrics = {f"train/{k}": float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
+            metrics = {f"{self.metric_prefix}/{k}": float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
         if self.stage.size > 1:
             metrics = broadcast_object_from_last_stage(metrics)
-        metrics |= {
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/num_loss_tokens": num_loss_tokens,
-            "train/skipped": float(skipped),
-        }
+        extra = {"grad_norm": grad_norm, "lr": lr, "num_loss_tokens": num_loss_tokens, "skipped": float(skipped)}
+        metrics |= {f"{self.metric_prefix}/{k}": v for k, v in extra.items()}
         return metrics
 
     def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -367,9 +380,9 @@ class Actor:
     def _move(self, device: torch.device, what: str) -> dict[str, float]:
         tick = time.perf_counter()
         moved = move_tensors(self._offloadable(), device)
-        metrics = {f"actor/{what}_gb": moved / 2**30, f"actor/{what}_s": time.perf_counter() - tick}
+        metrics = {f"{self.kind}/{what}_gb": moved / 2**30, f"{self.kind}/{what}_s": time.perf_counter() - tick}
         if self.device.type == "cuda":
-            metrics["actor/gpu_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
+            metrics[f"{self.kind}/gpu_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
         return metrics
 
     def _ensure_optimizer_state(self) -> None:
@@ -393,7 +406,7 @@ class Actor:
         their parameters, plus the step count). Because tensors are stored by global shape, a checkpoint
         saved at one TP/DP size loads at another.
         """
-        model_sd = self.model.sharded_state_dict()
+        model_sd = self.model.sharded_state_dict(prefix=self.ckpt_prefix)
         out = {"model": model_sd}
         if with_optimizer:
             self._ensure_optimizer_state()
@@ -404,7 +417,7 @@ class Actor:
             id_map = get_param_id_to_sharded_param_map(model_sd, iter(self.params))
             optim_state_to_sharding_state(optim, id_map, exclude_keys=("step",))
             optim["num_steps"] = ShardedObject(
-                "optimizer.num_steps", self.num_steps, (1,), (0,), replica_id=dist.get_rank()
+                f"{self.ckpt_prefix}optimizer.num_steps", self.num_steps, (1,), (0,), replica_id=dist.get_rank()
             )
             out["optimizer"] = optim
         return out
@@ -418,7 +431,10 @@ class Actor:
             optim["state"] = {i: dict(param_state) for i, param_state in optim["state"].items()}
             mains = {i: st.pop("main_param").clone() for i, st in optim["state"].items() if "main_param" in st}
         if "model" in state_dict:
-            self.model.load_state_dict(state_dict["model"], strict=True)
+            model = state_dict["model"]
+            if self.ckpt_prefix:  # the keys carry the prefix they were saved under
+                model = {k.removeprefix(self.ckpt_prefix): v for k, v in model.items()}
+            self.model.load_state_dict(model, strict=True)
             if self.main_params:
                 self.main_params.copy_from_model()
         if optim is not None:

@@ -1,4 +1,4 @@
-"""Advantage estimators (``--advantage-estimator``): per-sample (GRPO family, RLOO) and per-token (REINFORCE++).
+"""Advantage estimators (``--advantage-estimator``): per-sample, per-token (REINFORCE++) and GAE (PPO's critic).
 
 Samples of one prompt are consecutive (a *group*); every group has ``group_size`` samples unless ``group_ids``
 gives each sample's group (groups of different sizes). The token-level estimators work on packed micro-batches
@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 """Estimators whose advantages are per token (KL in the reward, whitened over the rollout's tokens)."""
 WHITEN_EPS = 1e-8
@@ -83,6 +83,7 @@ def compute_advantages(
     - ``reinforce_plus_plus``: the reward itself (the KL penalty, discounting and whitening are per token:
       :func:`token_advantages`).
     - ``reinforce_plus_plus_baseline``: reward minus the group mean (then per token, :func:`token_advantages`).
+    - ``ppo``: the reward itself (GAE with the critic's values is per token: :func:`gae_advantages`).
 
     Raises:
         ValueError: an unknown estimator (naming the flag), or rewards that do not form whole groups.
@@ -91,7 +92,7 @@ def compute_advantages(
         raise ValueError(f"--advantage-estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
     rewards = rewards.float()
     ids = _group_ids(rewards, group_size, group_ids)
-    if estimator == "reinforce_plus_plus":
+    if estimator in ("reinforce_plus_plus", "ppo"):
         return rewards
     if estimator in ("grpo", "gspo", "cispo"):
         return grpo_advantages(rewards, group_size, normalize_std=normalize_std, group_ids=ids)
@@ -161,7 +162,7 @@ def token_advantages(
         gamma: ``--gamma`` discount.
     """
     mask = loss_mask.float()
-    penalty = -kl_coef * kl.float() * mask if kl is not None else torch.zeros_like(mask)
+    penalty = _kl_penalty(kl, mask, kl_coef)
     if estimator == "reinforce_plus_plus_baseline":
         return (sample_term.float() + penalty) * mask
     if estimator != "reinforce_plus_plus":
@@ -184,6 +185,79 @@ def token_advantages(
             values = torch.tensor(out)
         returns[positions] = values.float()
     return returns
+
+
+def _kl_penalty(kl: torch.Tensor | None, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    return -kl_coef * kl.float() * mask if kl is not None else torch.zeros_like(mask)
+
+
+def gae_advantages(
+    sample_term: torch.Tensor,
+    kl: torch.Tensor | None,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    kl_coef: float,
+    gamma: float,
+    lambd: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) of one packed micro-batch: ``(advantages, returns)``.
+
+    Each sample's loss tokens are its time steps ``t = 0 .. n-1`` (tokens off the loss mask, e.g. a tool's
+    answer inside a multi-turn response, are skipped). Token rewards are ``r_t = -kl_coef * kl_t``, plus the
+    sample's reward on its last loss token; ``V_t`` is the critic's value of the state before token ``t``
+    (``values[t]`` in tidal's token convention) and ``V_n = 0`` (the episode ends). Then
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lambd * A_{t+1}`` and the critic's
+    target ``returns_t = A_t + V_t``. Both are ``[T]`` float32, 0 off the loss mask; the advantages are not yet
+    whitened (:func:`whiten`, over the whole rollout).
+
+    Args:
+        sample_term: ``[T]`` each token's sample reward (:func:`compute_advantages` with ``ppo``).
+        kl: ``[T]`` per-token KL to the reference (``old - ref`` log-probs), or None (no penalty).
+        values: ``[T]`` the critic's values before the update (``old_values``).
+        loss_mask: ``[T]`` 0/1.
+        cu_seqlens: sequence boundaries of the packed batch.
+        kl_coef: ``--kl-coef``.
+        gamma: ``--gamma`` discount.
+        lambd: ``--lambd``, GAE's lambda (1: Monte-Carlo returns minus the value; 0: one-step TD error).
+    """
+    mask = loss_mask.float()
+    penalty = _kl_penalty(kl, mask, kl_coef)
+    advantages, returns = torch.zeros_like(mask), torch.zeros_like(mask)
+    for start, end in itertools.pairwise(cu_seqlens.tolist()):
+        positions = torch.nonzero(mask[start:end]).flatten() + start
+        if positions.numel() == 0:
+            continue
+        rewards = penalty[positions].tolist()
+        rewards[-1] += float(sample_term[positions[-1]])
+        v = values[positions].float().tolist()
+        out, running, next_value = [0.0] * len(rewards), 0.0, 0.0
+        for k in range(len(rewards) - 1, -1, -1):  # Python floats: no tensor op per token
+            running = rewards[k] + gamma * next_value - v[k] + gamma * lambd * running
+            out[k], next_value = running, v[k]
+        adv = torch.tensor(out)
+        advantages[positions] = adv
+        returns[positions] = adv + torch.tensor(v)
+    return advantages, returns
+
+
+def explained_variance_sums(values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[count, sum R, sum R^2, sum (R - V), sum (R - V)^2]`` over loss tokens (float64), to add across batches."""
+    mask = loss_mask.double()
+    r, e = returns.double() * mask, (returns.double() - values.double()) * mask
+    return torch.stack([mask.sum(), r.sum(), (r * r).sum(), e.sum(), (e * e).sum()])
+
+
+def explained_variance(sums: torch.Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` from :func:`explained_variance_sums` totals.
+
+    1: the critic predicts the returns; 0: no better than their mean; NaN when the returns do not vary.
+    """
+    count = float(sums[0].clamp(min=1))
+    var_r = float(sums[2]) / count - (float(sums[1]) / count) ** 2
+    var_e = float(sums[4]) / count - (float(sums[3]) / count) ** 2
+    return 1.0 - var_e / var_r if var_r > 1e-12 else float("nan")
 
 
 def whiten_sums(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -52,13 +52,33 @@ logger = logging.getLogger(__name__)
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+class ValueHead(torch.nn.Linear):
+    """The critic's head in place of the LM head: hidden state -> one scalar value, replicated on every TP rank.
+
+    Zero-initialised, so every rank starts from the same head without an RNG and the first values are 0. The
+    final-norm hidden states are the same on every TP rank, so are the head's gradients (no TP reduction needed).
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__(hidden_size, 1, bias=True)
+        with torch.no_grad():
+            self.weight.zero_()
+            self.bias.zero_()
+
+
 def build_gpt_model(
-    spec: HFModelSpec, config: TransformerConfig, stage: PipelineStage | None = None, *, fused_kernels: bool = False
+    spec: HFModelSpec,
+    config: TransformerConfig,
+    stage: PipelineStage | None = None,
+    *,
+    fused_kernels: bool = False,
+    value_head: bool = False,
 ) -> GPTModel:
     """A GPTModel with Megatron's local layer spec and tidal's packed core attention (``stage``'s share of it).
 
     ``fused_kernels`` runs the layers' q/k/v split + RoPE, SwiGLU and RMSNorm as Triton kernels on CUDA
-    (``fused.set_fused_kernels``).
+    (``fused.set_fused_kernels``). ``value_head`` builds a critic: the last stage's ``output_layer`` is a
+    :class:`ValueHead` (no LM head, no tied output weight).
     """
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
@@ -79,7 +99,7 @@ def build_gpt_model(
         pre_process=stage.first,
         post_process=stage.last,
         parallel_output=True,
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
@@ -92,7 +112,9 @@ def build_gpt_model(
         scaling=spec.rope_scaling,
         max_position_embeddings=spec.max_position_embeddings,
     )
-    if stage.last:
+    if stage.last and value_head:  # the LM head Megatron built (vocab x hidden) is dropped here
+        model.output_layer = ValueHead(spec.hidden_size)
+    elif stage.last:
         install_padded_logits_mask(model, spec.vocab_size, tp_rank=parallel_state.get_tensor_model_parallel_rank())
     set_fused_kernels(model, fused_kernels)
     share_rope_tables(model)
@@ -291,8 +313,18 @@ def _check_hf_names(spec: HFModelSpec, available: set[str]) -> None:
 
 
 @torch.no_grad()
-def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path, stage: PipelineStage | None = None) -> None:
+def load_hf_weights(
+    model: GPTModel,
+    spec: HFModelSpec,
+    hf_dir: str | Path,
+    stage: PipelineStage | None = None,
+    *,
+    value_head: bool = False,
+) -> None:
     """Copy an HF checkpoint's weights into this rank's shards of ``model`` (``stage``'s layers, embedding, head).
+
+    With ``value_head`` (a critic, :func:`build_gpt_model`) the LM head is not loaded and the value head keeps its
+    initial weights.
 
     Raises:
         ValueError: a tensor is missing, unexpected or has the wrong shape (the message names it).
@@ -305,6 +337,8 @@ def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path, stag
     params = dict(model.named_parameters())
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     for m, local_name in stage_mappings(spec, stage):
+        if value_head and m.megatron == "output_layer.weight":
+            continue
         full = []
         for name in m.hf:
             tensor = reader.get(name)
@@ -320,6 +354,8 @@ def load_hf_weights(model: GPTModel, spec: HFModelSpec, hf_dir: str | Path, stag
         if local.shape != param.shape:
             raise ValueError(f"{local_name}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
         param.copy_(local)
+    if value_head:
+        params = {k: v for k, v in params.items() if not k.startswith("output_layer.")}
     if params:
         raise ValueError(f"Megatron parameters with no HF source: {sorted(params)}")
     logger.info("loaded HF tensors from %s (tp rank %d/%d, pp stage %d/%d)", hf_dir, rank, size, stage.rank, stage.size)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16")
 _KL_TYPES = ("k1", "k2", "k3")
-_ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+_ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 _LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 _TIS_MODES = ("truncate", "mask")
 
@@ -66,11 +66,22 @@ class ActorConfig:
     """How rewards become advantages and the policy loss: grpo (group baseline, token ratio), gspo (GRPO advantages,
     one ratio per sequence: exp of its mean token log-ratio), cispo (GRPO advantages, clipped stop-gradient IS weight
     times log-prob), rloo (leave-one-out baseline), reinforce_plus_plus (token returns with the KL in the reward,
-    whitened over the rollout) or reinforce_plus_plus_baseline (group baseline minus per-token KL, whitened)."""
+    whitened over the rollout), reinforce_plus_plus_baseline (group baseline minus per-token KL, whitened) or ppo (a
+    critic model, GAE with --gamma/--lambd, whitened; the critic trains on the actor's GPUs with --critic-lr)."""
     disable_grpo_std_normalization: bool = False
     """GRPO (and gspo, cispo) without dividing by the group's reward std (Dr.GRPO)."""
     gamma: float = 1.0
-    """Discount of reinforce_plus_plus's per-token returns, in [0, 1]."""
+    """Discount of the per-token returns of reinforce_plus_plus and ppo (GAE), in [0, 1]."""
+    lambd: float = 1.0
+    """GAE's lambda of --advantage-estimator ppo, in [0, 1] (1: Monte-Carlo return minus the value)."""
+    value_clip: float | None = None
+    """PPO value clipping of --advantage-estimator ppo: the critic's new value counts at most this far from its value
+    before the update (pessimistic max of the clipped and unclipped squared errors); None: no clipping."""
+    critic_lr: float | None = None
+    """Learning rate of the critic of --advantage-estimator ppo (its own AdamW); None: --lr."""
+    num_critic_only_steps: int = 0
+    """With --advantage-estimator ppo: train only the critic for the first this many rollouts (the actor waits for
+    useful values)."""
     loss_type: str = "policy_loss"
     """policy_loss (RL, by --advantage-estimator), sft_loss (negative log-likelihood of the response tokens) or
     custom_loss (--custom-loss-function-path)."""
@@ -164,6 +175,38 @@ class ActorConfig:
         if self.temperature <= 0:
             raise ValueError(f"--rollout-temperature must be > 0, got {self.temperature}")
 
+    def _check_critic(self) -> None:
+        if not 0.0 <= self.lambd <= 1.0:
+            raise ValueError(f"--lambd must be in [0, 1], got {self.lambd}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"--value-clip must be > 0, got {self.value_clip}; leave it out for no value clipping")
+        if self.critic_lr is not None and not self.critic_lr >= 0:
+            raise ValueError(f"--critic-lr must be >= 0, got {self.critic_lr}")
+        if self.num_critic_only_steps < 0:
+            raise ValueError(f"--num-critic-only-steps must be >= 0, got {self.num_critic_only_steps}")
+        if self.advantage_estimator == "ppo":
+            if self.custom_advantage_function_path is not None:
+                raise ValueError(
+                    "--custom-advantage-function-path replaces per-sample advantages; --advantage-estimator ppo's come "
+                    "from the critic (GAE): drop one of them"
+                )
+            return
+        given = [
+            flag
+            for flag, value in (
+                ("--lambd", self.lambd != 1.0),
+                ("--value-clip", self.value_clip is not None),
+                ("--critic-lr", self.critic_lr is not None),
+                ("--num-critic-only-steps", self.num_critic_only_steps != 0),
+            )
+            if value
+        ]
+        if given:
+            raise ValueError(
+                f"{given[0]} is a setting of the critic, which only --advantage-estimator ppo has (got "
+                f"--advantage-estimator {self.advantage_estimator}): pass --advantage-estimator ppo or drop {given[0]}"
+            )
+
     def _check_algorithm(self) -> None:
         if self.tis_mode not in _TIS_MODES:
             raise ValueError(f"--tis-mode must be one of {_TIS_MODES}, got {self.tis_mode!r}")
@@ -176,6 +219,7 @@ class ActorConfig:
             raise ValueError(f"--overlong-penalty-factor must be >= 0, got {self.overlong_penalty_factor}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"--gamma must be in [0, 1], got {self.gamma}")
+        self._check_critic()
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(f"--loss-type must be one of {_LOSS_TYPES}, got {self.loss_type!r}")
         if (self.loss_type == "custom_loss") != (self.custom_loss_function_path is not None):

@@ -1,4 +1,4 @@
-"""The actor's loss: PPO-clip (GRPO, RLOO, REINFORCE++), GSPO's sequence ratio, CISPO, SFT; KL and entropy terms.
+"""Losses: PPO-clip (GRPO, RLOO, REINFORCE++, PPO), GSPO, CISPO, SFT, KL and entropy; the critic's value loss.
 
 Advantages come from :mod:`tidal.actor.advantages`; this module turns them and the log-probs into the loss.
 """
@@ -15,7 +15,15 @@ from tidal.actor.advantages import compute_advantages, grpo_advantages, sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["actor_loss", "compute_advantages", "grpo_advantages", "kl_penalty", "ppo_clip_loss"]
+__all__ = [
+    "actor_loss",
+    "compute_advantages",
+    "critic_loss",
+    "grpo_advantages",
+    "kl_penalty",
+    "ppo_clip_loss",
+    "value_loss",
+]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
@@ -83,6 +91,64 @@ def cispo_loss(
     return -weight * advantages * log_probs, (ratio > 1.0 + eps_clip_high).float()
 
 
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, value_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO value loss: ``0.5 * max((V - R)^2, (V_clip - R)^2)``, ``V_clip = V_old + clip(V - V_old, +-c)``.
+
+    Without ``value_clip`` it is ``0.5 * (V - R)^2``. The max keeps the pessimistic branch, so a value that moved
+    more than ``c`` from ``V_old`` away from the return gets no gradient, as PPO's ratio clip does for the policy.
+
+    Returns:
+        ``(loss [T], clipped [T])``, ``clipped`` 1.0 where the clipped branch was taken (the critic's clipfrac).
+    """
+    unclipped = (values - returns).square()
+    if value_clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    clipped = (old_values + (values - old_values).clamp(-value_clip, value_clip) - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def critic_loss(
+    values: torch.Tensor,
+    entropy: torch.Tensor | None,
+    fields: dict[str, torch.Tensor],
+    loss_mask: torch.Tensor,
+    settings: LossSettings,
+    *,
+    num_loss_tokens: float,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's loss of one micro-batch (:func:`value_loss`), aggregated as :func:`actor_loss` aggregates.
+
+    Same signature as ``actor_loss`` (the critic's train step calls it in its place): ``values`` in place of the
+    log-probs; token fields ``"old_values"`` and ``"returns"`` (and optionally ``"loss_weights"``).
+
+    Returns:
+        ``(loss, sums)``: sums ``value_loss``, ``clipfrac``, ``values_mean`` and ``loss``, divided by
+        ``num_loss_tokens``.
+    """
+    del entropy, cu_seqlens  # the critic has no entropy; its loss is per token
+    for name in ("old_values", "returns"):
+        if name not in fields:
+            raise ValueError(f"the critic's train_step needs token field {name!r}; got {sorted(fields)}")
+    denom = max(float(num_loss_tokens), 1.0)
+    mask = loss_mask.float()
+    if "loss_weights" in fields:
+        mask = mask * fields["loss_weights"]
+    per_token, clipped = value_loss(
+        values.float(), fields["old_values"].float(), fields["returns"].float(), value_clip=settings.value_clip
+    )
+    loss = (per_token * mask).sum() / denom
+    sums = {
+        "value_loss": loss.detach(),
+        "clipfrac": (clipped * mask).sum() / denom,
+        "values_mean": (values.detach().float() * mask).sum() / denom,
+        "loss": loss.detach(),
+    }
+    return loss, sums
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LossSettings:
     """The knobs of ``actor_loss`` (copied from ``ActorConfig``)."""
@@ -109,6 +175,8 @@ class LossSettings:
     """``policy_loss`` (RL), ``sft_loss`` (negative log-likelihood of the loss tokens) (``--loss-type``)."""
     tis_mode: str = "truncate"
     """Above the bound: "truncate" to it (TIS), or "mask" the token out of the loss (MIS) (``--tis-mode``)."""
+    value_clip: float | None = None
+    """The critic's value clipping range (``--value-clip``); None: unclipped squared error."""
 
 
 def actor_loss(
@@ -217,7 +285,7 @@ def _policy_loss(log_probs, fields, loss_mask, settings: LossSettings, reduce, c
 
 
 def policy_loss_of(estimator: str) -> str:
-    """The policy loss an ``--advantage-estimator`` trains with (one of :data:`POLICY_LOSSES`)."""
+    """The policy loss an ``--advantage-estimator`` trains with (one of :data:`POLICY_LOSSES`; ppo's is ppo_clip)."""
     return estimator if estimator in ("gspo", "cispo") else "ppo_clip"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -15,6 +16,9 @@ import torch
 from tidal.actor.advantages import (
     TOKEN_LEVEL_ESTIMATORS,
     compute_advantages,
+    explained_variance,
+    explained_variance_sums,
+    gae_advantages,
     overlong_penalty,
     token_advantages,
     whiten,
@@ -54,6 +58,8 @@ def train_on_rollout(
     rank: int = 0,
     dp_size: int = 1,
     reference=None,
+    critic=None,
+    rollout_id: int = 0,
 ) -> dict[str, float]:
     """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
 
@@ -72,11 +78,18 @@ def train_on_rollout(
         dp_size: data-parallel size.
         reference: a :class:`tidal.actor.ReferenceModel`; when given, every micro-batch gets its
             "ref_log_probs" (for ``--kl-loss-coef``), computed before any step with the reference on the device once.
+        critic: a :class:`tidal.actor.critic.Critic` (``--advantage-estimator ppo``): its values before any step
+            give GAE advantages (whitened over the rollout) and returns; it then takes the rollout's steps on the
+            value loss, before the actor takes its own.
+        rollout_id: the rollout's index; the actor does not train while it is below ``--num-critic-only-steps``.
 
     Returns:
         Mean of the steps' train metrics, batching statistics, timings ("time/log_probs", "time/train") and,
         with ``rollout_log_probs``, the engine-actor agreement over the whole rollout (every DP rank's tokens):
-        "rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl".
+        "rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl". With a critic
+        also its steps' mean "critic/value_loss", "critic/clipfrac", "critic/values_mean", "critic/grad_norm", ...,
+        "critic/explained_variance" of its values before the steps (absent when the returns do not vary),
+        "critic/returns_mean" and "train/critic_only".
     """
     cfg = actor.cfg
     if normalize_std is None:
@@ -95,6 +108,8 @@ def train_on_rollout(
         token_fields["loss_weights"] = [[1.0 / max(sum(m), 1)] * len(m) for m in loss_masks]
     if cfg.kl_coef > 0 and reference is None:
         raise ValueError("--kl-coef needs a reference model: pass reference=ReferenceModel(...)")
+    if (cfg.advantage_estimator == "ppo") != (critic is not None):
+        raise ValueError("--advantage-estimator ppo and a critic go together: pass critic=Critic(cfg) with ppo only")
     if rollout_log_probs is not None:
         token_fields["rollout_log_probs"] = [list(map(float, lp)) for lp in rollout_log_probs]
 
@@ -118,25 +133,73 @@ def train_on_rollout(
             packed = [
                 [_with_field(mb, "ref_log_probs", reference.compute_log_probs(mb)) for mb in step] for step in packed
             ]
-        if cfg.kl_coef > 0 and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS:
+        if cfg.kl_coef > 0 and cfg.advantage_estimator not in (*TOKEN_LEVEL_ESTIMATORS, "ppo"):
             # --kl-coef: KL to the reference as a per-token penalty on the advantage
             packed = [[_kl_shaped(mb, cfg.kl_coef) for mb in step] for step in packed]
     if cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
         packed = _token_level(packed, cfg, device=actor.device)
+    metrics: dict[str, float] = {}
+    if critic is not None:
+        packed = [[_with_field(mb, "old_values", critic.compute_values(mb)) for mb in step] for step in packed]
+        packed, metrics = _gae(packed, cfg, device=actor.device)
     log_probs_time = time.monotonic() - start
 
+    if critic is not None:
+        start = time.monotonic()
+        metrics |= _mean([critic.train_step(step) for step in packed])
+        metrics["time/critic_train"] = time.monotonic() - start
+        metrics["train/critic_only"] = float(rollout_id < cfg.num_critic_only_steps)
     start = time.monotonic()
-    per_step = [actor.train_step(step) for step in packed]
-    metrics = {key: sum(m[key] for m in per_step) / len(per_step) for key in per_step[0]}
+    if critic is None or rollout_id >= cfg.num_critic_only_steps:
+        metrics |= _mean([actor.train_step(step) for step in packed])
+        metrics["train/num_steps"] = float(len(packed))
     metrics["time/log_probs"] = log_probs_time
     metrics["time/train"] = time.monotonic() - start
-    metrics["train/num_steps"] = float(len(per_step))
     if cfg.overlong_buffer_len:
         metrics["train/overlong_penalty/mean"] = float(penalty.mean())
     if rollout_log_probs is not None:
         metrics |= _agreement(packed, device=actor.device)
     metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
     return metrics
+
+
+def _mean(per_step: list[dict[str, float]]) -> dict[str, float]:
+    return {key: sum(m[key] for m in per_step) / len(per_step) for key in per_step[0]}
+
+
+def _gae(packed: list[list[PackedBatch]], cfg, *, device) -> tuple[list[list[PackedBatch]], dict[str, float]]:
+    """PPO: GAE advantages (whitened over the rollout) and returns of micro-batches holding the critic's values.
+
+    Every micro-batch carries the token field "old_values"; the metrics are the critic's explained variance of the
+    returns and their mean over the rollout's action tokens.
+    """
+    with_values = packed
+    raw, sums, ev_sums = [], torch.zeros(3, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+    for mb in (mb for step in with_values for mb in step):
+        fields = mb.token_fields
+        kl = fields["old_log_probs"] - fields["ref_log_probs"] if "ref_log_probs" in fields else None
+        adv, returns = gae_advantages(
+            fields["advantages"], kl, fields["old_values"], mb.loss_mask, mb.cu_seqlens,
+            kl_coef=cfg.kl_coef, gamma=cfg.gamma, lambd=cfg.lambd,
+        )  # fmt: skip
+        raw.append((adv, returns))
+        sums += whiten_sums(adv, mb.loss_mask)
+        ev_sums += explained_variance_sums(fields["old_values"], returns, mb.loss_mask)
+    totals = _dp_sum(torch.cat([sums, ev_sums]), device=device)
+    sums, ev_sums = totals[:3], totals[3:]
+    it = iter(raw)
+    out = []
+    for step in with_values:
+        out.append([])
+        for mb in step:
+            adv, returns = next(it)
+            mb = _with_field(mb, "returns", returns)
+            out[-1].append(_with_field(mb, "advantages", whiten(adv, mb.loss_mask, sums)))
+    metrics = {"critic/returns_mean": float(ev_sums[1]) / max(float(ev_sums[0]), 1.0)}
+    ev = explained_variance(ev_sums)
+    if math.isfinite(ev):  # undefined when every return is the same
+        metrics["critic/explained_variance"] = ev
+    return out, metrics
 
 
 def _response_len(loss_mask: Sequence[int]) -> int:

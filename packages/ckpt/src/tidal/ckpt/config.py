@@ -19,6 +19,9 @@ class CkptConfig:
     """Megatron checkpoint dir to resume the actor from; None starts from --hf-checkpoint."""
     ref_load: str | None = None
     """Megatron checkpoint dir of the reference model; None uses --hf-checkpoint."""
+    critic_load: str | None = None
+    """Megatron checkpoint dir (an earlier run's --save) whose critic starts --advantage-estimator ppo's critic; None:
+    --hf-checkpoint's backbone with a new value head."""
     hf_checkpoint: str | None = field(default=None, metadata={"flag": None})
     """Hugging Face checkpoint dir: config.json, tokenizer, *.safetensors (--hf-checkpoint)."""
     ckpt_step: int | None = None
