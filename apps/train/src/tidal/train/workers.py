@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,6 +254,7 @@ class EngineWorker:
         log_dir: str,
         env: dict[str, str] | None = None,
         fault_tolerant: bool = False,
+        resync_timeout_s: float | None = None,
         external_url: str | None = None,
         tp_size: int = 1,
         interruptible: bool = False,
@@ -290,6 +292,14 @@ class EngineWorker:
         # --max-staleness (requests of the next rollouts already running) it may not be.
         self.flush_after_update = flush_after_update
         self.heartbeat = None
+        # --use-fault-tolerance with an actor: a restarted server serves the weights it loads from disk, not the
+        # actor's; it holds its requests until the driver synced the current ones (at most resync_timeout_s).
+        self.resync_timeout_s = resync_timeout_s
+        self._needs_weights = False
+        self._weights_back = threading.Event()
+        self._thread = threading.local()  # .generating: this thread runs generate_samples (threaded actor)
+        if fault_tolerant and resync_timeout_s is not None and not self.external:
+            self.engine.on_restart = self._await_weights
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -327,6 +337,40 @@ class EngineWorker:
             self.heartbeat.resume()
         return True
 
+    def _await_weights(self) -> None:
+        """The restarted server's hook: it needs the actor's weights; while it generates, hold its requests.
+
+        They go out again once the driver gave it the current weights (:meth:`weights_restored`).
+
+        Raises:
+            RolloutError: No weights came within --update-weight-timeout.
+        """
+        from tidal.rollout import RolloutError
+
+        self._weights_back.clear()
+        self._needs_weights = True
+        if not getattr(self._thread, "generating", False):  # restarted by the driver, or by a disk sync: no hold
+            return
+        assert self.resync_timeout_s is not None
+        tick = time.monotonic()
+        while not self._weights_back.wait(timeout=min(30.0, self.resync_timeout_s)):
+            waited = time.monotonic() - tick
+            if waited >= self.resync_timeout_s:
+                raise RolloutError(
+                    f"{self.engine.describe()} restarted but got no weights from the actor within "
+                    f"--update-weight-timeout {self.resync_timeout_s:.0f} s"
+                )
+            logger.info("%s restarted: its requests wait for the current weights (%.0f s)", self.engine.url, waited)
+
+    def needs_weights(self) -> bool:
+        """Whether the server restarted since it last got the actor's weights."""
+        return self._needs_weights
+
+    def weights_restored(self) -> None:
+        """The server serves the current weights again: release the requests held since its restart."""
+        self._needs_weights = False
+        self._weights_back.set()
+
     def pid(self) -> int | None:
         """Process id of the server (its process group leader); None for an external server."""
         return None if self.external else self.engine.pid
@@ -335,9 +379,16 @@ class EngineWorker:
         self, prompts: list[list[int]], sampling_params: dict[str, Any], labels: list
     ) -> tuple[list, float]:
         """One batched generation wrapped as unscored Samples (tidal.rollout.generate_samples); and its seconds."""
+        tick = time.monotonic()
+        self._thread.generating = True  # a restart in this thread holds the requests until the weights are back
+        try:
+            return self._generate_samples(prompts, sampling_params, labels), time.monotonic() - tick
+        finally:
+            self._thread.generating = False
+
+    def _generate_samples(self, prompts: list[list[int]], sampling_params: dict[str, Any], labels: list) -> list:
         from tidal.rollout import generate_samples
 
-        tick = time.monotonic()
         self.ensure_alive()
 
         def generate() -> list:
@@ -358,7 +409,7 @@ class EngineWorker:
             samples = self.interrupt.generate(generate, sampling_params, decode=self._decode)
         if self.heartbeat is not None:  # a restart during generation ends a paused heartbeat's pause
             self.heartbeat.resume()
-        return samples, time.monotonic() - tick
+        return samples
 
     def http_retries(self) -> int:
         """Requests to this engine sent again after a transient failure, since it started (only grows)."""
@@ -394,6 +445,7 @@ class EngineWorker:
             logger.warning("%s failed while loading weights (%s); restarting it", self.engine.describe(), e)
             self.engine.restart()
             self.engine.update_weights_from_disk(path, weight_version=weight_version)
+        self.weights_restored()  # it serves the sync's weights, restarted or not
         if self.flush_after_update:
             self.engine.flush_cache()
 

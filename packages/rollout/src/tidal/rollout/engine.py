@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +137,10 @@ class SGLangEngine(ManagedServer):
         # The last weights loaded from disk, re-applied by restart() so that a restarted engine serves them.
         self._disk_weights: dict[str, Any] | None = None
         self._warned_memory_saver = False
+        self.on_restart: Callable[[], None] | None = None
+        """Called by :meth:`restart` once the restarted server is healthy, before :meth:`restart` returns (so before
+        any request is sent to it again): the owner puts the current weights back (they may have come as tensors
+        or by broadcast, which the server cannot reload itself). An exception from it fails the restart."""
 
     @classmethod
     def from_config(
@@ -199,10 +203,10 @@ class SGLangEngine(ManagedServer):
         return env
 
     def restart(self) -> None:
-        """Stop what is left of the server, start it again, wait for health, and reload the last disk weights.
+        """Stop what is left of the server, start it again, reload the last disk weights, call :attr:`on_restart`.
 
-        Weights pushed as tensors or by broadcast cannot be re-applied: the restarted server serves
-        ``model_path`` (or the last ``update_weights_from_disk`` checkpoint) and reports that version.
+        Weights pushed as tensors or by broadcast cannot be re-applied here: without :attr:`on_restart` the restarted
+        server serves ``model_path`` (or the last ``update_weights_from_disk`` checkpoint) and reports that version.
 
         Raises:
             RolloutError: The server does not come back, or refuses the weights it served before.
@@ -211,6 +215,8 @@ class SGLangEngine(ManagedServer):
         if self._disk_weights is not None:
             self.call("/update_weights_from_disk", self._disk_weights, what="reloading weights after a restart")
             logger.info("reloaded %s into the restarted server", self._disk_weights["model_path"])
+        if self.on_restart is not None:
+            self.on_restart()
 
     def update_weights_from_disk(self, path: str | os.PathLike[str], *, weight_version: str | None = None) -> None:
         """Load new weights from an HF checkpoint directory into the running server (cache flushed).
