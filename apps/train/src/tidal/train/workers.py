@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,12 +134,10 @@ class ActorWorker:
         """
         from tidal.rollout import update_weights_from_tensor
 
-        named = self._exported(bucket_bytes)
-        if self.rank != 0:
-            for _ in named:
-                pass
+        exported = self._export_to(targets, bucket_bytes)
+        if exported is None:
             return {}
-        engines = [_client(t) for t in targets]
+        named, engines = exported
         return update_weights_from_tensor(engines, named, bucket_bytes=bucket_bytes, weight_version=version,
                                           tp_size=tp_size)  # fmt: skip
 
@@ -162,12 +161,10 @@ class ActorWorker:
         """Every rank exports its buckets; rank 0 broadcasts each into the weight group (bounded by ``timeout_s``)."""
         from tidal.rollout import update_weights_from_distributed
 
-        named = self._exported(bucket_bytes)
-        if self.rank != 0:
-            for _ in named:
-                pass
+        exported = self._export_to(targets, bucket_bytes)
+        if exported is None:
             return {}
-        engines = [_client(t) for t in targets]
+        named, engines = exported
         return update_weights_from_distributed(
             engines, self.weight_group, named, group_name=group_name, bucket_bytes=bucket_bytes,
             weight_version=version, timeout_s=timeout_s,
@@ -181,6 +178,19 @@ class ActorWorker:
 
         group, self.weight_group = self.weight_group, None
         destroy_weights_update_group([_client(t) for t in targets], group, group_name=group_name)
+
+    def _export_to(self, targets: list[dict[str, Any]], bucket_bytes: int) -> tuple[Iterator, list] | None:
+        """Rank 0: its exported buckets (a generator) and a client per engine in ``targets``.
+
+        The other ranks take part in every bucket's export (the TP gathers, the PP broadcasts) but send nothing:
+        they drain the generator here and get None.
+        """
+        named = self._exported(bucket_bytes)
+        if self.rank != 0:
+            for _ in named:
+                pass
+            return None
+        return named, [_client(t) for t in targets]
 
     def _exported(self, bucket_bytes: int):
         """``(hf_name, tensor)`` of every bucket, in the model's own dtype, on its device."""
