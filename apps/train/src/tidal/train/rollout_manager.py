@@ -117,6 +117,7 @@ class RolloutManager:
     def start(self, placement) -> None:
         """Create the engines' workers and begin their start-up (external ones: wait for health); returns at once."""
         from tidal.placement import PortAllocator
+        from tidal.rollout import WILDCARD_HOSTS
 
         model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
@@ -133,6 +134,7 @@ class RolloutManager:
             worker = EngineWorker.options(**placement.engine_options(e)).remote(
                 dataclasses.replace(cfg, sglang_host=host),
                 model,
+                listen_host=cfg.sglang_host if cfg.sglang_host in WILDCARD_HOSTS else None,
                 port=ports.http_port,
                 nccl_port=ports.nccl_port,
                 log_dir=logs,
@@ -146,7 +148,15 @@ class RolloutManager:
             self._launch(worker)
 
     def _engine_host(self, placement, engine: int) -> str:
-        """``--sglang-host``, else loopback on a one-node job, else the engine's node address."""
+        """Where the engine is reached: ``--sglang-host``, else loopback on a one-node job, else its node address.
+
+        A wildcard ``--sglang-host`` (0.0.0.0, ::) is where the server listens, not an address another node can
+        send to: the engine is then reached at its node's address.
+        """
+        from tidal.rollout import WILDCARD_HOSTS
+
+        if self.cfg.sglang_host in WILDCARD_HOSTS:
+            return placement.engine_node_ip(engine)
         if self.cfg.sglang_host:
             return self.cfg.sglang_host
         nodes = {b.node_ip for b in placement.bundles} | {ray.util.get_node_ip_address()}  # the driver's too

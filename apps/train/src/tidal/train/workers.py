@@ -261,6 +261,7 @@ class EngineWorker:
         *,
         port: int = 0,
         nccl_port: int | None = None,
+        listen_host: str | None = None,
         log_dir: str,
         env: dict[str, str] | None = None,
         fault_tolerant: bool = False,
@@ -292,7 +293,13 @@ class EngineWorker:
             SGLangClient.from_config(rollout_cfg, external_url)
             if self.external
             else SGLangEngine.from_config(
-                rollout_cfg, model_path, port=port, nccl_port=nccl_port, log_dir=Path(log_dir), env=env
+                rollout_cfg,
+                model_path,
+                port=port,
+                nccl_port=nccl_port,
+                log_dir=Path(log_dir),
+                env=env,
+                listen_host=listen_host,
             )
         )
         self.health_check = (rollout_cfg.rollout_health_check_interval, rollout_cfg.rollout_health_check_timeout)

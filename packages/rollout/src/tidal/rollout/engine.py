@@ -73,6 +73,7 @@ class SGLangEngine(ManagedServer):
         port: int,
         nccl_port: int | None = None,
         log_dir: str | os.PathLike[str],
+        listen_host: str | None = None,
         extra_server_args: Sequence[str] = (),
         startup_timeout_s: float = 300.0,
         request_timeout_s: float = 600.0,
@@ -86,7 +87,9 @@ class SGLangEngine(ManagedServer):
 
         Args:
             model_path: HF checkpoint directory (config, tokenizer, safetensors) to serve.
-            host: Address to listen on; 127.0.0.1 keeps the server off the network.
+            host: Address to listen on and to reach the server at (its URL); 127.0.0.1 keeps it off the network.
+            listen_host: Address to listen on instead of ``host`` (e.g. 0.0.0.0: every interface), while clients
+                still reach the server at ``host``.
             port: HTTP port of the server.
             nccl_port: Port for SGLang's internal process group (``--nccl-port``); None lets SGLang pick.
             log_dir: Directory for the server log (created if missing).
@@ -106,10 +109,11 @@ class SGLangEngine(ManagedServer):
         """
         if port <= 0 or port > 65535:
             raise ValueError(f"port must be in 1..65535, got {port}")
-        if host not in _LOOPBACK_HOSTS and not api_key:
+        exposed = [h for h in (listen_host or host, host) if h not in _LOOPBACK_HOSTS]
+        if exposed and not api_key:
             raise ValueError(
-                f"SGLang host {host!r} is reachable from other machines and the server would accept any request; "
-                "set --sglang-api-key (or keep the default host 127.0.0.1)"
+                f"SGLang host {exposed[0]!r} is reachable from other machines and the server would accept any "
+                "request; set --sglang-api-key (or keep the default host 127.0.0.1)"
             )
         env = dict(env or {})
         keep_alive_s = int(env.setdefault(KEEP_ALIVE_ENV, str(keep_alive_s)))
@@ -128,6 +132,7 @@ class SGLangEngine(ManagedServer):
         self.keep_alive_s = keep_alive_s
         self.model_path = str(model_path)
         self.host = host
+        self.listen_host = listen_host or host
         self.port = port
         self.nccl_port = nccl_port
         self.log_dir = log_dir
@@ -152,15 +157,18 @@ class SGLangEngine(ManagedServer):
         nccl_port: int | None = None,
         log_dir: str | os.PathLike[str],
         env: Mapping[str, str] | None = None,
+        listen_host: str | None = None,
     ) -> SGLangEngine:
         """An engine as ``cfg`` describes it, on the ports and in the log folder the caller's placement chose.
 
         ``cfg`` gives the host (``--sglang-host``), the pass-through server flags (``--sglang-*``), the start-up
-        timeout, and the request timeout and retries; nothing starts until :meth:`start`.
+        timeout, and the request timeout and retries; nothing starts until :meth:`start`. ``listen_host``: the
+        address to bind when it is not the host (a wildcard such as 0.0.0.0 while the host is the node's address).
         """
         return cls(
             model_path,
             host=cfg.sglang_host or "127.0.0.1",
+            listen_host=listen_host,
             api_key=cfg.sglang_api_key,
             port=port,
             nccl_port=nccl_port,
@@ -175,7 +183,7 @@ class SGLangEngine(ManagedServer):
     def command(self) -> list[str]:
         """The server command line this engine runs (CPU flags resolved)."""
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path]
-        cmd += ["--host", self.host, "--port", str(self.port)]
+        cmd += ["--host", self.listen_host, "--port", str(self.port)]
         if self.nccl_port is not None:
             cmd += ["--nccl-port", str(self.nccl_port)]
         if self._api_key:
