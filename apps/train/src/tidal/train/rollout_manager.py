@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from tidal.train.driver_rollouts import DriverRollouts
-from tidal.train.workers import EngineWorker
+from tidal.train.engine_worker import EngineWorker
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
