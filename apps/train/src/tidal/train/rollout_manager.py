@@ -46,7 +46,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def _new_api_key(run_dir: Path) -> str:
     """A key for this run's servers, router and clients, kept only in ``run_dir/sglang_api_key`` (mode 0600)."""
-    key = secrets.token_urlsafe(32)
+    key = secrets.token_hex(32)  # not token_urlsafe: a key starting with "-" reads as a flag to SGLang's parser
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / "sglang_api_key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # also when the file was there already

@@ -175,6 +175,8 @@ class RolloutConfig:
         for flag, value, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"{flag} must be {requirement}, got {value!r}")
+        if self.sglang_api_key is not None and self.sglang_api_key.startswith("-"):
+            raise ValueError("--sglang-api-key must not start with '-': SGLang's command line would read it as a flag")
         if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math"):
             raise ValueError(
                 f"--rm-type must be exact_match, numeric_match or math, got {self.rm_type!r}; "
