@@ -4,7 +4,10 @@ Host A (198.51.100.1, a documentation range) runs the Ray head, the driver and t
 Ray worker node and the SGLang engine. The namespaces are joined by a veth pair and reach nothing but each other
 and their own loopback. The run is decoupled (actor and engine on a GPU each, one logical GPU per host), so the
 engine must listen on B's address and every request and weight update crosses hosts, with the per-run API key.
-Midway, B's SGLang server is SIGKILLed; --use-fault-tolerance restarts it and the run completes.
+Midway, B's SGLang server is SIGKILLed; --use-fault-tolerance restarts it, the actor's current weights go into it
+before it serves again (the resync every transport takes; here disk: gloo between these namespaces resolves each
+host to 127.0.0.1, so the broadcast transport cannot connect them), checked on the probe
+(--check-weight-update-equal), and the run completes.
 
 Needs root (CAP_NET_ADMIN) for `ip netns`; without it the test fails and says so (CI runs as root).
 """
@@ -112,6 +115,7 @@ def two_host_run(tmp_path_factory):
             _ray(b, "--address", f"{HOST_A}:{RAY_PORT}", "--node-ip-address", HOST_B, *common, env=env)
             args = [*COMMON, "--num-rollout", "3", "--no-colocate", "--actor-num-gpus-per-node", "1",
                     "--rollout-num-gpus", "1", "--update-weight-transport", "disk", "--use-fault-tolerance",
+                    "--check-weight-update-equal",
                     "--ray-address", f"{HOST_A}:{RAY_PORT}",
                     "--output-dir", str(out)]  # fmt: skip
             log = root / "train.log"
@@ -159,3 +163,20 @@ def test_a_killed_server_on_the_other_host_is_restarted(two_host_run):
     assert killed, "no SGLang server on host B was found to kill"
     assert "restarting it (--use-fault-tolerance)" in log
     assert not servers_after  # and the run stopped it at the end
+
+
+def test_the_restarted_server_got_the_actors_weights_before_serving(two_host_run):
+    # Before rollout 1 was generated on the restarted server, the actor's current weights (version 1) went in over
+    # the run's transport, the server reported version 1, and its log-probs on the probe matched the actor's.
+    _, log, out, _, _ = two_host_run
+    records = _records(out)
+    assert all(r["weight_sync/transport"] == "disk" for r in records)
+    assert records[1]["rollout/weight_version"] == 1.0  # the initial weights would be version 0
+    events = [json.loads(line) for line in (out / "handoff.jsonl").read_text().splitlines()]
+    at = [i for i, e in enumerate(events) if e["event"] == "resync.disk"]
+    assert len(at) == 1 and events[at[0]]["rollout"] == 1 and events[at[0]]["version"] == 1, events
+    check = events[at[0] + 1]
+    assert check["event"] == "sync.check" and check["mean"] < 1e-3, check  # fp32 engine and actor
+    generated = [i for i, e in enumerate(events) if e["event"] == "engines.generate" and e["rollout"] == 1]
+    assert at[0] < generated[0]  # during rollout 1's generation, which waited for it
+    assert "syncing the current weights into them" in log

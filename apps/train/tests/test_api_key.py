@@ -2,6 +2,7 @@
 
 import stat
 
+import pytest
 from tidal.rollout import RolloutConfig, SGLangClient
 from tidal.train.rollout_manager import _new_api_key
 
@@ -14,6 +15,13 @@ def test_generated_key_is_in_the_run_folder_with_mode_0600(tmp_path):
     assert path.read_text() == key + "\n" and len(key) >= 32
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert _new_api_key(tmp_path) != key  # one per run
+    # token_urlsafe gave a key starting with "-" 1 time in 64, which sglang.launch_server's parser took for a flag
+    assert not any(_new_api_key(tmp_path).startswith("-") for _ in range(256))
+
+
+def test_a_key_that_reads_as_a_flag_is_refused_by_name():
+    with pytest.raises(ValueError, match="--sglang-api-key must not start with '-'"):
+        RolloutConfig(sglang_api_key="-abc")
 
 
 def test_clients_built_from_the_config_send_the_key():

@@ -79,3 +79,11 @@ def test_hand_off_log_writes_one_line_per_call(tmp_path: Path):
     gap = probe_gap([[([1, 2, 3, 4], [-0.5, -1.0])]], [[0.0, -9.0, -0.4, -1.0]])
     assert abs(gap["weight_sync/probe_logprob_abs_diff/max"] - 0.1) < 1e-12
     assert abs(gap["weight_sync/probe_logprob_abs_diff/mean"] - 0.05) < 1e-12
+
+
+def test_a_wildcard_sglang_host_is_advertised_at_the_engines_node_address(tmp_path: Path):
+    placement = SimpleNamespace(bundles=[], engine_node_ip=lambda engine: f"10.0.0.{engine + 1}")
+    for host, expected in (("0.0.0.0", "10.0.0.2"), ("::", "10.0.0.2"), ("10.9.9.9", "10.9.9.9")):
+        job = parse_job(["--sglang-host", host, "--output-dir", str(tmp_path / "o")])
+        rollouts = RolloutManager(job, SimpleNamespace(tokenizer=None), log_dir=tmp_path / "logs")
+        assert rollouts._engine_host(placement, 1) == expected, host

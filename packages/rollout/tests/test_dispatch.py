@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,14 @@ def test_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost(
     sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="before-kill")
     sglang_server.call("/slow_down", {"forward_sleep_time": 0.1})  # keep the requests in flight for seconds
     old_pid = sglang_server.pid
-    box: dict = {}
+    box: dict = {"hook": []}
+
+    def resync() -> None:  # what the app does: the current weights go in before any request is resent
+        box["hook"].append(sglang_server.health_ok())
+        time.sleep(3.0)  # a request resent now would finish all its tokens under "before-kill" (no slow-down)
+        sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="resynced")
+
+    sglang_server.on_restart = resync
 
     def run() -> None:
         try:
@@ -88,7 +96,10 @@ def test_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost(
     thread.join(timeout=2.0)
     assert thread.is_alive(), "generation finished before the kill; the slow-down did not take"
     os.killpg(old_pid, signal.SIGKILL)  # the whole server: launcher, scheduler, detokenizer
-    thread.join(timeout=900.0)  # a restart takes 65-240 s on two shared cores
+    try:
+        thread.join(timeout=900.0)  # a restart takes 65-240 s on two shared cores
+    finally:
+        sglang_server.on_restart = None
     assert not thread.is_alive(), "generation did not come back after the restart"
     assert "error" not in box, box.get("error")
     samples = box["samples"]
@@ -97,6 +108,10 @@ def test_engine_killed_mid_rollout_is_restarted_and_no_sample_is_lost(
     for s in samples:
         assert s.finish_reason == "length" and len(s.response_ids) == MAX_NEW
         assert len(s.response_log_probs) == MAX_NEW
-        assert s.weight_version == "before-kill"  # restart() reloaded the last weights from disk
+        # Every response was cut by the kill (40 tokens at 0.1 s each) and ended after on_restart put the weights
+        # of version "resynced" in: nothing was resent before it returned.
+        assert s.weight_version == "resynced"
+        assert s.token_weight_versions[-1] == "resynced" and set(s.token_weight_versions) <= {"before-kill", "resynced"}
+    assert box["hook"] == [True]  # called once, on the healthy restarted server
     assert sglang_server.is_running() and sglang_server.pid != old_pid
     assert not process_group_alive(old_pid)

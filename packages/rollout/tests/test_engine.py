@@ -240,3 +240,12 @@ def test_flush_waits_for_a_busy_server_to_be_idle(sglang_server: SGLangEngine) -
             sglang_server.flush_cache(idle_timeout_s=0.3)
         sglang_server.flush_cache(idle_timeout_s=300)  # returns once the generation is over
         assert [len(out["output_ids"]) for out in running.result(timeout=60)] == [500] * 8
+
+
+def test_a_wildcard_listen_host_binds_every_interface_and_advertises_the_given_host(tmp_path: Path) -> None:
+    engine = SGLangEngine("/m", host="10.1.2.3", listen_host="0.0.0.0", port=1234, log_dir=tmp_path, api_key="k")
+    cmd = engine.command()
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"  # bound on what the user gave
+    assert engine.url == "http://10.1.2.3:1234"  # reached at the node's address, usable from another node
+    with pytest.raises(ValueError, match=r"SGLang host '0\.0\.0\.0' is reachable from other machines"):
+        SGLangEngine("/m", host="127.0.0.1", listen_host="0.0.0.0", port=1234, log_dir=tmp_path)

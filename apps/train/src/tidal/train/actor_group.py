@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -74,6 +75,12 @@ class ActorGroup:
         them)."""
         self._offloaded = False
         self._group: tuple[str, list] | None = None  # --update-weight-transport nccl: (group name, its engines)
+        self.version = 0
+        """Weight version of the parameters the ranks hold now, as the loop numbers them (the last sync's, plus one
+        per rollout trained since): what a restarted engine is given by :meth:`resync`."""
+        # One collective program at a time, in the same order on every rank: under --max-staleness a restarted
+        # engine's resync comes from the rollout producer's thread while the loop's thread trains or saves.
+        self._lock = threading.RLock()
 
     def start(self, placement) -> None:
         """Create one ``ActorWorker`` per actor GPU in its bundle; returns before the models are built."""
@@ -112,9 +119,11 @@ class ActorGroup:
 
         With --offload-train the ranks first bring their parameters, gradients and optimizer state back.
         """
-        moved = self._onload()
-        metrics = self._all("train", rollout_data(samples, self.job.rollout.n_samples_per_prompt, rollout_id))[0]
-        self.handoff.add("actor.train")
+        with self._lock:
+            moved = self._onload()
+            metrics = self._all("train", rollout_data(samples, self.job.rollout.n_samples_per_prompt, rollout_id))[0]
+            self.version += 1
+            self.handoff.add("actor.train")
         return metrics | moved
 
     def load(self) -> TrainerState | None:
@@ -127,6 +136,7 @@ class ActorGroup:
         from tidal.ckpt import TrainerState
 
         state = TrainerState.from_dict(self._all("load_checkpoint")[0])
+        self.version = state.weight_version
         if state.rng_state is not None and not self.job.ckpt.no_load_rng:
             state.restore_rng()
         return state
@@ -170,6 +180,10 @@ class ActorGroup:
         Raises:
             RolloutError: An engine refused, timed out (--update-weight-timeout) or reports another version.
         """
+        with self._lock:
+            return self._sync_weights(engines, version)
+
+    def _sync_weights(self, engines: WeightsConsumer, version: int) -> Path | None:
         plan, tick = self.plan, time.monotonic()
         engines.resume_memory(["weights"])
         metrics: dict[str, Any] = {}
@@ -187,11 +201,51 @@ class ActorGroup:
         if plan.check_equal:
             metrics |= self._check_equal(engines, version)
         if plan.offload_train:
-            metrics |= self._all("offload")[0]
-            self._offloaded = True
-            self.handoff.add("actor.offload")
+            metrics |= self._offload()
         self.last_sync = metrics
+        self.version = version
         return target
+
+    def resync(self, engines: WeightsConsumer) -> dict[str, Any]:
+        """Give restarted ``engines`` the ranks' current weights as :attr:`version` (--use-fault-tolerance).
+
+        A restarted SGLang server serves the weights it loads from disk (the initial checkpoint); the weights the
+        others got as tensors or by broadcast exist only here. Same transport as every sync (nccl: a fresh group
+        with the restarted engines, torn down after, so that the next sync builds one with every engine), same
+        version check and --check-weight-update-equal probe; an offloaded actor comes onto the GPU for it and
+        leaves again. Returns the sync's metrics.
+
+        Raises:
+            RolloutError: An engine refused, timed out or reports another version, or the probe differs.
+        """
+        with self._lock:
+            version, plan, offloaded = self.version, self.plan, self._offloaded
+            if offloaded:
+                self._all("onload")
+                self._offloaded = False
+                self.handoff.add("actor.onload")
+            self.close_weight_sync()  # nccl: the group still counts the dead server's ranks
+            if plan.transport == "disk":
+                kept = self.weights_dir is not None and self.weights_dir.name == f"v{version:06d}"
+                target = self.weights_dir if kept else self.export_weights(version)  # the others may serve the old
+                engines.load_weights(target, version)
+                metrics: dict[str, Any] = {}
+            else:
+                metrics = self._sync_in_memory(engines, version)
+                self.close_weight_sync()
+            self.handoff.add(f"resync.{plan.transport}", version=version)
+            engines.check_weight_version(version)
+            if plan.check_equal:
+                metrics |= self._check_equal(engines, version)
+            if offloaded:
+                self._offload()
+            return metrics
+
+    def _offload(self) -> dict[str, float]:
+        moved = self._all("offload")[0]
+        self._offloaded = True
+        self.handoff.add("actor.offload")
+        return moved
 
     def _sync_disk(self, engines: WeightsConsumer, version: int) -> Path:
         """Export the weights, have ``engines`` serve them, then delete the version served before."""
@@ -264,9 +318,13 @@ class ActorGroup:
 
     def _all(self, method: str, *args: Any, timeout: float | None = None) -> list:
         """Call ``method`` on every rank and wait (at most ``timeout`` seconds plus a minute for the Ray calls)."""
-        futures = [getattr(worker, method).remote(*args) for worker in self.workers]
-        if timeout is None:
-            return ray.get(futures)
+        with self._lock:  # every rank gets the calls of both threads in the same order
+            futures = [getattr(worker, method).remote(*args) for worker in self.workers]
+            if timeout is None:
+                return ray.get(futures)
+            return self._get(method, futures, timeout)
+
+    def _get(self, method: str, futures: list, timeout: float) -> list:
         try:
             return ray.get(futures, timeout=timeout + 60)
         except ray.exceptions.GetTimeoutError as e:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tidal.ckpt import read_hf_config_json
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def check_hf_checkpoint(path: str) -> dict[str, Any]:
     if not config.is_file():
         raise ValueError(f"--hf-checkpoint {path} has no config.json; point it at a Hugging Face model directory")
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
+        data = read_hf_config_json(folder)
     except (OSError, ValueError) as e:
         raise ValueError(f"--hf-checkpoint {path}: config.json cannot be read as JSON ({e})") from e
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):

@@ -8,7 +8,6 @@ answers in about a second with one line per problem, naming the flag and the fix
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import re
@@ -18,6 +17,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tidal.ckpt import read_hf_config_json
 
 if TYPE_CHECKING:
     from tidal.placement import LocalGpus
@@ -174,7 +175,7 @@ def _model(train: dict[str, Any], problems) -> tuple[str, dict[str, Any] | None]
         return train["hf_checkpoint"], problems.run(checks.check_hf_checkpoint, train["hf_checkpoint"])
     hf = str(embedded_model_path())
     config = Path(hf) / "config.json"  # built on first use: its layers are checked against the pipeline then
-    return hf, json.loads(config.read_text()) if config.is_file() else None
+    return hf, read_hf_config_json(hf) if config.is_file() else None
 
 
 def check_local_gpus(job: JobConfig, *, detected_gpus: int | None = None) -> LocalGpus | None:

@@ -49,6 +49,7 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
     if not job.train.debug_rollout_only:
         weights = WeightExport(root=out / "weights", max_shard_bytes=job.train.update_weight_buffer_size)
         actors = ActorGroup(job, weights, plan=plan, handoff=handoff)
+        rollouts.weight_source = actors.resync  # --use-fault-tolerance: a restarted engine gets the actor's weights
     if with_engines and actors is not None:
         logger.info("weight sync: %s; offload: actor %s, engines %s", plan.transport,
                     "on" if plan.offload_train else "off", "on" if plan.offload_rollout else "off")  # fmt: skip

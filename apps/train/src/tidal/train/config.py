@@ -106,7 +106,7 @@ class TrainConfig:
     wandb_project: str = "tidal"
     """W&B project name."""
     use_fault_tolerance: bool = False
-    """Restart an engine that died during a rollout and retry its requests."""
+    """Restart an engine that died, give it the actor's current weights, then resend its requests."""
     reward_sanity_rollouts: int = 3
     """Warn when every reward was identical for this many rollouts in a row; 0 disables."""
     mismatch_warn_threshold: float = 0.05

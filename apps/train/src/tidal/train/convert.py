@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tidal.ckpt import CheckpointError, CheckpointMismatchError
+from tidal.ckpt import CheckpointError, CheckpointMismatchError, read_hf_config_json
 from tidal.train.logs import setup_logging
 
 logger = logging.getLogger("tidal.train.convert")
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_tp(hf_dir: Path, tp: int) -> None:
-    cfg = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    cfg = read_hf_config_json(hf_dir)
     heads = cfg.get("num_attention_heads", 1)
     for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
         value = cfg.get(name, heads if name == "num_key_value_heads" else 1)
@@ -247,7 +247,7 @@ def _hf_dtype(hf_dir: str):
     """The dtype config.json declares for the weights (float32 when absent or unusual)."""
     import torch
 
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8"))
+    cfg = read_hf_config_json(hf_dir)
     name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch.")
     return getattr(torch, name if name in _HF_DTYPES else "float32")
 

@@ -25,15 +25,19 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from tidal.train.driver_rollouts import DriverRollouts
-from tidal.train.workers import EngineWorker
+from tidal.train.engine_worker import EngineWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from tidal.train.config import JobConfig
     from tidal.train.data import Prompt, PromptDataset
     from tidal.train.handoff import HandOffLog, SyncPlan
 
 PROBE_PROMPTS = 4
 """Training prompts (the first ones, a fixed set) --check-weight-update-equal samples after each sync."""
+RESYNC_POLL_S = 2.0
+"""While engines generate under --use-fault-tolerance, how often the driver asks whether one restarted."""
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def _new_api_key(run_dir: Path) -> str:
     """A key for this run's servers, router and clients, kept only in ``run_dir/sglang_api_key`` (mode 0600)."""
-    key = secrets.token_urlsafe(32)
+    key = secrets.token_hex(32)  # not token_urlsafe: a key starting with "-" reads as a flag to SGLang's parser
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir / "sglang_api_key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # also when the file was there already
@@ -96,6 +100,8 @@ class RolloutManager:
         self.driver_client = None
         """The driver's own client of the one engine (partial rollout, DAPO without a router); made on first use."""
         self._starting: list = []
+        self.weight_source: Callable[[RestartedEngines], Any] | None = None
+        """Gives restarted engines the current weights (the actor group's ``resync``); None: no actor."""
         self.driver = DriverRollouts(job, self, train_data, self.reward_fn, tokenizer=train_data.tokenizer)
 
     @property
@@ -111,6 +117,7 @@ class RolloutManager:
     def start(self, placement) -> None:
         """Create the engines' workers and begin their start-up (external ones: wait for health); returns at once."""
         from tidal.placement import PortAllocator
+        from tidal.rollout import WILDCARD_HOSTS
 
         model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
@@ -127,11 +134,13 @@ class RolloutManager:
             worker = EngineWorker.options(**placement.engine_options(e)).remote(
                 dataclasses.replace(cfg, sglang_host=host),
                 model,
+                listen_host=cfg.sglang_host if cfg.sglang_host in WILDCARD_HOSTS else None,
                 port=ports.http_port,
                 nccl_port=ports.nccl_port,
                 log_dir=logs,
                 env=dict(self.job.placement.ray_env),
                 fault_tolerant=self.job.train.use_fault_tolerance,
+                resync_timeout_s=self._resync_timeout(),
                 tp_size=self.job.placement.rollout_num_gpus_per_engine,
                 interruptible=self._interruptible(),
                 flush_after_update=self.job.train.max_staleness == 0,
@@ -139,11 +148,24 @@ class RolloutManager:
             self._launch(worker)
 
     def _engine_host(self, placement, engine: int) -> str:
-        """``--sglang-host``, else loopback on a one-node job, else the engine's node address."""
+        """Where the engine is reached: ``--sglang-host``, else loopback on a one-node job, else its node address.
+
+        A wildcard ``--sglang-host`` (0.0.0.0, ::) is where the server listens, not an address another node can
+        send to: the engine is then reached at its node's address.
+        """
+        from tidal.rollout import WILDCARD_HOSTS
+
+        if self.cfg.sglang_host in WILDCARD_HOSTS:
+            return placement.engine_node_ip(engine)
         if self.cfg.sglang_host:
             return self.cfg.sglang_host
         nodes = {b.node_ip for b in placement.bundles} | {ray.util.get_node_ip_address()}  # the driver's too
         return placement.engine_node_ip(engine) if len(nodes) > 1 else "127.0.0.1"
+
+    def _resync_timeout(self) -> float | None:
+        """How long a restarted engine waits for its weights from the actor (None: there is no actor)."""
+        train = self.job.train
+        return None if train.debug_rollout_only else train.update_weight_timeout
 
     def _interruptible(self) -> bool:
         """Whether a weight update aborts and resumes the requests in flight: --max-staleness >= 1 on the plain path.
@@ -217,28 +239,32 @@ class RolloutManager:
         self._released = [t for t in self._released if t not in tags]
         self.handoff.add("engines.resume." + "+".join(tags))
 
-    def weight_targets(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Per engine: URL, API key, TP size and ``timeout_s`` (the actor's rank 0 sends the weights there)."""
-        return ray.get([e.weight_target.remote(timeout_s) for e in self.engines])
+    def weight_targets(self, timeout_s: float, *, only: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """Per engine (of ``only``): URL, API key, TP size and ``timeout_s`` (the actor's rank 0 sends there)."""
+        return ray.get([e.weight_target.remote(timeout_s) for e in self._some(only)])
 
-    def check_weight_version(self, version: int) -> None:
-        """Raise unless every engine reports weight version ``version`` (a sync that silently did not apply).
+    def check_weight_version(self, version: int, *, only: Sequence[int] | None = None) -> None:
+        """Raise unless every engine (of ``only``) reports weight version ``version`` (a sync that did not apply).
 
         Raises:
             RolloutError: naming each engine and the version it reports.
         """
         from tidal.rollout import RolloutError
 
-        seen = ray.get([e.weight_version.remote() for e in self.engines])
-        wrong = [f"{url}: {v!r}" for url, v in zip(self.engine_urls, seen, strict=True) if v != str(version)]
+        seen = ray.get([e.weight_version.remote() for e in self._some(only)])
+        urls = self.engine_urls if only is None else [self.engine_urls[i] for i in only]
+        wrong = [f"{url}: {v!r}" for url, v in zip(urls, seen, strict=True) if v != str(version)]
         if wrong:
             raise RolloutError(f"after the weight sync of version {version} engines report {', '.join(wrong)}")
 
-    def probe(self) -> list[list[tuple[list[int], list[float]]]]:
-        """Per engine, one sample of each of the first training prompts: ``(tokens, response log-probs)``."""
+    def probe(self, *, only: Sequence[int] | None = None) -> list[list[tuple[list[int], list[float]]]]:
+        """Per engine (of ``only``), one sample of each of the first training prompts: ``(tokens, log-probs)``."""
         prompts = [list(p.ids) for p in self.data.head(PROBE_PROMPTS)]
         params = {**self.cfg.sampling_params(), "max_new_tokens": 8}
-        return ray.get([e.probe.remote(prompts, params) for e in self.engines])
+        return ray.get([e.probe.remote(prompts, params) for e in self._some(only)])
+
+    def _some(self, only: Sequence[int] | None) -> list:
+        return self.engines if only is None else [self.engines[i] for i in only]
 
     def evaluate(self, held_out: dict[str, list[Prompt]]) -> dict[str, float]:
         """mean@k and pass@k of each held-out set (``eval/<name>/...``); the first set's mean@k as ``eval/accuracy``.
@@ -272,7 +298,7 @@ class RolloutManager:
             )
             for engine, share in zip(self.engines, shares, strict=True)
         ]
-        results = ray.get(futures)
+        results = self._wait_resyncing(futures)
         samples = [
             dataclasses.replace(s, group_index=share[s.group_index])
             for share, (part, _) in zip(shares, results, strict=True)
@@ -281,9 +307,36 @@ class RolloutManager:
         samples.sort(key=lambda s: s.group_index)  # stable: samples of a group stay together, in order
         return score_samples(samples, self.reward_fn), max(seconds for _, seconds in results)
 
-    def load_weights(self, path: str | Path, version: int) -> None:
-        """Every engine reloads its weights from the HF checkpoint at ``path`` and serves them as ``version``."""
-        ray.get([e.update_weights_from_disk.remote(str(path), str(version)) for e in self.engines])
+    def _wait_resyncing(self, futures: list) -> list:
+        """``ray.get(futures)``; meanwhile (--use-fault-tolerance) give engines that restarted the current weights.
+
+        A restarted engine holds its requests until :meth:`resync_restarted` gave it the weights.
+        """
+        if self.weight_source is None or not self.job.train.use_fault_tolerance:
+            return ray.get(futures)
+        while ray.wait(futures, num_returns=len(futures), timeout=RESYNC_POLL_S)[1]:
+            self.resync_restarted()
+        return ray.get(futures)
+
+    def resync_restarted(self) -> list[int]:
+        """Give every engine that restarted since its last weights the actor's current ones; their indices.
+
+        Each such engine has waited (its requests held) since its restart; it serves again once this returns.
+        """
+        if self.weight_source is None:
+            return []
+        stale = [i for i, s in enumerate(ray.get([e.needs_weights.remote() for e in self.engines])) if s]
+        if stale:
+            logger.warning(
+                "engine(s) %s restarted: syncing the current weights into them", [self.engine_urls[i] for i in stale]
+            )
+            self.weight_source(RestartedEngines(self, stale))
+            ray.get([self.engines[i].weights_restored.remote() for i in stale])
+        return stale
+
+    def load_weights(self, path: str | Path, version: int, *, only: Sequence[int] | None = None) -> None:
+        """Every engine (of ``only``) reloads the HF checkpoint at ``path`` and serves it as ``version``."""
+        ray.get([e.update_weights_from_disk.remote(str(path), str(version)) for e in self._some(only)])
 
     def http_retries(self) -> int:
         """Requests sent again after a transient failure so far, by every client (engines, router, driver)."""
@@ -314,8 +367,9 @@ class RolloutManager:
         return self.driver_client
 
     def restart_dead_engines(self) -> None:
-        """Under --use-fault-tolerance: restart the engines whose server died, then the router."""
+        """Under --use-fault-tolerance: restart the engines whose server died, sync them, then the router."""
         restarted = ray.get([engine.ensure_alive.remote() for engine in self.engines])
+        self.resync_restarted()
         if self.router is not None:
             self.router.restart()
         logger.info("restarted %d engine(s)%s", sum(restarted), " and the router" if self.router else "")
@@ -331,3 +385,30 @@ class RolloutManager:
                 logger.warning("engine shutdown failed: %s", e)
         for engine in self.engines:
             ray.kill(engine, no_restart=True)
+
+
+class RestartedEngines:
+    """Some of a manager's engines (those restarted) as the weights' consumer of ``ActorGroup.resync``."""
+
+    def __init__(self, manager: RolloutManager, indices: list[int]) -> None:
+        """The engines ``indices`` of ``manager``."""
+        self.manager, self.indices = manager, indices
+
+    def load_weights(self, path: str | Path, version: int) -> None:
+        """Serve the HF checkpoint at ``path`` as ``version``."""
+        self.manager.load_weights(path, version, only=self.indices)
+
+    def weight_targets(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Where the actor's rank 0 sends these engines' weights."""
+        return self.manager.weight_targets(timeout_s, only=self.indices)
+
+    def check_weight_version(self, version: int) -> None:
+        """Raise unless each of these engines reports ``version``."""
+        self.manager.check_weight_version(version, only=self.indices)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Nothing: a restarted server holds all its memory."""
+
+    def probe(self) -> list[list[tuple[list[int], list[float]]]]:
+        """The probe of these engines (--check-weight-update-equal)."""
+        return self.manager.probe(only=self.indices)

@@ -7,7 +7,6 @@ Anything else raises ``ValueError`` naming the model type (or the rope type).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tidal.actor.rope_scaling import RopeScaling, parse_rope_scaling
+from tidal.ckpt import read_hf_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +109,9 @@ def read_hf_config(hf_dir: str | Path) -> HFModelSpec:
         FileNotFoundError: no ``config.json`` in ``hf_dir``.
         ValueError: see ``parse_hf_config``.
     """
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
+    if not (Path(hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {hf_dir}; point --hf-checkpoint at an HF model dir")
-    return parse_hf_config(json.loads(path.read_text()))
+    return parse_hf_config(read_hf_config_json(hf_dir))  # read once per process (actor, reference model)
 
 
 def to_transformer_config(

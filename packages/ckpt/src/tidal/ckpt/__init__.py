@@ -19,6 +19,7 @@ from tidal.ckpt.errors import (
     NotAMegatronCheckpointError,
     TrackerFileMissingError,
 )
+from tidal.ckpt.hf_config_file import read_hf_config_json
 
 if TYPE_CHECKING:
     from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
@@ -76,6 +77,7 @@ __all__ = [
     "list_iterations",
     "load_checkpoint",
     "mark_best_iteration",
+    "read_hf_config_json",
     "resolve_checkpoint",
     "save_checkpoint",
     "save_hf_checkpoint",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tidal.rollout.config import RolloutConfig, sglang_router_args, sglang_server_args
+from tidal.rollout.config import WILDCARD_HOSTS, RolloutConfig, sglang_router_args, sglang_server_args
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 
 if TYPE_CHECKING:
@@ -85,6 +85,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "WILDCARD_HOSTS",
     "EngineUnavailableError",
     "GenerateFn",
     "GroupFilter",

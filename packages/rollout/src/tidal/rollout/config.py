@@ -62,6 +62,10 @@ def sglang_router_args(flags: Sequence[str]) -> tuple[str, ...]:
     return _split_flags(flags, router=True)
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+"""--sglang-host values that bind every interface: such a server is reached at its node's own address."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     """How rollouts are generated and scored (slime's flag names, dashed, in the messages)."""
@@ -104,7 +108,8 @@ class RolloutConfig:
     """Directory of saved rollouts to replay instead of generating (debug training without any server)."""
     sglang_host: str | None = None
     """Address the SGLang servers listen on; None: 127.0.0.1 when the job runs on one node, else each server's
-    node address (so the actor and router on other nodes reach it)."""
+    node address (so the actor and router on other nodes reach it). A wildcard (0.0.0.0, ::) binds every
+    interface and the server is reached at its node's address."""
     sglang_api_key: str | None = None
     """Key every SGLang server (SGLang's --api-key), the router and every client use; None: none on loopback,
     and a key generated per run when servers listen on a node address (`train` writes it to the run folder,
@@ -170,6 +175,8 @@ class RolloutConfig:
         for flag, value, ok, requirement in checks:
             if not ok:
                 raise ValueError(f"{flag} must be {requirement}, got {value!r}")
+        if self.sglang_api_key is not None and self.sglang_api_key.startswith("-"):
+            raise ValueError("--sglang-api-key must not start with '-': SGLang's command line would read it as a flag")
         if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math"):
             raise ValueError(
                 f"--rm-type must be exact_match, numeric_match or math, got {self.rm_type!r}; "

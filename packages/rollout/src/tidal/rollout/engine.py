@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +73,7 @@ class SGLangEngine(ManagedServer):
         port: int,
         nccl_port: int | None = None,
         log_dir: str | os.PathLike[str],
+        listen_host: str | None = None,
         extra_server_args: Sequence[str] = (),
         startup_timeout_s: float = 300.0,
         request_timeout_s: float = 600.0,
@@ -86,7 +87,9 @@ class SGLangEngine(ManagedServer):
 
         Args:
             model_path: HF checkpoint directory (config, tokenizer, safetensors) to serve.
-            host: Address to listen on; 127.0.0.1 keeps the server off the network.
+            host: Address to listen on and to reach the server at (its URL); 127.0.0.1 keeps it off the network.
+            listen_host: Address to listen on instead of ``host`` (e.g. 0.0.0.0: every interface), while clients
+                still reach the server at ``host``.
             port: HTTP port of the server.
             nccl_port: Port for SGLang's internal process group (``--nccl-port``); None lets SGLang pick.
             log_dir: Directory for the server log (created if missing).
@@ -106,10 +109,11 @@ class SGLangEngine(ManagedServer):
         """
         if port <= 0 or port > 65535:
             raise ValueError(f"port must be in 1..65535, got {port}")
-        if host not in _LOOPBACK_HOSTS and not api_key:
+        exposed = [h for h in (listen_host or host, host) if h not in _LOOPBACK_HOSTS]
+        if exposed and not api_key:
             raise ValueError(
-                f"SGLang host {host!r} is reachable from other machines and the server would accept any request; "
-                "set --sglang-api-key (or keep the default host 127.0.0.1)"
+                f"SGLang host {exposed[0]!r} is reachable from other machines and the server would accept any "
+                "request; set --sglang-api-key (or keep the default host 127.0.0.1)"
             )
         env = dict(env or {})
         keep_alive_s = int(env.setdefault(KEEP_ALIVE_ENV, str(keep_alive_s)))
@@ -128,6 +132,7 @@ class SGLangEngine(ManagedServer):
         self.keep_alive_s = keep_alive_s
         self.model_path = str(model_path)
         self.host = host
+        self.listen_host = listen_host or host
         self.port = port
         self.nccl_port = nccl_port
         self.log_dir = log_dir
@@ -137,6 +142,10 @@ class SGLangEngine(ManagedServer):
         # The last weights loaded from disk, re-applied by restart() so that a restarted engine serves them.
         self._disk_weights: dict[str, Any] | None = None
         self._warned_memory_saver = False
+        self.on_restart: Callable[[], None] | None = None
+        """Called by :meth:`restart` once the restarted server is healthy, before :meth:`restart` returns (so before
+        any request is sent to it again): the owner puts the current weights back (they may have come as tensors
+        or by broadcast, which the server cannot reload itself). An exception from it fails the restart."""
 
     @classmethod
     def from_config(
@@ -148,15 +157,18 @@ class SGLangEngine(ManagedServer):
         nccl_port: int | None = None,
         log_dir: str | os.PathLike[str],
         env: Mapping[str, str] | None = None,
+        listen_host: str | None = None,
     ) -> SGLangEngine:
         """An engine as ``cfg`` describes it, on the ports and in the log folder the caller's placement chose.
 
         ``cfg`` gives the host (``--sglang-host``), the pass-through server flags (``--sglang-*``), the start-up
-        timeout, and the request timeout and retries; nothing starts until :meth:`start`.
+        timeout, and the request timeout and retries; nothing starts until :meth:`start`. ``listen_host``: the
+        address to bind when it is not the host (a wildcard such as 0.0.0.0 while the host is the node's address).
         """
         return cls(
             model_path,
             host=cfg.sglang_host or "127.0.0.1",
+            listen_host=listen_host,
             api_key=cfg.sglang_api_key,
             port=port,
             nccl_port=nccl_port,
@@ -171,7 +183,7 @@ class SGLangEngine(ManagedServer):
     def command(self) -> list[str]:
         """The server command line this engine runs (CPU flags resolved)."""
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path]
-        cmd += ["--host", self.host, "--port", str(self.port)]
+        cmd += ["--host", self.listen_host, "--port", str(self.port)]
         if self.nccl_port is not None:
             cmd += ["--nccl-port", str(self.nccl_port)]
         if self._api_key:
@@ -199,10 +211,10 @@ class SGLangEngine(ManagedServer):
         return env
 
     def restart(self) -> None:
-        """Stop what is left of the server, start it again, wait for health, and reload the last disk weights.
+        """Stop what is left of the server, start it again, reload the last disk weights, call :attr:`on_restart`.
 
-        Weights pushed as tensors or by broadcast cannot be re-applied: the restarted server serves
-        ``model_path`` (or the last ``update_weights_from_disk`` checkpoint) and reports that version.
+        Weights pushed as tensors or by broadcast cannot be re-applied here: without :attr:`on_restart` the restarted
+        server serves ``model_path`` (or the last ``update_weights_from_disk`` checkpoint) and reports that version.
 
         Raises:
             RolloutError: The server does not come back, or refuses the weights it served before.
@@ -211,6 +223,8 @@ class SGLangEngine(ManagedServer):
         if self._disk_weights is not None:
             self.call("/update_weights_from_disk", self._disk_weights, what="reloading weights after a restart")
             logger.info("reloaded %s into the restarted server", self._disk_weights["model_path"])
+        if self.on_restart is not None:
+            self.on_restart()
 
     def update_weights_from_disk(self, path: str | os.PathLike[str], *, weight_version: str | None = None) -> None:
         """Load new weights from an HF checkpoint directory into the running server (cache flushed).

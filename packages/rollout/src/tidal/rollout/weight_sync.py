@@ -285,8 +285,18 @@ def update_weights_from_distributed(
 def destroy_weights_update_group(
     engines: SGLangEngine | Sequence[SGLangEngine], group: dist.ProcessGroup, *, group_name: str = "tidal_weight_sync"
 ) -> None:
-    """Tear the weight-update group down on the engines and in this process."""
+    """Tear the weight-update group down on the engines and in this process.
+
+    An engine that no longer holds the group (it was restarted, or is gone) is logged and skipped: this process's
+    side is torn down all the same, so that a fresh group can take its place.
+    """
     engines = [engines] if isinstance(engines, SGLangEngine) else list(engines)
-    for engine in engines:
-        engine.call("/destroy_weights_update_group", {"group_name": group_name}, what="destroy_weights_update_group")
-    dist.destroy_process_group(group)
+    try:
+        for engine in engines:
+            try:
+                engine.call("/destroy_weights_update_group", {"group_name": group_name},
+                            what="destroy_weights_update_group")  # fmt: skip
+            except RolloutError as e:
+                logger.warning("%s could not leave weight-update group %s: %s", engine.url, group_name, e)
+    finally:
+        dist.destroy_process_group(group)
