@@ -5,9 +5,9 @@ Ray worker node and the SGLang engine. The namespaces are joined by a veth pair 
 and their own loopback. The run is decoupled (actor and engine on a GPU each, one logical GPU per host), so the
 engine must listen on B's address and every request and weight update crosses hosts, with the per-run API key.
 Midway, B's SGLang server is SIGKILLed; --use-fault-tolerance restarts it, the actor's current weights go into it
-before it serves again (the resync every transport takes; here disk: gloo between these namespaces resolves each
-host to 127.0.0.1, so the broadcast transport cannot connect them), checked on the probe
-(--check-weight-update-equal), and the run completes.
+before it serves again over the broadcast transport (nccl's CPU form, gloo, with a fresh group that includes the new
+server; gloo is pinned to each host's interface, since these namespaces resolve their host names to 127.0.0.1),
+checked on the probe (--check-weight-update-equal), and the run completes.
 
 Needs root (CAP_NET_ADMIN) for `ip netns`; without it the test fails and says so (CI runs as root).
 """
@@ -114,7 +114,7 @@ def two_host_run(tmp_path_factory):
                  "--temp-dir", ray_tmp, *common, env=env)  # fmt: skip
             _ray(b, "--address", f"{HOST_A}:{RAY_PORT}", "--node-ip-address", HOST_B, *common, env=env)
             args = [*COMMON, "--num-rollout", "3", "--no-colocate", "--actor-num-gpus-per-node", "1",
-                    "--rollout-num-gpus", "1", "--update-weight-transport", "disk", "--use-fault-tolerance",
+                    "--rollout-num-gpus", "1", "--update-weight-transport", "nccl", "--use-fault-tolerance",
                     "--check-weight-update-equal",
                     "--ray-address", f"{HOST_A}:{RAY_PORT}",
                     "--output-dir", str(out)]  # fmt: skip
@@ -170,10 +170,10 @@ def test_the_restarted_server_got_the_actors_weights_before_serving(two_host_run
     # the run's transport, the server reported version 1, and its log-probs on the probe matched the actor's.
     _, log, out, _, _ = two_host_run
     records = _records(out)
-    assert all(r["weight_sync/transport"] == "disk" for r in records)
+    assert all(r["weight_sync/transport"] == "nccl" for r in records)
     assert records[1]["rollout/weight_version"] == 1.0  # the initial weights would be version 0
     events = [json.loads(line) for line in (out / "handoff.jsonl").read_text().splitlines()]
-    at = [i for i, e in enumerate(events) if e["event"] == "resync.disk"]
+    at = [i for i, e in enumerate(events) if e["event"] == "resync.nccl"]
     assert len(at) == 1 and events[at[0]]["rollout"] == 1 and events[at[0]]["version"] == 1, events
     check = events[at[0] + 1]
     assert check["event"] == "sync.check" and check["mean"] < 1e-3, check  # fp32 engine and actor

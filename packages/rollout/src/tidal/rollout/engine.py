@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tidal.rollout.netif import LOOPBACK_HOSTS, pin_gloo_interface
 from tidal.rollout.server_process import ManagedServer
 from tidal.rollout.transport import DEFAULT_RETRIES
 
@@ -35,7 +36,7 @@ CPU_SERVER_ARGS: tuple[tuple[str, ...], ...] = (
 # SGLang's names for what release_memory_occupation can free (sglang.srt.constants).
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_LOOPBACK_HOSTS = LOOPBACK_HOSTS
 
 # Keep-alive of the servers tidal launches (SGLANG_TIMEOUT_KEEP_ALIVE, uvicorn's timeout_keep_alive; SGLang's
 # default is 5 s): long enough that pooled connections survive from one rollout to the next. The engine's own
@@ -208,6 +209,7 @@ class SGLangEngine(ManagedServer):
             parts = [str(CPU_STUB_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
             env["PYTHONPATH"] = os.pathsep.join(parts)
         env.update(self.env)
+        pin_gloo_interface(env, self.host)  # across nodes, gloo (weight broadcast on CPU) must not take loopback
         return env
 
     def restart(self) -> None:

@@ -14,6 +14,7 @@ import datetime
 import functools
 import io
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing  # importing it registers the tensor reductions with ForkingPickler
 from tidal.rollout.engine import SGLangEngine
 from tidal.rollout.errors import RolloutError
+from tidal.rollout.netif import pin_gloo_interface
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +205,8 @@ def init_weights_update_group(
     if len(tp_sizes) != len(engines):
         raise ValueError(f"engine_tp_sizes has {len(tp_sizes)} entries for {len(engines)} engines")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":  # the trainer's side of a group spanning nodes: bind where the engines can reach it
+        pin_gloo_interface(os.environ, master_address)
     world_size = 1 + sum(tp_sizes)
     calls: list[Callable[[], object]] = []
     for i, engine in enumerate(engines):
