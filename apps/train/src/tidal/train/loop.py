@@ -24,7 +24,7 @@ from tidal.train.monitors import RewardSanity, check_engine_agreement, check_pro
 from tidal.train.plots import write_curves
 from tidal.train.rollout_buffer import RolloutBuffer
 from tidal.train.rollout_manager import RolloutManager
-from tidal.train.summary import RunResult, overhead_share, write_summary
+from tidal.train.summary import RunResult, floor_key, overhead_share, write_summary
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def _train(job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: di
     rollouts, actors = cluster.rollouts, cluster.actors
     num_rollout = job.train.num_rollout
     metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
-    result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None)
+    result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None, job_key=floor_key(job))
     result.engine_pids = rollouts.engine_pids
     start, version = _resume(job, rollouts, buffer, actors, metrics_log)
     result.start_rollout_id, result.history = start, metrics_log.read()

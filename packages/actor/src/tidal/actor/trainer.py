@@ -1,7 +1,10 @@
 """One rollout's training on one rank: plan micro-batches, old log-probs, advantages, optimizer steps.
 
 The order matters: every old log-prob of the rollout is computed before its first optimizer step, so the PPO
-ratio of every step compares against the weights that existed when the rollout was scored.
+ratio of every step compares against the weights that existed when the rollout was scored. With ONE optimizer
+step per rollout (and no reference model, no token-level estimator, one pipeline stage) that separate pass is
+skipped: the step's own forward runs on those same weights, and its detached log-probs are the old ones, the same
+numbers (slime computes them again; issue 22 measured the pass at ~10% of a CPU rollout).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def train_on_rollout(
     rank: int = 0,
     dp_size: int = 1,
     reference=None,
+    reuse_step_log_probs: bool = True,
 ) -> dict[str, float]:
     """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
 
@@ -72,6 +76,8 @@ def train_on_rollout(
         dp_size: data-parallel size.
         reference: a :class:`tidal.actor.ReferenceModel`; when given, every micro-batch gets its
             "ref_log_probs" (for ``--kl-loss-coef``), computed before any step with the reference on the device once.
+        reuse_step_log_probs: take the old log-probs from the training forward when that is exact (one optimizer
+            step, no reference, a sample-level estimator, one pipeline stage); False: always a separate pass.
 
     Returns:
         Mean of the steps' train metrics, batching statistics, timings ("time/log_probs", "time/train") and,
@@ -112,7 +118,10 @@ def train_on_rollout(
                 pad_to_multiple_of=batching.pad_to_multiple_of,
             )
         )
-    packed = [[_with_old_log_probs(actor, mb) for mb in step] for step in packed]
+    reuse = reuse_step_log_probs and len(packed) == 1 and reference is None and actor.stage.size == 1
+    reuse = reuse and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS
+    if not reuse:
+        packed = [[_with_old_log_probs(actor, mb) for mb in step] for step in packed]
     if reference is not None:
         with reference.loaded():
             packed = [
@@ -127,6 +136,10 @@ def train_on_rollout(
 
     start = time.monotonic()
     per_step = [actor.train_step(step) for step in packed]
+    if reuse:  # the step's forward computed them (before its update): the rollout's old log-probs
+        packed = [
+            [_with_field(mb, "old_log_probs", lp) for mb, lp in zip(packed[0], actor.step_log_probs, strict=True)]
+        ]
     metrics = {key: sum(m[key] for m in per_step) / len(per_step) for key in per_step[0]}
     metrics["time/log_probs"] = log_probs_time
     metrics["time/train"] = time.monotonic() - start
