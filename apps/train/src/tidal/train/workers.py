@@ -222,8 +222,8 @@ def _limit_cpu_threads(world_size: int = 1) -> None:
 
     Ray forces ``OMP_NUM_THREADS=1`` on an actor without a CPU reservation. On a small CPU machine the actor
     trains while the co-located SGLang server sleeps (``--sleep-on-idle``: it no longer polls), so one thread
-    left the other cores idle (measured in bench/RESULTS.md, issue 22). More threads than cores (several ranks on one box) spin against each other: the cores are
-    divided among the ranks.
+    left the other cores idle (measured in bench/RESULTS.md, issue 22). More threads than cores (several ranks on
+    one box) spin against each other: the cores are divided among the ranks.
     """
     import torch
 
