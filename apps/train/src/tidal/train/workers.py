@@ -55,7 +55,7 @@ class ActorWorker:
         pipeline_model_parallel_size: int = 1,
     ) -> None:
         setup_logging(f"actor r{rank}")
-        _limit_cpu_threads(world_size)
+        _limit_cpu_threads()
         from tidal.actor import Actor, init_distributed
         from tidal.ckpt import CheckpointIO
 
@@ -217,19 +217,16 @@ def _client(target: dict[str, Any]):
     return SGLangClient(target["url"], api_key=target.get("api_key"), request_timeout_s=target["timeout_s"])
 
 
-def _limit_cpu_threads(world_size: int = 1) -> None:
-    """Without CUDA, torch threads per actor rank: ``TIDAL_ACTOR_THREADS``, else the cores shared out among the ranks.
+def _limit_cpu_threads() -> None:
+    """Without CUDA, one torch thread per actor rank (or ``OMP_NUM_THREADS``).
 
-    Ray forces ``OMP_NUM_THREADS=1`` on an actor without a CPU reservation. On a small CPU machine the actor
-    trains while the co-located SGLang server sleeps (``--sleep-on-idle``: it no longer polls), so one thread
-    left the other cores idle (measured in bench/RESULTS.md, issue 22). More threads than cores (several ranks on
-    one box) spin against each other: the cores are divided among the ranks.
+    Ray leaves an actor without a CPU reservation free to start one thread per core, and on a small CPU machine
+    those threads spin against the SGLang server's: the actor's step ran 10-30x slower than single-threaded.
     """
     import torch
 
     if not torch.cuda.is_available():
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(int(os.environ.get("TIDAL_ACTOR_THREADS") or max(1, cores // world_size)))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def _dp_rank() -> int:
