@@ -14,6 +14,7 @@ from tidal.rollout.client import SGLangClient
 from tidal.rollout.custom_generate import GenerateFn, run_generate_fn
 from tidal.rollout.dispatch import fresh_group, run_groups
 from tidal.rollout.progress import DEFAULT_LOG_EVERY_S, GenerationProgress
+from tidal.rollout.router import RolloutRouter
 from tidal.rollout.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,8 @@ def generate_samples(
         max_restarts: Restarts of a dead engine allowed before RolloutError.
         num_requests: Requests the prompts are split over (at most one per prompt). A few large requests cost less
             than one per prompt: 64 prompts x 8 samples on the 2-core CPU box generated ~20% faster in one
-            request than in 64 (bench/RESULTS.md, issue 22); a few keep the progress line moving.
+            request than in 64 (bench/RESULTS.md, issue 22); a few keep the progress line moving. Through a
+            :class:`~tidal.rollout.router.RolloutRouter`, always one per prompt (the router places each one).
 
     Returns:
         ``len(prompts) * n`` Samples, prompt-major; ``group_index`` is the prompt's index.
@@ -180,7 +182,8 @@ def generate_samples(
             decode=decode,
             progress=progress,
             max_restarts=max_restarts,
-            groups_per_request=-(-len(groups) // max(1, num_requests)),
+            # through a router: one request per prompt, so that it places each prompt on an engine
+            groups_per_request=1 if isinstance(target, RolloutRouter) else -(-len(groups) // max(1, num_requests)),
         )
     return [sample for group in groups for sample in group]
 
