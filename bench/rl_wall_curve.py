@@ -56,7 +56,7 @@ def main() -> int:
     ax.set_xlabel("RL wall time (s)")
     ax.set_ylabel("held-out accuracy (256 prompts, greedy)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     return 0
