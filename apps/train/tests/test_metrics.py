@@ -151,3 +151,23 @@ def test_eval_sampling_params_follow_the_eval_flags(tmp_path):
     job = parse_job([*base[:1], str(tmp_path / "b"), *base[2:], *flags, "--eval-max-response-len", "16"])
     params = eval_sampling_params(job.rollout, job.train)
     assert (params["n"], params["temperature"], params["top_p"], params["max_new_tokens"]) == (4, 0.6, 0.95, 16)
+
+
+def test_summary_compares_each_phase_with_the_measured_floor_of_the_same_shape(tmp_path, monkeypatch):
+    from tidal.train import summary as summary_mod
+
+    key = {"model": "m", "rollout_batch_size": 4, "n_samples_per_prompt": 2, "rollout_max_response_len": 6, "cpu": 2}
+    floor = {"key": key, "generate_one_request_s": 0.5, "train_step_s": 0.25, "forward_s": 0.1}
+    monkeypatch.setattr(summary_mod, "STEP_FLOOR_FILE", tmp_path / "floor.json")
+    (tmp_path / "floor.json").write_text(json.dumps(floor))
+    history = [{"rollout": 0, "rollout/reward/mean": 0.5, "time/generate": 1.0, "time/log_probs": 0.0,
+                "time/train": 0.5, "time/weight_sync": 0.1, "time/rollout": 1.5}]  # fmt: skip
+    result = summary_mod.RunResult(output_dir=tmp_path, checkpoint_dir=tmp_path, weights_dir=None, history=history,
+                                   job_key=key)  # fmt: skip
+    summary_mod.write_summary(result)
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["floor_s"]["rollout"] == 0.75
+    assert written["vs_floor"] == {"generate": 2.0, "log_probs": 0.0, "train": 2.0, "rollout": 2.0}
+    summary_mod.write_summary(summary_mod.RunResult(output_dir=tmp_path, checkpoint_dir=tmp_path, weights_dir=None,
+                                                    history=history, job_key={**key, "cpu": 64}))  # fmt: skip
+    assert "vs_floor" not in json.loads((tmp_path / "summary.json").read_text())  # another machine: no floor

@@ -1,3 +1,4 @@
+import functools
 import math
 
 import pytest
@@ -97,3 +98,28 @@ def test_custom_advantage_and_loss_functions_are_called(dist_env, qwen2_dir, tmp
     )
     assert my_algo.CALLS and math.isfinite(metrics["train/loss"])
     assert gain < 0  # the negated advantages pushed the rewarded responses down
+
+
+def test_one_step_rollout_reuses_the_training_forward_for_old_log_probs_with_the_same_result(dist_env, qwen2_dir):
+    """One step per rollout: no separate old-log-prob pass, and the same update and metrics as with it."""
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2)
+    results = []
+    for reuse in (False, True):
+        actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2))
+        engine_lp = [lp.tolist() for lp in torch.split(actor.compute_log_probs(pack(TOKENS)), [4, 3, 5, 3])]
+        calls = []
+        actor.compute_log_probs = functools.partial(_counted, calls, actor.compute_log_probs)
+        metrics = train_on_rollout(actor, batching, tokens=TOKENS, loss_masks=MASKS, rewards=REWARDS, group_size=2,
+                                   rollout_log_probs=engine_lp, reuse_step_log_probs=reuse)  # fmt: skip
+        results.append((len(calls), metrics, [p.detach().clone() for p in actor.params]))
+    (calls_pass, with_pass, params_pass), (calls_reuse, reused, params_reuse) = results
+    assert calls_pass >= 1 and calls_reuse == 0  # one pass per micro-batch, or none
+    assert all(torch.equal(a, b) for a, b in zip(params_pass, params_reuse, strict=True))
+    for key in ("train/loss", "train/grad_norm", "train/ppo_kl", "rollout/logprob_abs_diff/mean"):
+        assert reused[key] == pytest.approx(with_pass[key], abs=1e-7), key
+    assert reused["train/ppo_kl"] == 0.0 and reused["rollout/logprob_abs_diff/max"] < 1e-6
+
+
+def _counted(calls: list, fn, *args):
+    calls.append(1)
+    return fn(*args)

@@ -34,6 +34,14 @@ def test_generate_samples_groups_responses_and_keeps_sampled_ids(
         assert len(s.response_log_probs) == len(s.response_ids) >= 1
         assert s.response_text == tokenizer.decode(s.response_ids)
         assert s.weight_version is not None
+    caplog.clear()
+    together = generate_samples(sglang_server, prompts, params, labels=["4", "7"], progress_every_s=0.0,
+                                num_requests=1)  # fmt: skip
+    progress = [r.getMessage() for r in caplog.records if r.name == "tidal.rollout.progress"]
+    assert progress[0].startswith("generate: 8/8 samples")  # both prompts in one request
+    assert [(s.group_index, s.label, list(s.prompt_ids)) for s in together] == [
+        (g, label, prompts[g]) for g, label in ((0, "4"), (1, "7")) for _ in range(4)
+    ]
     scored = score_samples(samples, numeric_match)
     metrics = rollout_metrics(scored)
     assert metrics["rollout/num_samples"] == 8.0

@@ -124,6 +124,8 @@ class Actor:
         if cfg.loss_type == "custom_loss":
             self._loss_fn = load_function(cfg.custom_loss_function_path, flag="--custom-loss-function-path")
         self.num_steps = 0
+        self.step_log_probs: list[torch.Tensor] = []
+        """The log-probs the last :meth:`train_step` computed for micro-batches given without old ones."""
         self._autocast = cfg.bf16 and self.device.type == "cuda"
         if cfg.bf16 and not self._autocast:
             logger.warning("--bf16 has no effect on CPU: computing in %s", cfg.params_dtype)
@@ -232,6 +234,10 @@ class Actor:
         ``kl_loss_coef`` is non-zero). The loss is the mean over every loss token of the step, all
         micro-batches and DP ranks together. A step whose gradient norm is not finite is skipped.
 
+        A micro-batch without "old_log_probs" (one pipeline stage only) takes this forward's own log-probs,
+        detached: the weights before this step, exactly what an old-log-prob pass would have computed, since no
+        step ran since. They are kept in :attr:`step_log_probs` (float32, CPU, one tensor per micro-batch).
+
         Returns:
             Metrics, identical on every rank: "train/loss", "train/pg_loss", "train/pg_clipfrac",
             "train/ppo_kl", "train/entropy", "train/kl" (with KL), "train/grad_norm", "train/lr",
@@ -244,8 +250,15 @@ class Actor:
         self._zero_grad()
         totals: dict[str, torch.Tensor] = {}
 
+        self.step_log_probs = []
+        if self.stage.size > 1 and any("old_log_probs" not in mb.token_fields for mb in micro_batches):
+            raise ValueError("train_step with pipeline stages needs every micro-batch's old_log_probs")
+
         def loss_of(mb: PackedBatch, output: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
             fields = {k: v.to(self.device) for k, v in mb.token_fields.items()}
+            if "old_log_probs" not in fields:  # this forward runs on the weights the old log-probs mean
+                fields["old_log_probs"] = output[0].detach().float()
+                self.step_log_probs.append(fields["old_log_probs"].cpu())
             loss, sums = self._loss_fn(
                 *output,
                 fields,

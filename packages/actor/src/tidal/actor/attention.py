@@ -85,18 +85,27 @@ def packed_causal_attention(
         key = key.repeat_interleave(num_heads // num_groups, dim=1)
         value = value.repeat_interleave(num_heads // num_groups, dim=1)
         gqa = False
-    outputs = []
+    # Segments of one length go through ONE batched SDPA call: a rollout of short samples has a few distinct
+    # lengths but hundreds of segments, and a call (and its backward) per segment cost most of a CPU training step.
     bounds = cu_seqlens.tolist()
+    by_length: dict[int, list[int]] = {}
     for start, end in itertools.pairwise(bounds):
-        if end == start:
-            continue
-        # [len, h, d] -> [1, h, len, d] for SDPA (3-D input takes the math kernel on CUDA: a [h, len, len] matrix)
-        q = query[start:end].transpose(0, 1).unsqueeze(0)
-        k = key[start:end].transpose(0, 1).unsqueeze(0)
-        v = value[start:end].transpose(0, 1).unsqueeze(0)
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    rows, outputs = [], []
+    for length, starts in by_length.items():
+        index = torch.tensor(starts, device=query.device)[:, None] + torch.arange(length, device=query.device)
+        # [segments, len, h, d] -> [segments, h, len, d] for SDPA (4-D: 3-D input takes the math kernel on CUDA)
+        q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        outputs.append(out[0].transpose(0, 1))
-    return torch.cat(outputs, dim=0)
+        outputs.append(out.transpose(1, 2).reshape(-1, num_heads, out.size(-1)))
+        rows.append(index.reshape(-1))
+    if len(outputs) == 1 and len(by_length[length]) == 1:
+        return outputs[0]
+    rows_cat = torch.cat(rows)
+    order = torch.empty_like(rows_cat)
+    order[rows_cat] = torch.arange(rows_cat.numel(), device=rows_cat.device)
+    return torch.cat(outputs)[order]
 
 
 class CausalCoreAttentionBase(MegatronModule):

@@ -1,7 +1,10 @@
 """One rollout's training on one rank: plan micro-batches, old log-probs, advantages, optimizer steps.
 
 The order matters: every old log-prob of the rollout is computed before its first optimizer step, so the PPO
-ratio of every step compares against the weights that existed when the rollout was scored.
+ratio of every step compares against the weights that existed when the rollout was scored. With ONE optimizer
+step per rollout (and no reference model, no token-level estimator, one pipeline stage) that separate pass is
+skipped: the step's own forward runs on those same weights, and its detached log-probs are the old ones, the same
+numbers (slime computes them again; issue 22 measured the pass at ~10% of a CPU rollout).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def train_on_rollout(
     reference=None,
     critic=None,
     rollout_id: int = 0,
+    reuse_step_log_probs: bool = True,
 ) -> dict[str, float]:
     """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
 
@@ -82,6 +86,9 @@ def train_on_rollout(
             give GAE advantages (whitened over the rollout) and returns; it then takes the rollout's steps on the
             value loss, before the actor takes its own.
         rollout_id: the rollout's index; the actor does not train while it is below ``--num-critic-only-steps``.
+        reuse_step_log_probs: take the old log-probs from the training forward when that is exact (one optimizer
+            step, no reference, no critic, a sample-level estimator, one pipeline stage); False: always a separate
+            pass.
 
     Returns:
         Mean of the steps' train metrics, batching statistics, timings ("time/log_probs", "time/train") and,
@@ -127,7 +134,11 @@ def train_on_rollout(
                 pad_to_multiple_of=batching.pad_to_multiple_of,
             )
         )
-    packed = [[_with_old_log_probs(actor, mb) for mb in step] for step in packed]
+    reuse = reuse_step_log_probs and len(packed) == 1 and reference is None and critic is None
+    reuse = reuse and actor.stage.size == 1
+    reuse = reuse and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS
+    if not reuse:
+        packed = [[_with_old_log_probs(actor, mb) for mb in step] for step in packed]
     if reference is not None:
         with reference.loaded():
             packed = [
@@ -144,6 +155,20 @@ def train_on_rollout(
         packed, metrics = _gae(packed, cfg, device=actor.device)
     log_probs_time = time.monotonic() - start
 
+    packed = _train_steps(actor, critic, packed, metrics, rollout_id=rollout_id, reuse=reuse)
+    metrics["time/log_probs"] = log_probs_time
+    if cfg.overlong_buffer_len:
+        metrics["train/overlong_penalty/mean"] = float(penalty.mean())
+    if rollout_log_probs is not None:
+        metrics |= _agreement(packed, device=actor.device)
+    metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
+    return metrics
+
+
+def _train_steps(actor, critic, packed: list[list[PackedBatch]], metrics: dict[str, float], *, rollout_id: int,
+                 reuse: bool) -> list[list[PackedBatch]]:  # fmt: skip
+    """The critic's steps (PPO), then the actor's (unless critic-only); ``packed`` with the old log-probs it used."""
+    cfg = actor.cfg
     if critic is not None:
         start = time.monotonic()
         metrics |= _mean([critic.train_step(step) for step in packed])
@@ -153,14 +178,12 @@ def train_on_rollout(
     if critic is None or rollout_id >= cfg.num_critic_only_steps:
         metrics |= _mean([actor.train_step(step) for step in packed])
         metrics["train/num_steps"] = float(len(packed))
-    metrics["time/log_probs"] = log_probs_time
+        if reuse:  # the step's forward computed them (before its update): the rollout's old log-probs
+            packed = [
+                [_with_field(mb, "old_log_probs", lp) for mb, lp in zip(packed[0], actor.step_log_probs, strict=True)]
+            ]
     metrics["time/train"] = time.monotonic() - start
-    if cfg.overlong_buffer_len:
-        metrics["train/overlong_penalty/mean"] = float(penalty.mean())
-    if rollout_log_probs is not None:
-        metrics |= _agreement(packed, device=actor.device)
-    metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
-    return metrics
+    return packed
 
 
 def _mean(per_step: list[dict[str, float]]) -> dict[str, float]:

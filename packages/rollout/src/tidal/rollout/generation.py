@@ -14,9 +14,13 @@ from tidal.rollout.client import SGLangClient
 from tidal.rollout.custom_generate import GenerateFn, run_generate_fn
 from tidal.rollout.dispatch import fresh_group, run_groups
 from tidal.rollout.progress import DEFAULT_LOG_EVERY_S, GenerationProgress
+from tidal.rollout.router import RolloutRouter
 from tidal.rollout.types import Sample
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_REQUESTS = 4
+"""Batched ``/generate`` requests a plain rollout's prompts are split over (:func:`generate_samples`)."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -111,15 +115,16 @@ def generate_samples(
     max_concurrency: int = 64,
     progress_every_s: float = DEFAULT_LOG_EVERY_S,
     max_restarts: int = 1,
+    num_requests: int = DEFAULT_NUM_REQUESTS,
 ) -> list[Sample]:
     """Generate ``n`` responses per prompt and wrap them as unscored Samples.
 
-    Each prompt's ``n`` samples go in one ``/generate`` request, ``max_concurrency`` requests in flight
-    (SGLang batches them). Progress (samples done, samples/s, ETA) is logged every ``progress_every_s``
-    and drawn as a bar when stderr is a terminal. If ``engine`` is an :class:`SGLangEngine` whose process
-    dies mid-rollout, it is restarted once and the requests it lost are sent again, so no sample is
-    dropped. With ``generate_fn`` (``--custom-generate-function-path``, e.g. a multi-turn rollout) each
-    sample is made by one call of it instead, ``max_concurrency`` calls at a time.
+    The prompts' ``n`` samples go in ``num_requests`` batched ``/generate`` requests (each prompt's samples in one
+    of them), ``max_concurrency`` requests in flight (SGLang batches them). Progress (samples done, samples/s, ETA)
+    is logged every ``progress_every_s`` and drawn as a bar when stderr is a terminal. If ``engine`` is an
+    :class:`SGLangEngine` whose process dies mid-rollout, it is restarted once and the requests it lost are sent
+    again, so no sample is dropped. With ``generate_fn`` (``--custom-generate-function-path``, e.g. a multi-turn
+    rollout) each sample is made by one call of it instead, ``max_concurrency`` calls at a time.
 
     Args:
         engine: A running engine, a :class:`~tidal.rollout.router.RolloutRouter` in front of several, or
@@ -133,6 +138,10 @@ def generate_samples(
         max_concurrency: Most requests (or ``generate_fn`` calls) in flight at once.
         progress_every_s: Seconds between progress log lines.
         max_restarts: Restarts of a dead engine allowed before RolloutError.
+        num_requests: Requests the prompts are split over (at most one per prompt). A few large requests cost less
+            than one per prompt: 64 prompts x 8 samples on the 2-core CPU box generated ~20% faster in one
+            request than in 64 (bench/RESULTS.md, issue 22); a few keep the progress line moving. Through a
+            :class:`~tidal.rollout.router.RolloutRouter`, always one per prompt (the router places each one).
 
     Returns:
         ``len(prompts) * n`` Samples, prompt-major; ``group_index`` is the prompt's index.
@@ -173,6 +182,8 @@ def generate_samples(
             decode=decode,
             progress=progress,
             max_restarts=max_restarts,
+            # through a router: one request per prompt, so that it places each prompt on an engine
+            groups_per_request=1 if isinstance(target, RolloutRouter) else -(-len(groups) // max(1, num_requests)),
         )
     return [sample for group in groups for sample in group]
 
