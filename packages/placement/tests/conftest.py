@@ -15,9 +15,13 @@ TEST_ENV = {"TIDAL_PLACEMENT_TEST": "from-ray-env"}
 # A user's driver: starts its own local Ray, places a co-located job, reports, then waits for Ctrl-C.
 LOCAL_DRIVER = textwrap.dedent(
     """
-    import json, os, time
+    import json, os, signal, time
     import ray
     from tidal.placement import PlacementConfig, create_placement, start_ray
+
+    # A shell without job control starts background commands with SIGINT ignored, and Python keeps that: this
+    # driver stands for a user's terminal, where Ctrl-C interrupts.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     cfg = PlacementConfig(actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=True, placement_timeout_s=120,
                           ray_env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
