@@ -47,6 +47,12 @@ class WeightsConsumer(Protocol):
     def probe(self) -> list[list[tuple[list[int], list[float]]]]:
         """Per engine, ``(tokens, response log-probs)`` of the fixed probe prompts."""
 
+    def restart_dead(self) -> list[int]:
+        """Under --use-fault-tolerance, restart the engines whose server died; their indices (none: nothing died)."""
+
+    def weights_restored(self, indices: list[int]) -> None:
+        """The restarted engines ``indices`` serve the actor's weights again: they may generate."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightExport:
@@ -181,9 +187,24 @@ class ActorGroup:
             RolloutError: An engine refused, timed out (--update-weight-timeout) or reports another version.
         """
         with self._lock:
-            return self._sync_weights(engines, version)
+            try:
+                return self._sync_weights(engines, version)
+            except Exception as e:
+                # A server that died during the sync (the broadcast, the version check, the probe) is restarted and
+                # the sync runs again, to every engine: a death is recovered wherever it lands (--use-fault-tolerance).
+                restarted = engines.restart_dead()
+                if not restarted:
+                    raise
+                logger.warning(
+                    "the weight sync of version %d failed (%s): engine(s) %s died and restarted; syncing again",
+                    version, e, restarted,
+                )  # fmt: skip
+                self.close_weight_sync()  # the group counts the dead server's ranks
+                target = self._sync_weights(engines, version, retry=True)
+                engines.weights_restored(restarted)
+                return target
 
-    def _sync_weights(self, engines: WeightsConsumer, version: int) -> Path | None:
+    def _sync_weights(self, engines: WeightsConsumer, version: int, *, retry: bool = False) -> Path | None:
         plan, tick = self.plan, time.monotonic()
         engines.resume_memory(["weights"])
         metrics: dict[str, Any] = {}
@@ -192,7 +213,7 @@ class ActorGroup:
             target = self._sync_disk(engines, version)
         else:
             metrics = self._sync_in_memory(engines, version)
-        self.handoff.add(f"sync.{plan.transport}", version=version)
+        self.handoff.add(f"sync.{plan.transport}", version=version, **({"retry": 1} if retry else {}))
         engines.check_weight_version(version)
         engines.resume_memory(["kv_cache"])
         seconds = time.monotonic() - tick

@@ -374,6 +374,22 @@ class RolloutManager:
             self.router.restart()
         logger.info("restarted %d engine(s)%s", sum(restarted), " and the router" if self.router else "")
 
+    def restart_dead(self) -> list[int]:
+        """Under --use-fault-tolerance, restart the engines whose server died (and then the router); their indices.
+
+        They serve the initial weights until the caller syncs the current ones and calls :meth:`weights_restored`.
+        """
+        if not self.job.train.use_fault_tolerance or not self.engines:
+            return []
+        restarted = [i for i, r in enumerate(ray.get([e.ensure_alive.remote() for e in self.engines])) if r]
+        if restarted and self.router is not None:
+            self.router.restart()
+        return restarted
+
+    def weights_restored(self, indices: list[int]) -> None:
+        """The engines ``indices`` serve the actor's weights again (requests held since their restart go out)."""
+        ray.get([self.engines[i].weights_restored.remote() for i in indices])
+
     def shutdown(self) -> None:
         """Stop the router, then each engine's server (its process group), then the engines' workers."""
         if self.router is not None:
@@ -408,6 +424,13 @@ class RestartedEngines:
 
     def resume_memory(self, tags: list[str]) -> None:
         """Nothing: a restarted server holds all its memory."""
+
+    def restart_dead(self) -> list[int]:
+        """Nothing: a resync that fails is not retried (the next sync or generation meets a dead server again)."""
+        return []
+
+    def weights_restored(self, indices: list[int]) -> None:
+        """Nothing: :meth:`RolloutManager.resync_restarted` releases them."""
 
     def probe(self) -> list[list[tuple[list[int], list[float]]]]:
         """The probe of these engines (--check-weight-update-equal)."""
