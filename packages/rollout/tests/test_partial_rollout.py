@@ -116,6 +116,53 @@ def test_an_interruptible_update_aborts_the_generation_which_finishes_under_the_
     assert any(s.token_weight_versions[0] == "old" for s in samples)  # cut mid-response
 
 
+def test_the_driver_side_sends_again_what_an_update_cut(sglang_server: SGLangEngine, tiny_model_dir: Path, caplog):
+    # The driver-side path (partial rollout, the router) under --max-staleness: the engine's own worker aborts the
+    # requests when a weight update begins (InterruptibleUpdates.begin); the driver sends the cut samples again at
+    # once, and SGLang serves them before or after the update: nothing is lost or cut short either way.
+    from tidal.rollout import generate_partial_rollout
+
+    prompts = [[3, 4, 5], [6, 7]]
+    params = {"n": 2, "max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
+    sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
+    gate = InterruptibleUpdates(sglang_server, timeout_s=60)
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = generate_partial_rollout(sglang_server, prompts, params, num_groups=2,
+                                                     resume_interrupted=True)  # fmt: skip
+        except BaseException as e:
+            box["error"] = e
+
+    sglang_server.call("/slow_down", {"forward_sleep_time": 0.05})  # 200 tokens take 10 s: still running at 2 s
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=2.0)
+        assert thread.is_alive(), "generation finished before the update; the slow-down did not take"
+        with caplog.at_level("INFO", logger="tidal.rollout.dispatch"):
+            gate.begin()  # what the trainer's sync does first (EngineWorker.begin_update)
+            try:
+                sglang_server.call("/slow_down", {"forward_sleep_time": None})
+                sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="new")
+            finally:
+                gate.end()
+            thread.join(timeout=60.0)
+    finally:
+        sglang_server.call("/slow_down", {"forward_sleep_time": None})
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    assert "cut by an abort (a weight update): sent again" in caplog.text
+    result = box["result"]
+    assert result.num_groups == 2 and not result.carry_over  # every group finished in this call
+    for s in result.samples:  # whole responses; the cut ones continue their first tokens, older weights first
+        assert s.finish_reason == "length" and len(s.response_ids) == MAX_NEW
+        versions = s.token_weight_versions
+        k = versions.count("old")
+        assert versions == ["old"] * k + ["new"] * (MAX_NEW - k), versions
+    assert any(s.response_weight_versions is not None for s in result.samples)  # some were resumed
+
+
 def test_resume_keeps_the_length_limit_and_validates_versions() -> None:
     full = Sample(prompt_ids=[1], response_ids=[2, 3], response_log_probs=[-1.0, -1.0], finish_reason="abort")
     # No budget left: marked as truncated without any request (no engine needed).

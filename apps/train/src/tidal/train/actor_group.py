@@ -53,6 +53,12 @@ class WeightsConsumer(Protocol):
     def weights_restored(self, indices: list[int]) -> None:
         """The restarted engines ``indices`` serve the actor's weights again: they may generate."""
 
+    def begin_update(self) -> None:
+        """A sync starts: under --max-staleness the engines abort their requests in flight (they resume after)."""
+
+    def end_update(self) -> None:
+        """The sync is in: the requests :meth:`begin_update` cut resume under the new weights."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightExport:
@@ -209,10 +215,14 @@ class ActorGroup:
         engines.resume_memory(["weights"])
         metrics: dict[str, Any] = {}
         target = None
-        if plan.transport == "disk":
-            target = self._sync_disk(engines, version)
-        else:
-            metrics = self._sync_in_memory(engines, version)
+        engines.begin_update()  # generation does not hold the update up: its requests resume after it
+        try:
+            if plan.transport == "disk":
+                target = self._sync_disk(engines, version)
+            else:
+                metrics = self._sync_in_memory(engines, version)
+        finally:
+            engines.end_update()
         self.handoff.add(f"sync.{plan.transport}", version=version, **({"retry": 1} if retry else {}))
         engines.check_weight_version(version)
         engines.resume_memory(["kv_cache"])

@@ -209,6 +209,20 @@ class EngineWorker:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def begin_update(self) -> None:
+        """--max-staleness >= 1: a weight update starts (any transport): abort the requests in flight.
+
+        They resume under the new weights after :meth:`end_update` (this worker's own generation), or are sent
+        again at once by the driver (its partial-rollout and router paths), which SGLang serves after the update.
+        """
+        if self.interrupt is not None:
+            self.interrupt.begin()
+
+    def end_update(self) -> None:
+        """The update :meth:`begin_update` announced is in: the requests it cut resume."""
+        if self.interrupt is not None:
+            self.interrupt.end()
+
     def update_weights_from_disk(self, path: str, weight_version: str) -> None:
         """Reload weights from an HF checkpoint directory and flush the prefix cache.
 

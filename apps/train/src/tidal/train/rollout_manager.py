@@ -168,14 +168,25 @@ class RolloutManager:
         return None if train.debug_rollout_only else train.update_weight_timeout
 
     def _interruptible(self) -> bool:
-        """Whether a weight update aborts and resumes the requests in flight: --max-staleness >= 1 on the plain path.
+        """Whether a weight update aborts and resumes the requests in flight: --max-staleness >= 1.
 
-        Not on the driver-side path (partial rollout carries aborted groups over itself), not for a custom generate
-        function (a multi-turn sample cannot be resumed as one continuation), never for a server run elsewhere.
+        On every path the engines are launched for: the plain one (each engine resumes its samples after the update)
+        and the driver-side one (partial rollout, dynamic sampling, the router: the driver sends the cut samples
+        again). Not for a custom generate function (a multi-turn sample cannot be resumed as one continuation), and
+        never for a server run elsewhere (its workers are built without it: an abort would cut other clients'
+        requests too).
         """
-        cfg, engines = self.cfg, self.job.placement.num_engines
-        driver_side = cfg.partial_rollout or cfg.dynamic_sampling_filter_path is not None or cfg.router_wanted(engines)
-        return self.job.train.max_staleness > 0 and not driver_side and not cfg.custom_generate_function_path
+        return self.job.train.max_staleness > 0 and not self.cfg.custom_generate_function_path
+
+    def begin_update(self) -> None:
+        """A weight sync starts: interruptible engines abort their requests in flight (see :meth:`_interruptible`)."""
+        if self.engines and self._interruptible() and not self.external:
+            ray.get([e.begin_update.remote() for e in self.engines])
+
+    def end_update(self) -> None:
+        """The sync :meth:`begin_update` announced is done: the requests it cut resume under the new weights."""
+        if self.engines and self._interruptible() and not self.external:
+            ray.get([e.end_update.remote() for e in self.engines])
 
     def _launch(self, worker) -> None:
         self.engines.append(worker)
@@ -428,6 +439,12 @@ class RestartedEngines:
     def restart_dead(self) -> list[int]:
         """Nothing: a resync that fails is not retried (the next sync or generation meets a dead server again)."""
         return []
+
+    def begin_update(self) -> None:
+        """Nothing: a restarted server holds its requests until it has the weights."""
+
+    def end_update(self) -> None:
+        """Nothing (see :meth:`begin_update`)."""
 
     def weights_restored(self, indices: list[int]) -> None:
         """Nothing: :meth:`RolloutManager.resync_restarted` releases them."""

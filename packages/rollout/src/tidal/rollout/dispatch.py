@@ -28,6 +28,9 @@ from tidal.rollout.types import Sample
 
 logger = logging.getLogger(__name__)
 
+MAX_IDLE_INTERRUPTS = 20
+"""Aborts in a row, without a new token, after which a resumed sample's request is an error, not an interruption."""
+
 
 def fresh_group(prompt_ids: Sequence[int], n: int, *, label: Any = None, group_index: int = 0) -> list[Sample]:
     """``n`` unstarted samples of one prompt (empty responses, ``finish_reason`` "abort")."""
@@ -124,24 +127,56 @@ class _Dispatcher:
         self.progress = progress
         self.open_jobs = [0] * len(groups)
         self.restarts_left = self.max_restarts = 1
+        self.idle_aborts: dict[tuple[int, int], int] = {}
 
     def request(self, job: _Job) -> list[dict[str, Any]]:
         input_ids = [[*self.groups[g][k].prompt_ids, *self.groups[g][k].response_ids] for g, k in job.members]
         params = self.params if job.budget is None else {**self.params, "max_new_tokens": job.budget}
         return self.target.generate(input_ids, params)
 
-    def apply(self, job: _Job, outputs: list[dict[str, Any]]) -> list[int]:
-        """Record a request's outputs; the groups that finished with it."""
+    def apply(self, job: _Job, outputs: list[dict[str, Any]], *, resend: bool = False) -> tuple[list[int], list[_Job]]:
+        """Record a request's outputs; the groups that finished with it, and the requests that go out again.
+
+        With ``resend``, a sample an abort cut although nobody here asked for it is continued: its group stays open.
+
+        Raises:
+            RolloutError: A sample was aborted :data:`MAX_IDLE_INTERRUPTS` times in a row without a new token.
+        """
         for (g, k), out in zip(job.members, outputs, strict=True):
             self.groups[g][k] = continued(self.groups[g][k], out, self.decode)
         if self.progress is not None:
             self.progress.update(sum(out["finish_reason"] != "abort" for out in outputs))
+        again = self._resent(job, outputs) if resend else []
         done = []
         for g in job.groups:
             self.open_jobs[g] -= 1
             if self.open_jobs[g] == 0 and all(s.finish_reason != "abort" for s in self.groups[g]):
                 done.append(g)
-        return done
+        return done, again
+
+    def _resent(self, job: _Job, outputs: list[dict[str, Any]]) -> list[_Job]:
+        cut: dict[tuple[int, int | None], list[int]] = {}  # (group, budget left) -> samples
+        for (g, k), out in zip(job.members, outputs, strict=True):
+            if out["finish_reason"] != "abort":
+                continue
+            idle = self.idle_aborts.get((g, k), 0) + 1 if not out["output_ids"] else 0
+            if idle >= MAX_IDLE_INTERRUPTS:
+                raise RolloutError(
+                    f"{self.target.describe()}: a request was aborted {idle} times in a row before it produced a "
+                    "token: something aborts every request (another client calling /abort_request?)"
+                )
+            self.idle_aborts[(g, k)] = idle
+            left = None if self.limit is None else self.limit - len(self.groups[g][k].response_ids)
+            if left is not None and left <= 0:  # cut at its last token: it is a length-truncated response
+                self.groups[g][k] = dataclasses.replace(self.groups[g][k], finish_reason="length")
+                continue
+            cut.setdefault((g, left), []).append(k)
+        jobs = [_Job(tuple((g, k) for k in ks), budget) for (g, budget), ks in cut.items()]
+        for resent in jobs:
+            self.open_jobs[resent.members[0][0]] += 1
+        if jobs:
+            logger.info("%d sample(s) cut by an abort (a weight update): sent again", sum(len(j.members) for j in jobs))
+        return jobs
 
     def recover(self, error: EngineUnavailableError) -> None:
         """A request failed every retry, or the engine process died: restart it (so no sample is lost), or give up.
@@ -175,6 +210,7 @@ def run_groups(
     on_group_done: Callable[[int], bool] | None = None,
     max_restarts: int = 1,
     groups_per_request: int = 1,
+    resume_interrupted: bool = False,
 ) -> bool:
     """Continue every unfinished sample of ``groups`` in place, until all finish or ``on_group_done`` says stop.
 
@@ -192,13 +228,18 @@ def run_groups(
         groups_per_request: Groups (of one length budget) sent together in one request: fewer, larger requests
             when nothing needs to see groups finish one by one (a rollout of 64 groups of 8 on the 2-core CPU box:
             one request generated ~20% faster than 64, bench/RESULTS.md).
+        resume_interrupted: A sample that comes back aborted although this call did not stop (another caller
+            aborted the engine's requests: an interruptible weight update of asynchronous training) is sent again
+            at once from where it stopped; SGLang serves it once the update is in, so its later tokens come from
+            the new weights (per-token versions say which). Off: it is returned unfinished.
 
     Returns:
         Whether ``on_group_done`` stopped the rollout early.
 
     Raises:
         RolloutError: A request failed every retry and no restart is left (one line naming the engine and its
-            log file).
+            log file), or (``resume_interrupted``) a sample was aborted :data:`MAX_IDLE_INTERRUPTS` times in a row
+            without a new token.
     """
     run = _Dispatcher(target, groups, sampling_params, decode=decode, progress=progress)
     run.restarts_left = run.max_restarts = max_restarts
@@ -232,7 +273,9 @@ def run_groups(
                     failed.append(job)
                     lost = e
                     continue
-                for g in run.apply(job, outputs):
+                done, again = run.apply(job, outputs, resend=resume_interrupted and not stopped)
+                queue.extend(again)
+                for g in done:
                     if on_group_done is not None and not stopped and on_group_done(g):
                         stopped = True
                         target.abort()  # running requests answer now, with what they have

@@ -98,15 +98,30 @@ class InterruptibleUpdates:
 
     def update(self, load: Callable[[], None]) -> None:
         """Abort the requests in flight, then ``load()`` the new weights (e.g. ``engine.update_weights_from_disk``)."""
+        self.begin()
+        try:
+            load()
+        finally:
+            self.end()
+
+    def begin(self) -> None:
+        """An update starts elsewhere (e.g. a broadcast from the trainer): abort the requests in flight; they wait.
+
+        Every :meth:`begin` needs its :meth:`end`; the cut samples resume after the last one.
+        """
         with self._cond:
             self._updating += 1  # before the abort: a generation that sees its samples cut waits for this update
         try:
             self.engine.abort()
-            load()
-        finally:
-            with self._cond:
-                self._updating -= 1
-                self._cond.notify_all()
+        except BaseException:
+            self.end()
+            raise
+
+    def end(self) -> None:
+        """The update :meth:`begin` announced is in: the samples it cut resume under the new weights."""
+        with self._cond:
+            self._updating = max(0, self._updating - 1)
+            self._cond.notify_all()
 
     def generate(
         self,
@@ -167,6 +182,7 @@ def generate_partial_rollout(
     mask_offpolicy: bool = False,
     max_concurrency: int = 64,
     progress_every_s: float = DEFAULT_LOG_EVERY_S,
+    resume_interrupted: bool = False,
 ) -> PartialRolloutResult:
     """Generate until ``num_groups`` groups are finished, abort the rest and hand it over (``--partial-rollout``).
 
@@ -185,6 +201,8 @@ def generate_partial_rollout(
             the current version is the target's ``weight_version``.
         max_concurrency: Most requests in flight.
         progress_every_s: Seconds between progress log lines.
+        resume_interrupted: Samples that an interruptible weight update (not this call's own abort) cut are sent
+            again at once and finish under the new weights (see :func:`~tidal.rollout.dispatch.run_groups`).
 
     Returns:
         The finished groups, the groups to carry over and ``rollout/partial/*`` metrics.
@@ -222,6 +240,7 @@ def generate_partial_rollout(
                 decode=decode,
                 progress=progress,
                 on_group_done=lambda i: finished(to_run[i]),
+                resume_interrupted=resume_interrupted,
             )
     taken = kept[:num_groups]
     samples = [dataclasses.replace(s, group_index=i) for i, g in enumerate(taken) for s in groups[g]]
