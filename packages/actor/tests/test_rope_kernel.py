@@ -20,7 +20,7 @@ CHECK = textwrap.dedent(
     from tidal.actor.fused import QKNorm, positions, rope_table, split_rope_qkv
     from tidal.actor.rope_kernel import split_rope_qkv_triton
 
-    def check(dtype, with_bias, expand, norm=False, tokens=45, groups=2, r=3, dim=16):
+    def check(dtype, with_bias, norm=False, tokens=45, groups=2, r=3, dim=16):
         gen = torch.Generator().manual_seed(0)
         mixed = torch.randn(tokens, groups, (r + 2) * dim, generator=gen).to(dtype)
         bias = torch.randn(groups * (r + 2) * dim, generator=gen).to(dtype) if with_bias else None
@@ -28,8 +28,7 @@ CHECK = textwrap.dedent(
         ang = torch.outer(torch.arange(64).float(), inv)
         freqs = torch.cat([ang, ang], -1)[:, None, None, :]
         cos, sin = rope_table(freqs, positions(torch.tensor([0, 20, 45]), tokens, mixed.device))
-        kv = groups * r if expand else groups
-        shapes = ((tokens, groups * r, dim), (tokens, kv, dim), (tokens, kv, dim))
+        shapes = ((tokens, groups * r, dim), (tokens, groups, dim), (tokens, groups, dim))  # k/v grouped
         grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
         weights = [(1 + 0.3 * torch.randn(dim, generator=gen)).to(dtype) for _ in range(2)]
         results = []
@@ -37,7 +36,7 @@ CHECK = textwrap.dedent(
             m = mixed.clone().requires_grad_()
             b = bias.clone().requires_grad_() if with_bias else None
             w = [x.clone().requires_grad_() for x in weights]
-            out = fn(m, b, cos, sin, r, expand, QKNorm(w[0], w[1], 1e-6) if norm else None)
+            out = fn(m, b, cos, sin, r, QKNorm(w[0], w[1], 1e-6) if norm else None)
             assert all(o.is_contiguous() for o in out)
             torch.autograd.backward(out, grads)
             results.append([*out, m.grad] + ([b.grad] if with_bias else []) + ([x.grad for x in w] if norm else []))
@@ -48,9 +47,8 @@ CHECK = textwrap.dedent(
 
     for dtype in (torch.float32, torch.bfloat16):
         for with_bias in (True, False):
-            for expand in (False, True):
-                for norm in (False, True):
-                    check(dtype, with_bias, expand, norm)
+            for norm in (False, True):
+                check(dtype, with_bias, norm)
     print("OK")
     """
 )

@@ -140,15 +140,12 @@ def split_rope_qkv(
     cos: torch.Tensor,
     sin: torch.Tensor,
     heads_per_group: int,
-    expand_kv: bool = False,
     qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Add the QKV bias to megatron's interleaved ``[T, groups, (heads_per_group + 2) * dim]`` QKV, split, rotate.
 
     ``bias`` is the QKV projection's bias (``[groups * (heads_per_group + 2) * dim]``, or None): megatron's linear
     layer adds it as a separate broadcast add (and sums its gradient in another pass); here it rides along.
-    ``expand_kv`` returns k and v repeated for each q head of their group (``repeat_interleave``), for an attention
-    kernel without grouped-query support (tidal's own attention takes them grouped), instead of a separate copy.
     ``qk_norm`` (Qwen3's q/k RMSNorm over each head) normalises q and k before the rotation; norm and rotation are
     one fp32 computation rounded once.
 
@@ -164,17 +161,8 @@ def split_rope_qkv(
     if qk_norm is not None:
         q = rope_with_table(_rms_norm_fp32(q, qk_norm.q_weight, qk_norm.eps), cos, sin).to(q.dtype)
         k = rope_with_table(_rms_norm_fp32(k, qk_norm.k_weight, qk_norm.eps), cos, sin).to(k.dtype)
-        if expand_kv:
-            return q, k.repeat_interleave(heads_per_group, 1), v.repeat_interleave(heads_per_group, 1)
         return q, k, v.contiguous()
-    k, v = rope_with_table(k, cos, sin), v
-    if expand_kv:
-        return (
-            rope_with_table(q, cos, sin),
-            k.repeat_interleave(heads_per_group, 1),
-            v.repeat_interleave(heads_per_group, 1),
-        )
-    return rope_with_table(q, cos, sin), k.contiguous(), v.contiguous()
+    return rope_with_table(q, cos, sin), rope_with_table(k, cos, sin).contiguous(), v.contiguous()
 
 
 class PackedSelfAttention(SelfAttention):
@@ -263,7 +251,7 @@ class PackedSelfAttention(SelfAttention):
             from tidal.actor.rope_kernel import split_rope_qkv_triton as fn
         qk_norm = self._qk_norm()  # None for layers without q/k norm
         # k/v stay grouped: the varlen attention kernel takes them so (packed_causal_attention)
-        q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, False, qk_norm)
+        q, k, v = fn(mixed, bias, cos, sin, self.num_attention_heads_per_partition // groups, qk_norm)
         return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
 
 

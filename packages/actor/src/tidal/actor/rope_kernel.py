@@ -40,11 +40,10 @@ def _load_head(
 @triton.jit
 def _split_rope_fwd(
     mixed, bias, cos, sin, q, k, v, qw, kw, eps, T, stride_t, stride_g,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, EXPAND: tl.constexpr,
-    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = D // 2
-    KV_HEADS: tl.constexpr = G * R if EXPAND else G  # EXPAND: k/v written once per q head of their group
     g = tl.program_id(1) // (R + 2)
     h = tl.program_id(1) % (R + 2)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -68,28 +67,25 @@ def _split_rope_fwd(
         s2 = tl.load(sin + tab + HALF, mask=mask, other=0.0).to(tl.float32)
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
-        if h < R:
+        if h < R:  # noqa: SIM108 (a runtime branch: Triton has no conditional expression on tensors)
             dst = q + t64 * (G * R * D) + (g * R + h) * D + d[None, :]
         else:
-            dst = k + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
+            dst = k + t64 * (G * D) + g * D + d[None, :]
     else:
         y1 = x1
         y2 = x2
-        dst = v + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
-    copies = tl.where(h < R, 1, KV_HEADS // G)
-    for j in range(copies):
-        tl.store(dst + j * D, y1.to(q.dtype.element_ty), mask=mask)
-        tl.store(dst + j * D + HALF, y2.to(q.dtype.element_ty), mask=mask)
+        dst = v + t64 * (G * D) + g * D + d[None, :]
+    tl.store(dst, y1.to(q.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(q.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _split_rope_bwd(
     gq, gk, gv, cos, sin, gmixed, mixed, bias, qw, kw, eps, dw_part, T, stride_t, stride_g,
-    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, EXPAND: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+    G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = D // 2
-    KV_HEADS: tl.constexpr = G * R if EXPAND else G
     g = tl.program_id(1) // (R + 2)
     h = tl.program_id(1) % (R + 2)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -99,15 +95,11 @@ def _split_rope_bwd(
     if h < R:
         src = gq + t64 * (G * R * D) + (g * R + h) * D + d[None, :]
     elif h == R:
-        src = gk + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
+        src = gk + t64 * (G * D) + g * D + d[None, :]
     else:
-        src = gv + t64 * (KV_HEADS * D) + g * (KV_HEADS // G) * D + d[None, :]
+        src = gv + t64 * (G * D) + g * D + d[None, :]
     y1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     y2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    copies = tl.where(h < R, 1, KV_HEADS // G)
-    for j in range(1, copies):  # an expanded k/v head's gradient is the sum over its copies
-        y1 += tl.load(src + j * D, mask=mask, other=0.0).to(tl.float32)
-        y2 += tl.load(src + j * D + HALF, mask=mask, other=0.0).to(tl.float32)
     if h <= R:  # transpose of the rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
         tab = t64 * D + d[None, :]
         c1 = tl.load(cos + tab, mask=mask, other=0.0).to(tl.float32)
@@ -147,33 +139,32 @@ class SplitRopeQKV(torch.autograd.Function):
     """Autograd wrapper of the two kernels: ``apply(mixed, bias, cos, sin, heads_per_group) -> (q, k, v)``."""
 
     @staticmethod
-    def forward(ctx, mixed, bias, cos, sin, heads_per_group, expand_kv, qw=None, kw=None, eps=0.0):  # noqa: D102
+    def forward(ctx, mixed, bias, cos, sin, heads_per_group, qw=None, kw=None, eps=0.0):  # noqa: D102
         n, groups, width = mixed.shape
         dim = cos.size(-1)
         assert mixed.stride(-1) == 1 and width == (heads_per_group + 2) * dim and dim % 2 == 0
         cos, sin = cos.reshape(n, dim).contiguous(), sin.reshape(n, dim).contiguous()
         q = mixed.new_empty(n, groups * heads_per_group, dim)
-        kv_heads = groups * heads_per_group if expand_kv else groups
-        k, v = mixed.new_empty(n, kv_heads, dim), mixed.new_empty(n, kv_heads, dim)
+        k, v = mixed.new_empty(n, groups, dim), mixed.new_empty(n, groups, dim)
         grid = (triton.cdiv(n, _BLOCK_T), groups * (heads_per_group + 2))
         b = bias if bias is not None else mixed
         norm = qw is not None
         qw_, kw_ = (qw, kw) if norm else (mixed, mixed)
         _split_rope_fwd[grid](
             mixed, b, cos, sin, q, k, v, qw_, kw_, float(eps), n, mixed.stride(0), mixed.stride(1),
-            G=groups, R=heads_per_group, D=dim, HAS_BIAS=bias is not None, EXPAND=expand_kv, HAS_NORM=norm,
+            G=groups, R=heads_per_group, D=dim, HAS_BIAS=bias is not None, HAS_NORM=norm,
             BLOCK_T=_BLOCK_T,
         )  # fmt: skip
         if norm:  # the backward reads the projection again for the norm's input
             ctx.save_for_backward(cos, sin, mixed, b, qw, kw)
         else:
             ctx.save_for_backward(cos, sin)
-        ctx.meta = (groups, heads_per_group, dim, bias is not None, expand_kv, norm, float(eps))
+        ctx.meta = (groups, heads_per_group, dim, bias is not None, norm, float(eps))
         return q, k, v
 
     @staticmethod
     def backward(ctx, gq, gk, gv):  # noqa: D102
-        groups, heads_per_group, dim, has_bias, expand_kv, norm, eps = ctx.meta
+        groups, heads_per_group, dim, has_bias, norm, eps = ctx.meta
         if norm:
             cos, sin, mixed, b, qw, kw = ctx.saved_tensors
         else:
@@ -188,7 +179,7 @@ class SplitRopeQKV(torch.autograd.Function):
         _split_rope_bwd[grid](
             gq, gk, gv, cos, sin, gmixed, src, b if norm else gmixed, qw if norm else gmixed,
             kw if norm else gmixed, eps, dw_part, n, src.stride(0), src.stride(1),
-            G=groups, R=heads_per_group, D=dim, EXPAND=expand_kv, HAS_BIAS=has_bias, HAS_NORM=norm,
+            G=groups, R=heads_per_group, D=dim, HAS_BIAS=has_bias, HAS_NORM=norm,
             BLOCK_T=_BLOCK_T,
         )  # fmt: skip
         gbias = gmixed.view(n, -1).sum(0) if has_bias else None
@@ -196,7 +187,7 @@ class SplitRopeQKV(torch.autograd.Function):
         if norm:
             gqw = dw_part[:, :, :heads_per_group].sum((0, 1, 2)).to(qw.dtype)
             gkw = dw_part[:, :, heads_per_group].sum((0, 1)).to(kw.dtype)
-        return gmixed, gbias, None, None, None, None, gqw, gkw, None
+        return gmixed, gbias, None, None, None, gqw, gkw, None
 
 
 def split_rope_qkv_triton(
@@ -205,12 +196,9 @@ def split_rope_qkv_triton(
     cos: torch.Tensor,
     sin: torch.Tensor,
     heads_per_group: int,
-    expand_kv: bool = False,
     qk_norm: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fused.split_rope_qkv`` (same arguments and results, ``qk_norm`` a ``fused.QKNorm``) in two Triton kernels."""
     if qk_norm is None:
-        return SplitRopeQKV.apply(mixed, bias, cos, sin, heads_per_group, expand_kv)
-    return SplitRopeQKV.apply(
-        mixed, bias, cos, sin, heads_per_group, expand_kv, qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps
-    )
+        return SplitRopeQKV.apply(mixed, bias, cos, sin, heads_per_group)
+    return SplitRopeQKV.apply(mixed, bias, cos, sin, heads_per_group, qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
