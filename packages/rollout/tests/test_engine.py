@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from tidal.rollout import RolloutError, SGLangClient, SGLangEngine
-from tidal.rollout.engine import CPU_SERVER_ARGS
+from tidal.rollout.engine import CPU_SERVER_ARGS, missing_bytecode_note
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
@@ -55,6 +56,29 @@ def test_command_on_cpu_adds_cpu_flags_and_lets_extra_args_win(tmp_path: Path) -
     assert cmd[cmd.index("--max-total-tokens") + 1] == "2048"
     gpu_cmd = SGLangEngine("/m", port=1234, log_dir=tmp_path, cpu=False).command()
     assert "--device" not in gpu_cmd and "--nccl-port" not in gpu_cmd
+
+
+def test_missing_bytecode_is_reported_only_when_every_start_would_compile(tmp_path: Path, monkeypatch) -> None:
+    import importlib
+    import py_compile
+
+    package = tmp_path / "tidal_bytecode_probe"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    no_write = {"PYTHONDONTWRITEBYTECODE": "1"}
+    assert missing_bytecode_note({}, "tidal_bytecode_probe") is None  # the first start writes the .pyc files
+    assert "uv sync --compile-bytecode" in missing_bytecode_note(no_write, "tidal_bytecode_probe")
+    prefix = tmp_path / "pycache"
+    with_prefix = {**no_write, "PYTHONPYCACHEPREFIX": str(prefix)}
+    py_compile.compile(str(package / "__init__.py"))  # what `uv sync --compile-bytecode` writes
+    assert missing_bytecode_note(no_write, "tidal_bytecode_probe") is None
+    assert missing_bytecode_note(with_prefix, "tidal_bytecode_probe") is not None  # Python looks only there
+    tag = sys.implementation.cache_tag
+    in_prefix = prefix / package.relative_to("/") / f"__init__.{tag}.pyc"
+    py_compile.compile(str(package / "__init__.py"), cfile=str(in_prefix))
+    assert missing_bytecode_note(with_prefix, "tidal_bytecode_probe") is None
 
 
 def test_non_loopback_host_needs_an_api_key(tmp_path: Path) -> None:

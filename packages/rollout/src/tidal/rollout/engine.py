@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -43,6 +44,32 @@ _LOOPBACK_HOSTS = LOOPBACK_HOSTS
 # client drops its connections at half of it, so it never writes into one the server is closing.
 SERVER_KEEP_ALIVE_S = 60
 KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
+
+
+def missing_bytecode_note(env: Mapping[str, str], package: str = "sglang") -> str | None:
+    """Why a server started with ``env`` would compile ``package`` from source on every start, or None.
+
+    SGLang's ~4,700 modules are imported by the launcher and again by each process it spawns (scheduler,
+    detokenizer). uv installs no ``.pyc`` files unless asked, and with ``PYTHONDONTWRITEBYTECODE`` set Python never
+    writes them, so each of those processes compiles every module it imports: measured on a 2-core box, about half of
+    a server's start-up CPU time (bench/RESULTS.md, issue 22). ``uv sync --compile-bytecode`` compiles once at install.
+    """
+    if not env.get("PYTHONDONTWRITEBYTECODE"):
+        return None  # the first start writes the bytecode; later starts read it
+    spec = importlib.util.find_spec(package)  # finds without importing
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    prefix = env.get("PYTHONPYCACHEPREFIX")
+    compiled = Path(spec.origin).parent / "__pycache__" / f"__init__.{sys.implementation.cache_tag}.pyc"
+    if prefix:
+        compiled = Path(prefix) / Path(spec.origin).parent.relative_to("/") / compiled.name
+    if compiled.exists():
+        return None
+    return (
+        f"{package} is installed without bytecode and PYTHONDONTWRITEBYTECODE is set, so every SGLang server start "
+        f"compiles its modules from source in each of its processes (tens of seconds on a small machine); run "
+        f"`uv sync --compile-bytecode` once to compile them at install"
+    )
 
 
 def _cuda_available() -> bool:
@@ -211,6 +238,13 @@ class SGLangEngine(ManagedServer):
         env.update(self.env)
         pin_gloo_interface(env, self.host)  # across nodes, gloo (weight broadcast on CPU) must not take loopback
         return env
+
+    def start(self, *, wait: bool = True) -> None:
+        """Launch the server (see :meth:`ManagedServer.start`); warns if its imports would compile from source."""
+        note = missing_bytecode_note(self.server_env())
+        if note:
+            logger.warning(note)
+        super().start(wait=wait)
 
     def restart(self) -> None:
         """Stop what is left of the server, start it again, reload the last disk weights, call :attr:`on_restart`.
