@@ -292,11 +292,7 @@ class ActorGroup:
             except Exception:
                 self.close_weight_sync()  # the groups of the stages formed before the failure
                 raise
-        name = self._group[0]
-        if self._stages() == [None]:
-            return self._all("sync_broadcast", targets, str(version), plan.bucket_bytes, name, plan.timeout_s, None,
-                             timeout=plan.timeout_s)[0]  # fmt: skip
-        return self._broadcast_stages(targets, str(version), name)
+        return self._broadcast_stages(targets, str(version), self._group[0])
 
     def _stages(self) -> list[int | None]:
         """The pipeline stages that broadcast their own tensors, in order ([None]: rank 0 sends the whole model)."""
@@ -305,6 +301,8 @@ class ActorGroup:
 
     def _broadcast_stages(self, targets: list[dict[str, Any]], version: str, name: str) -> dict[str, float]:
         """Each stage's first rank broadcasts its stage's tensors, one stage after another, within one timeout.
+
+        At PP = 1 one call: rank 0 broadcasts the whole model (the other ranks take part in its export).
 
         One after another, never at once: an engine serves one update request at a time, so two stages' broadcasts
         at once could leave engine A inside stage 0's broadcast while engine B sits in stage 1's, each waiting on
