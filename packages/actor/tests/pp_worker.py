@@ -27,8 +27,11 @@ def exports(actor, hf_dir: str) -> dict:
     exported = {n: t.clone() for n, t in actor.named_hf_tensors()}
     buckets = [(n, t.clone()) for b in actor.hf_tensor_buckets(bucket_bytes=16 * 2**10) for n, t in b]
     reused = [(n, t.clone()) for b in actor.hf_tensor_buckets(bucket_bytes=10**9, reuse_buffers=True) for n, t in b]
+    staged = [(n, t.clone()) for b in actor.hf_tensor_buckets(bucket_bytes=16 * 2**10, stage_only=True) for n, t in b]
     return {
         "export_names": list(exported),
+        "stage_names": [n for n, _ in staged],  # this stage's own tensors alone, nothing from the other stage
+        "stage_equal": all(torch.equal(t, exported[n].to(torch.bfloat16)) for n, t in staged),
         "export_equal": set(exported) == set(original)
         and all(torch.equal(t, original[n]) for n, t in exported.items()),
         "buckets_equal": all(

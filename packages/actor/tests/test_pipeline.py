@@ -80,6 +80,21 @@ def test_pp2_matches_single_process(two_ranks, single, part):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+@pytest.mark.parametrize("part", ["pp", "tied"])
+def test_pp2_stage_only_export_is_each_stages_own_share(two_ranks, single, part):
+    """hf_tensor_buckets(stage_only=True): each stage yields its own tensors alone; in stage order, the whole model."""
+    names = single[part]["export_names"]
+    assert single[part]["stage_names"] == names and single[part]["stage_equal"]
+    first, last = (r[part] for r in two_ranks["ranks"])
+    assert first["stage_equal"] and last["stage_equal"]
+    assert first["stage_names"] + last["stage_names"] == names
+    assert first["stage_names"][0] == "model.embed_tokens.weight"  # the tied embedding too: from the first stage
+    assert all(n.startswith("model.layers.0.") for n in first["stage_names"][1:])  # layer 0 of 2 on stage 0
+    assert last["stage_names"][0].startswith("model.layers.1.") and "model.norm.weight" in last["stage_names"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
 def test_pp2_tied_copies_stay_equal(two_ranks):
     """The last stage's copy of the tied embedding took the same update as the first stage's embedding."""
     first, last = (r["tied"]["tied_weight"] for r in two_ranks["ranks"])

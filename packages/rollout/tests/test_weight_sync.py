@@ -57,20 +57,33 @@ def test_update_weights_from_tensor_in_buckets_matches_loading_from_disk(
 def test_update_weights_by_broadcast_over_gloo_matches_loading_from_disk(
     sglang_server: SGLangEngine, greedy_reference, tiny_model_dir: Path, other_model_dir: Path, free_port
 ) -> None:
+    """Two groups at once on one server (as two pipeline stages use): each sends its half, the second the version."""
     original, expected = greedy_reference
     tensors = load_file(other_model_dir / "model.safetensors")
-    group = init_weights_update_group(
-        sglang_server, master_address="127.0.0.1", master_port=free_port(), backend="gloo", timeout_s=120
-    )
+    names = sorted(tensors)
+    halves = [[(n, tensors[n]) for n in names[: len(names) // 2]], [(n, tensors[n]) for n in names[len(names) // 2 :]]]
+    address = {"master_address": "127.0.0.1", "backend": "gloo", "timeout_s": 120}
+    groups = [
+        init_weights_update_group(sglang_server, master_port=free_port(), group_name=f"tidal_test_pp{i}", **address)
+        for i in range(2)
+    ]
     try:
-        metrics = update_weights_from_distributed(
-            sglang_server, group, sorted(tensors.items()), bucket_bytes=64 * 1024, weight_version="d1", timeout_s=120
-        )
-        assert metrics["weight_sync/num_buckets"] > 1
+        first = update_weights_from_distributed(
+            sglang_server, groups[0], halves[0], group_name="tidal_test_pp0", bucket_bytes=64 * 1024, timeout_s=120,
+            flush_cache=False,
+        )  # fmt: skip
+        assert sglang_server.get_model_info()["weight_version"] != "d1"  # part of the weights: not the new version
+        second = update_weights_from_distributed(
+            sglang_server, groups[1], halves[1], group_name="tidal_test_pp1", bucket_bytes=64 * 1024,
+            weight_version="d1", timeout_s=120,
+        )  # fmt: skip
+        assert first["weight_sync/num_buckets"] > 1
+        assert (first["weight_sync/num_tensors"], second["weight_sync/num_tensors"]) == tuple(map(len, halves))
         assert _greedy(sglang_server) == expected
         assert sglang_server.get_model_info()["weight_version"] == "d1"
     finally:
-        destroy_weights_update_group(sglang_server, group)
+        for i, group in enumerate(groups):
+            destroy_weights_update_group(sglang_server, group, group_name=f"tidal_test_pp{i}")
         sglang_server.update_weights_from_disk(tiny_model_dir)
     assert _greedy(sglang_server) == original
 

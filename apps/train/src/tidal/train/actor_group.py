@@ -295,11 +295,44 @@ class ActorGroup:
             return self._all("sync_tensor", targets, str(version), plan.bucket_bytes, tp, timeout=plan.timeout_s)[0]
         if self._group is None:
             name = f"tidal_weights_{uuid.uuid4().hex[:8]}"  # a server another run used may still hold its group
-            self._all("init_weight_group", targets, name, plan.timeout_s, timeout=plan.timeout_s)
             self._group = (name, targets)
-        name = self._group[0]
-        return self._all("sync_broadcast", targets, str(version), plan.bucket_bytes, name, plan.timeout_s,
-                         timeout=plan.timeout_s)[0]  # fmt: skip
+            try:
+                for stage in self._stages():
+                    self._all("init_weight_group", targets, name, plan.timeout_s, stage, timeout=plan.timeout_s)
+            except Exception:
+                self.close_weight_sync()  # the groups of the stages formed before the failure
+                raise
+        return self._broadcast_stages(targets, str(version), self._group[0])
+
+    def _stages(self) -> list[int | None]:
+        """The pipeline stages that broadcast their own tensors, in order ([None]: rank 0 sends the whole model)."""
+        size = self.job.train.pipeline_model_parallel_size
+        return [None] if size == 1 else list(range(size))
+
+    def _broadcast_stages(self, targets: list[dict[str, Any]], version: str, name: str) -> dict[str, float]:
+        """Each stage's first rank broadcasts its stage's tensors, one stage after another, within one timeout.
+
+        At PP = 1 one call: rank 0 broadcasts the whole model (the other ranks take part in its export).
+
+        One after another, never at once: an engine serves one update request at a time, so two stages' broadcasts
+        at once could leave engine A inside stage 0's broadcast while engine B sits in stage 1's, each waiting on
+        the other. The last stage sets the version, so an engine never reports it with part of the weights.
+        """
+        from tidal.rollout import RolloutError
+
+        plan = self.plan
+        deadline, metrics = time.monotonic() + plan.timeout_s, {}
+        for stage in self._stages():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RolloutError(
+                    f"the nccl weight sync ran past --update-weight-timeout {plan.timeout_s:.0f} s before pipeline "
+                    f"stage {stage} of {len(self._stages())} broadcast its tensors; raise --update-weight-timeout"
+                )
+            results = self._all("sync_broadcast", targets, version, plan.bucket_bytes, name, left, stage, timeout=left)
+            for key, value in (kv for r in results for kv in r.items()):
+                metrics[key] = metrics.get(key, 0.0) + value  # the totals add up over the stages' senders
+        return metrics
 
     def _check_equal(self, engines: WeightsConsumer, version: int) -> dict[str, float]:
         """--check-weight-update-equal: the engines' and the actor's log-probs of the same probe tokens."""
@@ -332,7 +365,11 @@ class ActorGroup:
         return moved
 
     def close_weight_sync(self) -> None:
-        """Tear down the nccl transport's group on the engines (they keep serving); errors are only logged."""
+        """Tear down the nccl transport's groups (one per pipeline stage) on the engines; errors are only logged.
+
+        Every sender tears its own group down at once (local on every side: nothing waits on a peer); the engines
+        keep serving.
+        """
         if self._group is None:
             return
         name, targets = self._group
@@ -340,7 +377,7 @@ class ActorGroup:
         try:
             self._all("close_weight_group", targets, name, timeout=60)
         except Exception as e:  # the engines may be gone already: nothing left to tear down
-            logger.warning("could not close the weight-update group %s: %s", name, e)
+            logger.warning("could not close the weight-update group(s) %s: %s", name, e)
 
     def kill(self) -> None:
         """Stop every rank's process."""

@@ -148,9 +148,17 @@ class ActorWorker:
         return update_weights_from_tensor(engines, named, bucket_bytes=bucket_bytes, weight_version=version,
                                           tp_size=tp_size)  # fmt: skip
 
-    def init_weight_group(self, targets: list[dict[str, Any]], group_name: str, timeout_s: float) -> None:
-        """Rank 0: one process group with every engine rank (NCCL on GPU, gloo on CPU) for the broadcasts."""
-        if self.rank != 0:
+    def init_weight_group(
+        self, targets: list[dict[str, Any]], group_name: str, timeout_s: float, stage: int | None = None
+    ) -> None:
+        """One process group with every engine rank (NCCL on GPU, gloo on CPU) for the broadcasts.
+
+        ``stage`` None: rank 0 forms it. Pipeline stage ``stage``: that stage's first rank forms
+        ``{group_name}_pp{stage}`` (the driver calls the stages one after another: each engine joins each group in
+        the same order, so no two engines can wait on each other's rendezvous).
+        """
+        name = self._sender_group(group_name, stage)
+        if name is None:
             return
         from tidal.placement import PortAllocator
         from tidal.rollout import init_weights_update_group
@@ -158,33 +166,66 @@ class ActorWorker:
         address = ray.util.get_node_ip_address()
         port = PortAllocator(address).allocate(1)[0]
         engines = [_client(t) for t in targets]
-        self.weight_group = init_weights_update_group(
-            engines, master_address=address, master_port=port, group_name=group_name,
+        group = init_weights_update_group(
+            engines, master_address=address, master_port=port, group_name=name,
             engine_tp_sizes=[t["tp_size"] for t in targets], timeout_s=timeout_s,
         )  # fmt: skip
+        self.weight_group = (group, name)
 
     def sync_broadcast(self, targets: list[dict[str, Any]], version: str, bucket_bytes: int, group_name: str,
-                       timeout_s: float) -> dict:  # fmt: skip
-        """Every rank exports its buckets; rank 0 broadcasts each into the weight group (bounded by ``timeout_s``)."""
+                       timeout_s: float, stage: int | None = None) -> dict:  # fmt: skip
+        """Broadcast the weights into the weight group (bounded by ``timeout_s``); the sender's metrics, else {}.
+
+        ``stage`` None: every rank exports the whole model (TP gather, PP broadcast) and rank 0 sends it. Pipeline
+        stage ``stage``: its first rank's TP group exports that stage's tensors alone (no PP hop) and the first rank
+        sends them through the stage's group. Only the last stage's last bucket sets ``version`` and flushes the
+        engines' cache: an engine never reports the version with part of the weights.
+        """
         from tidal.rollout import update_weights_from_distributed
 
-        exported = self._export_to(targets, bucket_bytes)
-        if exported is None:
+        if stage is None:
+            exported = self._export_to(targets, bucket_bytes)
+            if exported is None:
+                return {}
+            named, engines = exported
+            return update_weights_from_distributed(
+                engines, self.weight_group[0], named, group_name=group_name, bucket_bytes=bucket_bytes,
+                weight_version=version, timeout_s=timeout_s,
+            )  # fmt: skip
+        from tidal.actor import stage_export_role
+
+        own, exports, sends = stage_export_role()
+        if own != stage or not exports:
             return {}
-        named, engines = exported
-        return update_weights_from_distributed(
-            engines, self.weight_group, named, group_name=group_name, bucket_bytes=bucket_bytes,
-            weight_version=version, timeout_s=timeout_s,
+        named = self._exported(bucket_bytes, stage_only=True)
+        if not sends:  # a TP peer of the sender: takes part in the gathers
+            for _ in named:
+                pass
+            return {}
+        last = stage == self.actor.stage.size - 1
+        metrics = update_weights_from_distributed(
+            [_client(t) for t in targets], self.weight_group[0], named, group_name=self.weight_group[1],
+            bucket_bytes=bucket_bytes, weight_version=version if last else None, timeout_s=timeout_s, flush_cache=last,
         )  # fmt: skip
+        return metrics | {f"weight_sync/pp{stage}/{k.rsplit('/', 1)[1]}": v for k, v in metrics.items()}
 
     def close_weight_group(self, targets: list[dict[str, Any]], group_name: str) -> None:
-        """Rank 0: tear the weight group down on the engines and here."""
-        if self.rank != 0 or getattr(self, "weight_group", None) is None:
+        """Tear this rank's weight group (rank 0's, or its stage's) down on the engines and here; local, no peers."""
+        if getattr(self, "weight_group", None) is None:
             return
         from tidal.rollout import destroy_weights_update_group
 
-        group, self.weight_group = self.weight_group, None
-        destroy_weights_update_group([_client(t) for t in targets], group, group_name=group_name)
+        (group, name), self.weight_group = self.weight_group, None
+        destroy_weights_update_group([_client(t) for t in targets], group, group_name=name)
+
+    def _sender_group(self, group_name: str, stage: int | None) -> str | None:
+        """The name of the weight group this rank forms for ``stage`` (None: rank 0, the plain name); else None."""
+        if stage is None:
+            return group_name if self.rank == 0 else None
+        from tidal.actor import stage_export_role
+
+        own, _, sends = stage_export_role()
+        return f"{group_name}_pp{stage}" if own == stage and sends else None
 
     def _export_to(self, targets: list[dict[str, Any]], bucket_bytes: int) -> tuple[Iterator, list] | None:
         """Rank 0: its exported buckets (a generator) and a client per engine in ``targets``.
@@ -199,10 +240,10 @@ class ActorWorker:
             return None
         return named, [_client(t) for t in targets]
 
-    def _exported(self, bucket_bytes: int):
-        """``(hf_name, tensor)`` of every bucket, in the model's own dtype, on its device."""
+    def _exported(self, bucket_bytes: int, *, stage_only: bool = False):
+        """``(hf_name, tensor)`` of every bucket (``stage_only``: this stage's), in the model's dtype, on its device."""
         dtype = next(iter(self.actor.params)).dtype
-        for bucket in self.actor.hf_tensor_buckets(dtype=dtype, bucket_bytes=bucket_bytes):
+        for bucket in self.actor.hf_tensor_buckets(dtype=dtype, bucket_bytes=bucket_bytes, stage_only=stage_only):
             yield from bucket
 
     def probe_log_probs(self, tokens: list[list[int]]) -> list[list[float]]:

@@ -28,7 +28,12 @@ if TYPE_CHECKING:
     from tidal.actor.actor import Actor
     from tidal.actor.bridge import build_gpt_model, load_hf_weights, named_hf_tensors
     from tidal.actor.critic import Critic
-    from tidal.actor.distributed import data_parallel_rank_and_size, destroy_distributed, init_distributed
+    from tidal.actor.distributed import (
+        data_parallel_rank_and_size,
+        destroy_distributed,
+        init_distributed,
+        stage_export_role,
+    )
     from tidal.actor.hf_config import read_hf_config, to_transformer_config
     from tidal.actor.hf_export import HFTensorBucket
     from tidal.actor.reference import ReferenceModel
@@ -43,6 +48,7 @@ _LAZY = {
     "data_parallel_rank_and_size": "distributed",
     "destroy_distributed": "distributed",
     "init_distributed": "distributed",
+    "stage_export_role": "distributed",
     "read_hf_config": "hf_config",
     "to_transformer_config": "hf_config",
     "HFTensorBucket": "hf_export",
@@ -78,6 +84,7 @@ __all__ = [
     "load_hf_weights",
     "named_hf_tensors",
     "read_hf_config",
+    "stage_export_role",
     "to_transformer_config",
     "train_on_rollout",
 ]

@@ -342,7 +342,12 @@ class Actor:
         return named_hf_tensors(self.model, self.spec, params=params, stage=self.stage)
 
     def hf_tensor_buckets(
-        self, *, dtype: torch.dtype = torch.bfloat16, bucket_bytes: int = 512 * 2**20, reuse_buffers: bool = False
+        self,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = 512 * 2**20,
+        reuse_buffers: bool = False,
+        stage_only: bool = False,
     ) -> Iterator[HFTensorBucket]:
         """The weight-sync path: HF tensors cast to ``dtype`` on this rank's device, packed into flat buckets.
 
@@ -350,14 +355,16 @@ class Actor:
         one yields ``(hf_name, tensor)`` views into its ``flat`` buffer. TP shards are gathered and pipeline stages
         broadcast (every rank must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype``. With
         ``reuse_buffers`` the buffers are kept and refilled by the next call (consume a bucket before asking for
-        the next export).
+        the next export). With ``stage_only`` only this pipeline stage's HF tensors (in HF order; the tied
+        embedding from the first stage), with no broadcast between stages: only this rank's TP group iterates.
         """
-        key = (dtype, bucket_bytes, reuse_buffers)
+        key = (dtype, bucket_bytes, reuse_buffers, stage_only)
         if key not in self._exporters:
             params = dict(self.model.named_parameters())
             self._exporters[key] = HFExporter(
-                params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers, stage=self.stage
-            )
+                params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
+                stage=self.stage, stage_only=stage_only,
+            )  # fmt: skip
         return self._exporters[key].buckets()
 
     def offload(self) -> dict[str, float]:

@@ -116,6 +116,18 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
+def stage_export_role() -> tuple[int, bool, bool]:
+    """``(pipeline stage, exports, sends)`` of this rank in a per-stage weight export (after :func:`init_distributed`).
+
+    ``Actor.hf_tensor_buckets(stage_only=True)`` is collective over a TP group: ``exports`` is True on the ranks of
+    the TP group of the stage's first rank (DP rank 0, CP rank 0), which iterate it together; ``sends`` on that first
+    rank alone (TP rank 0 too), which hands the stage's tensors on. The other replicas of the stage do nothing.
+    """
+    first = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
+    sends = first and parallel_state.get_tensor_model_parallel_rank() == 0
+    return parallel_state.get_pipeline_model_parallel_rank(), first, sends
+
+
 def destroy_distributed() -> None:
     """Tear down Megatron's parallel state and the default process group."""
     if parallel_state.model_parallel_is_initialized():

@@ -7,7 +7,9 @@ views, no intermediate concatenation) into its slice of the bucket's flat buffer
 bucket, which casts on the fly. With TP > 1 the shards are all-gathered first (collective: every TP rank iterates).
 With pipeline stages every rank still yields the whole model: a bucket's layout follows from the HF shapes alone,
 each stage fills the slices of the tensors it holds, and each stage's run of slices is broadcast from it over the
-pipeline group (every rank of the pipeline iterates).
+pipeline group (every rank of the pipeline iterates). With ``stage_only`` a rank yields its own stage's tensors
+alone, in HF order, and nothing crosses stages (only its TP group iterates together): each stage sends its own share
+to the engines (the train app's ``--update-weight-transport nccl`` at PP > 1).
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ def _hf_views(m: _Mapping, local: torch.Tensor, spec: HFModelSpec) -> list[torch
 
 
 def _sources(
-    params: dict[str, torch.Tensor], spec: HFModelSpec, stage: PipelineStage
+    params: dict[str, torch.Tensor], spec: HFModelSpec, stage: PipelineStage, *, stage_only: bool = False
 ) -> Iterator[tuple[str, int, torch.Tensor | None]]:
-    """``(hf_name, owner stage, source)`` for every HF tensor.
+    """``(hf_name, owner stage, source)`` for every HF tensor (``stage_only``: for those of ``stage`` alone).
 
     The source is a view of the parameter (TP = 1) or a gathered copy; None for the tensors another stage holds.
     """
@@ -64,6 +66,8 @@ def _sources(
     group = parallel_state.get_tensor_model_parallel_group()
     for m in weight_mappings(spec):
         owner = stage.owner(m.megatron)
+        if owner != stage.rank and stage_only:
+            continue
         if owner != stage.rank:
             yield from ((name, owner, None) for name in m.hf)
             continue
@@ -103,6 +107,7 @@ class HFExporter:
             Python work: one ``_foreach_copy_`` per bucket); a consumer must be done with a bucket before the
             next export. Otherwise every export allocates new buffers, which the consumer may keep.
         stage: this rank's pipeline stage (``params`` named as in its module); None for the whole model.
+        stage_only: export ``stage``'s own tensors alone (no broadcast between stages); otherwise the whole model.
     """
 
     def __init__(
@@ -114,10 +119,12 @@ class HFExporter:
         bucket_bytes: int = 512 * 2**20,
         reuse_buffers: bool = False,
         stage: PipelineStage | None = None,
+        stage_only: bool = False,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.params, self.spec, self.dtype, self.reuse = params, spec, dtype, reuse_buffers
+        self.stage_only = stage_only
         self.stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
         self.device = next(iter(params.values())).device
         self.bucket_bytes = bucket_bytes
@@ -133,7 +140,7 @@ class HFExporter:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         pending: list[tuple[str, int, torch.Tensor | None]] = []
         pending_numel = 0
-        for name, owner, src in _sources(self.params, self.spec, self.stage):
+        for name, owner, src in _sources(self.params, self.spec, self.stage, stage_only=self.stage_only):
             if pending and (pending_numel + self._numel(name)) * itemsize > self.bucket_bytes:
                 yield self._plan(pending)
                 pending, pending_numel = [], 0
@@ -156,14 +163,14 @@ class HFExporter:
             tuple(n for n, _, _ in group),
             [t for _, _, t in group],
             offset,
-            tuple(segments) if self.stage.size > 1 else (),
+            tuple(segments) if self.stage.size > 1 and not self.stage_only else (),
         )
 
     def buckets(self) -> Iterator[HFTensorBucket]:
-        """Every HF tensor, cast to ``dtype``, in HF order.
+        """Every HF tensor (``stage_only``: this stage's), cast to ``dtype``, in HF order.
 
-        Collective with TP > 1 (all-gathers: every TP rank must iterate) and with pipeline stages (broadcasts:
-        every rank of the pipeline must iterate).
+        Collective with TP > 1 (all-gathers: every TP rank must iterate) and with pipeline stages unless
+        ``stage_only`` (broadcasts: every rank of the pipeline must iterate).
         """
         for plan in self._plans if self._plans is not None else self._groups():
             yield self._fill(plan)

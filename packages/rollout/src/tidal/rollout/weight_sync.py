@@ -241,20 +241,24 @@ def update_weights_from_distributed(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     weight_version: str | None = None,
     timeout_s: float = 300.0,
+    flush_cache: bool = True,
 ) -> dict[str, float]:
     """Broadcast HF-named tensors from the trainer (rank 0 of ``group``) into every engine, bucket by bucket.
 
     The tensors must live where the group's backend works (CUDA for NCCL, CPU for gloo). Each bucket is
     announced to the engines over HTTP (names, dtypes, shapes) in background threads while this thread
-    broadcasts; both waits are bounded by ``timeout_s``.
+    broadcasts; both waits are bounded by ``timeout_s``. The last bucket sets ``weight_version`` and, with
+    ``flush_cache``, flushes the engines' cache: a part of an update that more calls complete (one pipeline stage's
+    tensors, each stage through its own group, one after the other) passes neither.
 
     Returns:
-        Metrics: ``weight_sync/seconds``, ``weight_sync/mb``, ``weight_sync/num_buckets``.
+        Metrics: ``weight_sync/seconds``, ``weight_sync/mb``, ``weight_sync/num_buckets``,
+        ``weight_sync/num_tensors``.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     engines = [engines] if isinstance(engines, SGLangEngine) else list(engines)
-    start, total_bytes, num_buckets = time.perf_counter(), 0, 0
+    start, total_bytes, num_buckets, num_tensors = time.perf_counter(), 0, 0, 0
     for engine in engines:
         engine.call("/begin_weight_update", {}, what="begin_weight_update")
     try:
@@ -264,7 +268,7 @@ def update_weights_from_distributed(
                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket],
                 "group_name": group_name,
-                "flush_cache": last,
+                "flush_cache": last and flush_cache,
             }
             if last and weight_version is not None:
                 payload["weight_version"] = weight_version
@@ -273,16 +277,20 @@ def update_weights_from_distributed(
                 for _, tensor in bucket:
                     dist.broadcast(tensor, src=0, group=group)
             num_buckets += 1
+            num_tensors += len(bucket)
             total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
     finally:
         for engine in engines:
             engine.call("/end_weight_update", {}, what="end_weight_update")
     seconds = time.perf_counter() - start
-    logger.info("weight broadcast: %.1f MB in %d buckets, %.2f s", total_bytes / 2**20, num_buckets, seconds)
+    logger.info(
+        "weight broadcast (%s): %.1f MB in %d buckets, %.2f s", group_name, total_bytes / 2**20, num_buckets, seconds
+    )
     return {
         "weight_sync/seconds": seconds,
         "weight_sync/mb": total_bytes / 2**20,
         "weight_sync/num_buckets": float(num_buckets),
+        "weight_sync/num_tensors": float(num_tensors),
     }
 
 
