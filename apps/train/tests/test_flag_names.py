@@ -27,6 +27,7 @@ OTHER_TOOLS = {
     "--get-mismatch-metrics": "slime's flag, named where tidal's engine-actor agreement (always on) does the same",
     "--make-vocab-size-divisible-by": "Megatron's flag, named where tidal pads the vocabulary the same way",
     "--out-dir": "`python -m tidal.train.task_data --out-dir`, the shipped data's own generator",
+    "--compile-bytecode": "uv's (`uv sync --compile-bytecode`), named where SGLang's start-up would compile it",
 }
 
 
