@@ -58,6 +58,16 @@ def test_command_on_cpu_adds_cpu_flags_and_lets_extra_args_win(tmp_path: Path) -
     assert "--device" not in gpu_cmd and "--nccl-port" not in gpu_cmd
 
 
+def test_crash_diagnostics_are_off_unless_the_environment_turns_them_on(tmp_path: Path, monkeypatch) -> None:
+    from tidal.rollout.engine import CRASH_DIAGNOSTICS_ENV
+
+    pyspy, coredump = CRASH_DIAGNOSTICS_ENV
+    monkeypatch.delenv(pyspy, raising=False)
+    monkeypatch.setenv(coredump, "1")
+    env = SGLangEngine("/m", port=1234, log_dir=tmp_path, cpu=True).server_env()
+    assert env[pyspy] == "0" and env[coredump] == "1"
+
+
 def test_missing_bytecode_is_reported_only_when_every_start_would_compile(tmp_path: Path, monkeypatch) -> None:
     import importlib
     import py_compile
@@ -223,6 +233,16 @@ def test_shutdown_leaves_no_process(sglang_server: SGLangEngine) -> None:
     assert not ({pid} | children) & live
     assert not [p for p, _, g in _procs() if g == pid]
     sglang_server.shutdown()  # idempotent
+    # SGLang's crash diagnostics (a 5 s sleep, py-spy, a CUDA core dump) did not run on a deliberate stop
+    assert "before crash diagnostics" not in sglang_server.log_path.read_text()
+
+
+def test_sglang_still_reads_the_crash_diagnostics_switches_tidal_turns_off() -> None:
+    from sglang.srt.environ import envs
+    from tidal.rollout.engine import CRASH_DIAGNOSTICS_ENV
+
+    for name in CRASH_DIAGNOSTICS_ENV:  # renamed upstream: shutdowns would sleep 5 s again
+        assert hasattr(envs, name), name
 
 
 def test_memory_release_and_resume_keep_the_weights(sglang_server: SGLangEngine) -> None:
