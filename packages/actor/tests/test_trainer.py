@@ -176,3 +176,32 @@ def test_log_probs_budget_packs_the_forward_passes_apart_with_the_same_results(d
         assert own[key] == pytest.approx(base[key], rel=1e-4, abs=1e-6), key
     for a, b in zip(params_a, params_b, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_each_dp_rank_computes_the_forward_passes_of_exactly_the_samples_it_trains_on(dist_env, qwen2_dir):
+    from tidal.actor.trainer import _forward_only_fields, _forward_passes, _plan_steps
+    from tidal.batching import unpack
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = [40, 25, 60, 33, 50, 20, 45, 30]
+    tokens = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
+    batching = BatchingConfig(
+        rollout_batch_size=4, n_samples_per_prompt=2, num_steps_per_rollout=2,
+        use_dynamic_batch_size=True, max_tokens_per_gpu=64, log_probs_max_tokens_per_gpu=160,
+    )  # fmt: skip
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir)))
+    whole = pack(tokens)
+    expected = unpack(actor.compute_log_probs(whole), whole)
+    steps = _plan_steps(batching, lengths, dp_size=2)
+    passes = _forward_passes(actor, None, None, old_log_probs=True)
+    covered, counts = set(), []
+    for rank in (0, 1):
+        fields, count = _forward_only_fields(passes, batching, steps, tokens, rank=rank, dp_size=2)
+        trained = {int(indices[i]) for indices, plan in steps for mb in plan.micro_batches(rank) for i in mb}
+        computed = {i for i, v in enumerate(fields["old_log_probs"]) if v is not None}
+        assert computed == trained and len(trained) == 4  # its own samples of both steps, nothing else
+        for i in computed:
+            torch.testing.assert_close(fields["old_log_probs"][i], expected[i], rtol=0, atol=1e-5)
+        covered |= computed
+        counts.append(count)
+    assert covered == set(range(8)) and counts[0] == counts[1] >= 1  # every rank reports the busiest rank's count
