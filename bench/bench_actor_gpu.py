@@ -9,7 +9,9 @@ Debug on CPU with a tiny model: uv run python bench/bench_actor_gpu.py --tiny --
 
 One run measures, on a Qwen2-1.5B-shaped random bf16 model and the RL-shaped length mix of
 bench_batching.py (``lognormal_mix``, fixed seed, same samples for every contender):
-  (a) tidal-actor: ``plan_micro_batches(max_tokens_per_gpu=...)`` + ``pack``; ``train_step`` / ``compute_log_probs``;
+  (a) tidal-actor: ``plan_micro_batches(max_tokens_per_gpu=...)`` + ``pack``; ``train_step`` / ``compute_log_probs``
+      (the log-prob pass packed under ``--max-tokens-logprob``: ``train``'s ``--log-probs-max-tokens-per-gpu``, the
+      training steps under each ``--max-tokens-train``: ``train``'s ``--max-tokens-per-gpu``);
   (b) HF transformers, SDPA, padded micro-batches (arrival order, micro-batch size 2 to train, 8 for log-probs);
   (c) HF transformers on packed rows (the same plan as (a)) with ``position_ids`` and a varlen attention function.
 tidal-actor (default ``--precision bf16-main``): bf16 parameters with fp32 main copies and fp32 AdamW state, no
@@ -766,7 +768,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=4096, help="--log-probs-chunk-size of the actor")
-    p.add_argument("--max-tokens-logprob", type=int, default=32768)
+    p.add_argument("--max-tokens-logprob", type=int, default=32768, help="train's --log-probs-max-tokens-per-gpu")
     p.add_argument("--max-tokens-train", type=int, nargs="*", default=[16384, 32768])
     p.add_argument("--max-tokens-recompute", type=int, nargs="*", default=[])
     p.add_argument("--recompute-num-layers", type=int, default=0, help="with --max-tokens-recompute: first N (0: all)")

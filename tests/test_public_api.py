@@ -23,7 +23,6 @@ _NEXT_DAPO = "next: DAPO dynamic sampling in the loop (README 'Sampling strategi
 USER_ENTRY_POINTS = {
     ("actor", "HFTensorBucket"): "what Actor.hf_tensor_buckets yields (the app's weight sync iterates it unnamed)",
     ("batching", "alignment_multiple"): "README API: tidal-batching is used standalone by other trainers",
-    ("batching", "unpack_micro_batches"): "README API: inverts pack_micro_batches for a standalone trainer",
     ("placement", "shutdown_ray"): "README API: a user's own driver stops the Ray it started",
     ("placement", "start_ray"): "README API: a user's own driver starts Ray (tests/conftest.py LOCAL_DRIVER)",
     ("rollout", "GenerateFn"): "the Protocol a --custom-generate-function-path function implements",

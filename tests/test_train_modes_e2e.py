@@ -4,7 +4,7 @@
   must all go within 30 s), then resumed with --load: the metrics continue without a gap or a repeat, the resumed
   rollout trains on the prompts it would have had, and the engine serves the checkpoint's weights again;
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
-  --debug-train-only on its saved rollouts (no engine);
+  --debug-train-only on its saved rollouts (no engine), its forward-only passes on --log-probs-max-tokens-per-gpu;
 - Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130;
 - --max-staleness 1: rollout 1 is generated while rollout 0 trains, staleness <= 1 in metrics.jsonl, and the
   checkpoint of rollout 0 holds rollout 1; its actor is two pipeline stages (--pipeline-model-parallel-size 2), each
@@ -268,7 +268,8 @@ def test_the_checkpoint_of_an_async_run_holds_the_rollout_generated_ahead(one_st
 @pytest.fixture(scope="module")
 def debug_runs(tmp_path_factory, external_engine):
     """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them with PPO (a critic; the first
-    rollout trains it alone)."""
+    rollout trains it alone), its forward-only passes (old log-probs, values) packed under
+    --log-probs-max-tokens-per-gpu."""
     root = tmp_path_factory.mktemp("debug")
     data = root / "rollouts"
     gen = [*COMMON, "--num-rollout", "2", "--debug-rollout-only", "--save-debug-rollout-data", str(data),
@@ -278,8 +279,8 @@ def debug_runs(tmp_path_factory, external_engine):
     assert code == 0, gen_log[-6000:]
     trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data),
            "--advantage-estimator", "ppo", "--num-critic-only-steps", "1", "--value-clip", "0.2", "--lambd", "0.95",
-           "--critic-lr", "1e-3"]  # fmt: skip
-    code, train_log, train_left = _train(trn, out=root / "train")
+           "--critic-lr", "1e-3", "--log-probs-max-tokens-per-gpu", "32"]  # fmt: skip
+    code, train_log, train_left = _train(trn, out=root / "train")  # forward passes at 32 tokens, training at 8192
     assert code == 0, train_log[-6000:]
     return root, data, gen_left | train_left
 
@@ -296,6 +297,7 @@ def test_rollout_only_generates_without_training(debug_runs):
 
 
 def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
+    from tidal.batching import plan_micro_batches
     from tidal.rollout import load_rollout_data
 
     root, data, leftovers = debug_runs
@@ -308,6 +310,10 @@ def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
         for key in ("critic/value_loss", "critic/clipfrac", "critic/values_mean", "critic/returns_mean"):
             assert math.isfinite(r[key]), key
         assert math.isfinite(r.get("critic/explained_variance", 0.0))  # absent when the returns did not vary
+        # the old log-probs and values ran on micro-batches of their own (32 tokens), training on one (8192)
+        forward = plan_micro_batches([len(s.tokens) for s in saved], dp_size=1, max_tokens_per_gpu=32)
+        assert r["batching/logprob_num_micro_batches"] == forward.num_micro_batches > r["batching/num_micro_batches"]
+        assert r["batching/num_micro_batches"] == 1
     # --num-critic-only-steps 1: rollout 0 trains the critic alone, rollout 1 both
     assert records[0]["train/critic_only"] == 1.0 and "train/loss" not in records[0]
     assert records[1]["train/critic_only"] == 0.0 and records[1]["train/grad_norm"] > 0.0

@@ -30,6 +30,7 @@ BAD = [
     (["--rollout-num-gpus", "2", "--colocate"], "--colocate"),
     (["--global-batch-size", "48"], "--global-batch-size"),
     (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu"),
+    (["--log-probs-max-tokens-per-gpu", "0"], "--log-probs-max-tokens-per-gpu must be >= 1, got 0"),
     (["--recipe", "base", "--hf-checkpoint", "/nonexistent/model", "--prompt-data", __file__], "--hf-checkpoint"),
     (["--prompt-data", "/nonexistent.jsonl"], "--prompt-data"),
     (["--not-a-flag", "1"], "--not-a-flag"),
@@ -100,6 +101,10 @@ BAD = [
     (
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "16", "--rollout-max-response-len", "256"],
         "--max-tokens-per-gpu 16 cannot hold one sample",
+    ),
+    (
+        ["--log-probs-max-tokens-per-gpu", "200", "--rollout-max-response-len", "256"],  # the recipe's 8192 holds it
+        "--log-probs-max-tokens-per-gpu 200 cannot hold one sample: .* raise --log-probs-max-tokens-per-gpu above",
     ),
     (["--global-batch-size", "2", "--actor-num-gpus-per-node", "4"], "--global-batch-size 2 is not divisible by"),
     (["--num-steps-per-rollout", "7"], "--num-steps-per-rollout 7 does not divide"),

@@ -123,3 +123,85 @@ def test_one_step_rollout_reuses_the_training_forward_for_old_log_probs_with_the
 def _counted(calls: list, fn, *args):
     calls.append(1)
     return fn(*args)
+
+
+def _recorded(store: dict, calls: list, fn, batch):
+    """``fn(batch)``, counted, keeping each sequence's values under its tokens (packings differ; samples do not)."""
+    from tidal.batching import unpack
+
+    calls.append(batch.num_tokens)
+    out = fn(batch)
+    for seq, values in zip(unpack(batch.tokens, batch), unpack(out, batch), strict=True):
+        store.setdefault(tuple(seq.tolist()), []).append(values.clone())
+    return out
+
+
+def test_log_probs_budget_packs_the_forward_passes_apart_with_the_same_results(dist_env, qwen2_dir):
+    """--log-probs-max-tokens-per-gpu: old and reference log-probs on fewer, larger micro-batches, same numbers."""
+    from tidal.actor import ReferenceModel
+    from tidal.batching import plan_micro_batches
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [40, 25, 60, 33, 50, 20, 45, 30]  # 4 prompts x 2 samples, 2 optimizer steps of 4
+    tokens = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
+    masks = [[0] * 10 + [1] * (n - 10) for n in lengths]
+    cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, kl_loss_coef=0.1)
+    runs = {}
+    for budget in (None, 160):
+        batching = BatchingConfig(rollout_batch_size=4, n_samples_per_prompt=2, num_steps_per_rollout=2,
+                                  use_dynamic_batch_size=True, max_tokens_per_gpu=64,
+                                  log_probs_max_tokens_per_gpu=budget)  # fmt: skip
+        actor, reference = Actor(cfg), ReferenceModel(cfg)
+        old, ref, calls = {}, {}, {"old": [], "ref": []}
+        actor.compute_log_probs = functools.partial(_recorded, old, calls["old"], actor.compute_log_probs)
+        reference.compute_log_probs = functools.partial(_recorded, ref, calls["ref"], reference.compute_log_probs)
+        metrics = train_on_rollout(actor, batching, tokens=tokens, loss_masks=masks, rewards=[1.0, 0.0] * 4,
+                                   group_size=2, reference=reference)  # fmt: skip
+        runs[budget] = metrics, old, ref, calls, [p.detach().clone() for p in actor.params]
+    (base, old_a, ref_a, calls_a, params_a), (own, old_b, ref_b, calls_b, params_b) = runs[None], runs[160]
+    # the training micro-batches (64 tokens) of each step, against one forward plan of all 8 samples at 160 tokens
+    steps = [plan_micro_batches(lengths[i : i + 4], dp_size=1, max_tokens_per_gpu=64) for i in (0, 4)]
+    forward = plan_micro_batches(lengths, dp_size=1, max_tokens_per_gpu=160).num_micro_batches
+    assert base["batching/logprob_num_micro_batches"] == sum(p.num_micro_batches for p in steps) == 6
+    assert own["batching/logprob_num_micro_batches"] == forward == 2
+    assert [len(c) for c in calls_a.values()] == [6, 6] and [len(c) for c in calls_b.values()] == [2, 2]
+    assert max(calls_a["old"]) <= 64 and 64 < max(calls_b["old"]) <= 160
+    for store in (old_a, ref_a, old_b, ref_b):  # every sample computed once
+        assert len(store) == 8 and all(len(v) == 1 for v in store.values())
+    for a, b in ((old_a, old_b), (ref_a, ref_b)):
+        for seq, (values,) in a.items():
+            torch.testing.assert_close(b[seq][0], values, rtol=0, atol=1e-5)
+            assert values[10:].abs().sum() > 0
+    for key in ("train/loss", "train/kl", "train/ppo_kl", "train/grad_norm"):
+        assert own[key] == pytest.approx(base[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(params_a, params_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_each_dp_rank_computes_the_forward_passes_of_exactly_the_samples_it_trains_on(dist_env, qwen2_dir):
+    from tidal.actor.trainer import _forward_only_fields, _forward_passes, _plan_steps
+    from tidal.batching import unpack
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = [40, 25, 60, 33, 50, 20, 45, 30]
+    tokens = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
+    batching = BatchingConfig(
+        rollout_batch_size=4, n_samples_per_prompt=2, num_steps_per_rollout=2,
+        use_dynamic_batch_size=True, max_tokens_per_gpu=64, log_probs_max_tokens_per_gpu=160,
+    )  # fmt: skip
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir)))
+    whole = pack(tokens)
+    expected = unpack(actor.compute_log_probs(whole), whole)
+    steps = _plan_steps(batching, lengths, dp_size=2)
+    passes = _forward_passes(actor, None, None, old_log_probs=True)
+    covered, counts = set(), []
+    for rank in (0, 1):
+        fields, count = _forward_only_fields(passes, batching, steps, tokens, rank=rank, dp_size=2)
+        trained = {int(indices[i]) for indices, plan in steps for mb in plan.micro_batches(rank) for i in mb}
+        computed = {i for i, v in enumerate(fields["old_log_probs"]) if v is not None}
+        assert computed == trained and len(trained) == 4  # its own samples of both steps, nothing else
+        for i in computed:
+            torch.testing.assert_close(fields["old_log_probs"][i], expected[i], rtol=0, atol=1e-5)
+        covered |= computed
+        counts.append(count)
+    assert covered == set(range(8)) and counts[0] == counts[1] >= 1  # every rank reports the busiest rank's count

@@ -70,7 +70,9 @@ def test_config_warns_about_flags_without_effect(caplog):
     with caplog.at_level(logging.WARNING, logger="tidal.batching.config"):
         BatchingConfig(rollout_batch_size=8, max_tokens_per_gpu=4096)
         BatchingConfig(rollout_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=4096, micro_batch_size=2)
+        BatchingConfig(rollout_batch_size=8, log_probs_max_tokens_per_gpu=8192)
     assert "--max-tokens-per-gpu 4096 has no effect" in caplog.text
+    assert "--log-probs-max-tokens-per-gpu 8192 has no effect without --use-dynamic-batch-size" in caplog.text
     assert "--micro-batch-size 2 has no effect" in caplog.text
 
 

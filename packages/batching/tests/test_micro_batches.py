@@ -106,6 +106,31 @@ def test_plan_from_config_follows_the_mode():
     assert plan_from_config(BatchingConfig(rollout_batch_size=8), lengths, dp_size=1).num_micro_batches == 8
 
 
+def test_a_forward_only_plan_packs_under_its_own_budget_and_names_its_flag():
+    lengths = [300, 300, 300, 300, 200, 100]
+    cfg = BatchingConfig(
+        rollout_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=320, log_probs_max_tokens_per_gpu=640,
+        pad_to_multiple_of=8, context_parallel_size=2,
+    )  # fmt: skip
+    assert cfg.micro_batch_token_budget == 640 and cfg.log_probs_token_budget == 1280
+    train, forward = (
+        plan_from_config(cfg, lengths, dp_size=1),
+        plan_from_config(cfg, lengths, dp_size=1, forward_only=True),
+    )
+    assert (train.token_budget, forward.token_budget) == (640, 1280)
+    assert (train.num_micro_batches, forward.num_micro_batches) == (3, 2)  # 1500 tokens: ceil(1500 / budget)
+    without = BatchingConfig(rollout_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=320)
+    assert without.log_probs_token_budget is None
+    assert plan_from_config(without, lengths, dp_size=1, forward_only=True).token_budget == 320  # the training one
+    small = BatchingConfig(
+        rollout_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=512, log_probs_max_tokens_per_gpu=256
+    )
+    with pytest.raises(ValueError, match=r"300 tokens.*--log-probs-max-tokens-per-gpu 256.*raise --log-probs-max-tok"):
+        plan_from_config(small, lengths, dp_size=1, forward_only=True)
+    with pytest.raises(ValueError, match="--log-probs-max-tokens-per-gpu must be >= 1, got 0"):
+        BatchingConfig(rollout_batch_size=6, log_probs_max_tokens_per_gpu=0)
+
+
 def test_plan_from_config_scales_the_token_budget_by_the_configs_context_parallel_size():
     lengths = [300, 300, 300, 300]
     cfg = BatchingConfig(rollout_batch_size=4, use_dynamic_batch_size=True, max_tokens_per_gpu=320)

@@ -176,23 +176,26 @@ def check_token_budget(batching, rollout) -> None:
     """With dynamic batch size, one micro-batch must hold at least one full-length response and its prompt.
 
     The budget is the batch planner's: --max-tokens-per-gpu aligned to --pad-to-multiple-of, times the
-    context-parallel size (``BatchingConfig.micro_batch_token_budget``).
+    context-parallel size (``BatchingConfig.micro_batch_token_budget``); likewise --log-probs-max-tokens-per-gpu, the
+    forward-only passes' own (``BatchingConfig.log_probs_token_budget``).
     """
-    budget = batching.micro_batch_token_budget
     response = rollout.rollout_max_response_len
-    if budget is None or budget > response:
-        return
-    pad, cp = batching.pad_to_multiple_of, batching.context_parallel_size
-    suggestion = max(1024, 1 << (2 * (response + 1) - 1).bit_length())
-    parts = [f" x --context-parallel-size {cp}"] if cp > 1 else []
-    parts += [f" (aligned down to a multiple of --pad-to-multiple-of {pad})"] if pad > 1 else []
-    budget_text = f"{''.join(parts)} = {budget} tokens per micro-batch" if parts else ""
-    raise ValueError(
-        f"--max-tokens-per-gpu {batching.max_tokens_per_gpu}{budget_text} cannot hold one sample: a response "
-        f"alone may have --rollout-max-response-len {response} tokens, plus its prompt; raise --max-tokens-per-gpu "
-        f"above the longest prompt + {response} (e.g. --max-tokens-per-gpu {suggestion}) or lower "
-        "--rollout-max-response-len"
-    )
+    for flag, value, budget in (
+        ("--max-tokens-per-gpu", batching.max_tokens_per_gpu, batching.micro_batch_token_budget),
+        ("--log-probs-max-tokens-per-gpu", batching.log_probs_max_tokens_per_gpu, batching.log_probs_token_budget),
+    ):
+        if budget is None or budget > response:
+            continue
+        pad, cp = batching.pad_to_multiple_of, batching.context_parallel_size
+        suggestion = max(1024, 1 << (2 * (response + 1) - 1).bit_length())
+        parts = [f" x --context-parallel-size {cp}"] if cp > 1 else []
+        parts += [f" (aligned down to a multiple of --pad-to-multiple-of {pad})"] if pad > 1 else []
+        budget_text = f"{''.join(parts)} = {budget} tokens per micro-batch" if parts else ""
+        raise ValueError(
+            f"{flag} {value}{budget_text} cannot hold one sample: a response alone may have "
+            f"--rollout-max-response-len {response} tokens, plus its prompt; raise {flag} above the longest prompt + "
+            f"{response} (e.g. {flag} {suggestion}) or lower --rollout-max-response-len"
+        )
 
 
 def check_modes(train, rollout, placement) -> None:

@@ -5,15 +5,20 @@ ratio of every step compares against the weights that existed when the rollout w
 step per rollout (and no reference model, no token-level estimator, one pipeline stage) that separate pass is
 skipped: the step's own forward runs on those same weights, and its detached log-probs are the old ones, the same
 numbers (slime computes them again; issue 22 measured the pass at ~10% of a CPU rollout).
+
+The forward-only passes (old and reference log-probs, critic values) keep no activations for backward, so with
+--log-probs-max-tokens-per-gpu they run on micro-batches of their own, packed under that larger budget (slime's flag),
+and their per-sample values are packed into the training micro-batches as token fields.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tidal.actor.advantages import (
@@ -29,7 +34,14 @@ from tidal.actor.advantages import (
 )
 from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
 from tidal.actor.loss import load_function
-from tidal.batching import BatchingConfig, PackedBatch, pack_micro_batches, plan_from_config, plan_stats
+from tidal.batching import (
+    BatchingConfig,
+    PackedBatch,
+    pack_micro_batches,
+    plan_from_config,
+    plan_stats,
+    unpack_micro_batches,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +103,9 @@ def train_on_rollout(
             pass.
 
     Returns:
-        Mean of the steps' train metrics, batching statistics, timings ("time/log_probs", "time/train") and,
+        Mean of the steps' train metrics, batching statistics (the first step's plan, and
+        "batching/logprob_num_micro_batches": micro-batches of one forward-only pass on a rank, 0 when none ran),
+        timings ("time/log_probs", "time/train") and,
         with ``rollout_log_probs``, the engine-actor agreement over the whole rollout (every DP rank's tokens):
         "rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl". With a critic
         also its steps' mean "critic/value_loss", "critic/clipfrac", "critic/values_mean", "critic/grad_norm", ...,
@@ -120,8 +134,17 @@ def train_on_rollout(
     if rollout_log_probs is not None:
         token_fields["rollout_log_probs"] = [list(map(float, lp)) for lp in rollout_log_probs]
 
-    # Pack this rank's micro-batches of every step, then compute every old log-prob before any update.
+    # Every forward-only pass (old and reference log-probs, critic values) runs before any update: on micro-batches of
+    # its own under --log-probs-max-tokens-per-gpu, else on this rank's training micro-batches of every step.
     start = time.monotonic()
+    reuse = reuse_step_log_probs and len(steps) == 1 and reference is None and critic is None
+    reuse = reuse and actor.stage.size == 1
+    reuse = reuse and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS
+    passes = _forward_passes(actor, reference, critic, old_log_probs=not reuse)
+    own = bool(passes) and batching.log_probs_token_budget is not None
+    if own:
+        fields, num_forward = _forward_only_fields(passes, batching, steps, tokens, rank=rank, dp_size=dp_size)
+        token_fields |= fields
     packed: list[list[PackedBatch]] = []
     for indices, plan in steps:
         packed.append(
@@ -134,25 +157,20 @@ def train_on_rollout(
                 pad_to_multiple_of=batching.pad_to_multiple_of,
             )
         )
-    reuse = reuse_step_log_probs and len(packed) == 1 and reference is None and critic is None
-    reuse = reuse and actor.stage.size == 1
-    reuse = reuse and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS
-    if not reuse:
-        packed = [[_with_old_log_probs(actor, mb) for mb in step] for step in packed]
-    if reference is not None:
-        with reference.loaded():
-            packed = [
-                [_with_field(mb, "ref_log_probs", reference.compute_log_probs(mb)) for mb in step] for step in packed
-            ]
-        if cfg.kl_coef > 0 and cfg.advantage_estimator not in (*TOKEN_LEVEL_ESTIMATORS, "ppo"):
-            # --kl-coef: KL to the reference as a per-token penalty on the advantage
-            packed = [[_kl_shaped(mb, cfg.kl_coef) for mb in step] for step in packed]
+    if not own:
+        num_forward = sum(plan.num_micro_batches for _, plan in steps) if passes else 0
+        for field, compute, held in passes:
+            with held():
+                packed = [[_with_field(mb, field, compute(mb)) for mb in step] for step in packed]
+    if cfg.kl_coef > 0 and cfg.advantage_estimator not in (*TOKEN_LEVEL_ESTIMATORS, "ppo"):
+        # --kl-coef: KL to the reference as a per-token penalty on the advantage
+        packed = [[_kl_shaped(mb, cfg.kl_coef) for mb in step] for step in packed]
     if cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
         packed = _token_level(packed, cfg, device=actor.device)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"batching/logprob_num_micro_batches": float(num_forward)}
     if critic is not None:
-        packed = [[_with_field(mb, "old_values", critic.compute_values(mb)) for mb in step] for step in packed]
-        packed, metrics = _gae(packed, cfg, device=actor.device)
+        packed, gae_metrics = _gae(packed, cfg, device=actor.device)
+        metrics |= gae_metrics
     log_probs_time = time.monotonic() - start
 
     packed = _train_steps(actor, critic, packed, metrics, rollout_id=rollout_id, reuse=reuse)
@@ -163,6 +181,54 @@ def train_on_rollout(
         metrics |= _agreement(packed, device=actor.device)
     metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
     return metrics
+
+
+def _forward_passes(actor, reference, critic, *, old_log_probs: bool) -> list[tuple[str, Callable, Callable]]:
+    """``(token field, compute, context holding its model on the device)`` of each forward-only pass, in order."""
+    passes: list[tuple[str, Callable, Callable]] = []
+    if old_log_probs:
+        passes.append(("old_log_probs", actor.compute_log_probs, contextlib.nullcontext))
+    if reference is not None:  # on the device once for the whole pass, not once per micro-batch
+        passes.append(("ref_log_probs", reference.compute_log_probs, reference.loaded))
+    if critic is not None:
+        passes.append(("old_values", critic.compute_values, contextlib.nullcontext))
+    return passes
+
+
+def _forward_only_fields(
+    passes: list[tuple[str, Callable, Callable]],
+    batching: BatchingConfig,
+    steps: list,
+    tokens: Sequence[Sequence[int]],
+    *,
+    rank: int,
+    dp_size: int,
+) -> tuple[dict[str, list[torch.Tensor | None]], int]:
+    """The forward-only passes on micro-batches of their own, packed under --log-probs-max-tokens-per-gpu.
+
+    Each rank computes the samples it trains on, every step's at once (all of them before the first update), so no
+    value crosses ranks; every rank plans every rank's pass (lengths only) to report the same count.
+
+    Returns:
+        Per token field, one tensor per sample of the rollout (None for the other ranks' samples), and the most
+        forward micro-batches any rank ran per pass.
+    """
+    counts = []
+    for r in range(dp_size):
+        samples = [indices[i] for indices, plan in steps for mb in plan.micro_batches(r) for i in mb.tolist()]
+        plan = plan_from_config(batching, [len(tokens[i]) for i in samples], dp_size=1, forward_only=True)
+        counts.append(plan.num_micro_batches)
+        if r == rank:
+            mine, own_plan = samples, plan
+    batches = pack_micro_batches(own_plan, 0, [tokens[i] for i in mine], pad_to_multiple_of=batching.pad_to_multiple_of)
+    fields: dict[str, list[torch.Tensor | None]] = {}
+    for field, compute, held in passes:
+        with held():
+            values = unpack_micro_batches([compute(mb) for mb in batches], batches, num_samples=len(mine))
+        fields[field] = [None] * len(tokens)
+        for i, v in zip(mine, values, strict=True):
+            fields[field][i] = v
+    return fields, max(counts)
 
 
 def _train_steps(actor, critic, packed: list[list[PackedBatch]], metrics: dict[str, float], *, rollout_id: int,
@@ -279,10 +345,6 @@ def _dp_sum(sums: torch.Tensor, *, device) -> torch.Tensor:
     total = sums.to(device, copy=True)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return total.cpu()
-
-
-def _with_old_log_probs(actor, mb: PackedBatch) -> PackedBatch:
-    return _with_field(mb, "old_log_probs", actor.compute_log_probs(mb))
 
 
 def _kl_shaped(mb: PackedBatch, kl_coef: float) -> PackedBatch:

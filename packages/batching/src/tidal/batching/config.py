@@ -26,6 +26,10 @@ class BatchingConfig:
     """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed count."""
     max_tokens_per_gpu: int | None = None
     """Token budget of one micro-batch on one GPU, with dynamic batch size."""
+    log_probs_max_tokens_per_gpu: int | None = None
+    """Token budget of one micro-batch of the forward-only passes (old and reference log-probs, critic values) on one
+    GPU, with dynamic batch size: they keep no activations for backward, so they fit more; None: they run on the
+    training micro-batches (--max-tokens-per-gpu)."""
     micro_batch_size: int | None = None
     """Sequences per micro-batch without dynamic batch size; 1 when None."""
     pad_to_multiple_of: int = 1
@@ -37,6 +41,7 @@ class BatchingConfig:
     def __post_init__(self) -> None:
         for flag, value in (
             ("--max-tokens-per-gpu", self.max_tokens_per_gpu),
+            ("--log-probs-max-tokens-per-gpu", self.log_probs_max_tokens_per_gpu),
             ("--micro-batch-size", self.micro_batch_size),
             ("--pad-to-multiple-of", self.pad_to_multiple_of),
             ("--context-parallel-size", self.context_parallel_size),
@@ -53,6 +58,11 @@ class BatchingConfig:
             logger.warning(
                 "--max-tokens-per-gpu %d has no effect without --use-dynamic-batch-size", self.max_tokens_per_gpu
             )
+        if not self.use_dynamic_batch_size and self.log_probs_max_tokens_per_gpu is not None:
+            logger.warning(
+                "--log-probs-max-tokens-per-gpu %d has no effect without --use-dynamic-batch-size",
+                self.log_probs_max_tokens_per_gpu,
+            )
         # Checks everything that does not depend on the data-parallel size (raises ValueError with the fix).
         self.resolve(dp_size=1)
 
@@ -67,6 +77,17 @@ class BatchingConfig:
             return None
         pad = self.pad_to_multiple_of
         return self.max_tokens_per_gpu // pad * pad * self.context_parallel_size
+
+    @property
+    def log_probs_token_budget(self) -> int | None:
+        """The forward-only passes' own :attr:`micro_batch_token_budget` (None: they use the training micro-batches).
+
+        ``--log-probs-max-tokens-per-gpu`` with dynamic batch size, aligned and times the context-parallel size alike.
+        """
+        if not self.use_dynamic_batch_size or self.log_probs_max_tokens_per_gpu is None:
+            return None
+        pad = self.pad_to_multiple_of
+        return self.log_probs_max_tokens_per_gpu // pad * pad * self.context_parallel_size
 
     def resolve(self, *, dp_size: int) -> BatchArithmetic:
         """Resolve global batch size and steps per rollout for ``dp_size`` data-parallel ranks.

@@ -47,6 +47,7 @@ def plan_from_config(
     context_parallel_size: int | None = None,
     tensor_model_parallel_size: int = 1,
     sequence_parallel: bool = False,
+    forward_only: bool = False,
 ) -> MicroBatchPlan:
     """Plan one global batch the way ``cfg`` asks (dynamic batch size or fixed micro-batch size).
 
@@ -58,6 +59,8 @@ def plan_from_config(
             micro-batch is ``cfg.max_tokens_per_gpu`` times it (each GPU holds 1/CP of every sequence).
         tensor_model_parallel_size: tensor-parallel size (matters for alignment with sequence parallelism).
         sequence_parallel: whether sequence parallelism is on.
+        forward_only: plan a pass that keeps no activations for backward (old or reference log-probs, critic
+            values): its budget is ``cfg.log_probs_max_tokens_per_gpu`` when given (with dynamic batch size).
 
     Returns:
         The plan; pack each rank's part with :func:`pack_micro_batches` and the same alignment
@@ -71,12 +74,16 @@ def plan_from_config(
         sequence_parallel=sequence_parallel,
     )
     if cfg.use_dynamic_batch_size:
+        flag, budget = "--max-tokens-per-gpu", cfg.max_tokens_per_gpu
+        if forward_only and cfg.log_probs_max_tokens_per_gpu is not None:
+            flag, budget = "--log-probs-max-tokens-per-gpu", cfg.log_probs_max_tokens_per_gpu
         return plan_micro_batches(
             lengths,
             dp_size=dp_size,
-            max_tokens_per_gpu=cfg.max_tokens_per_gpu,
+            max_tokens_per_gpu=budget,
             context_parallel_size=context_parallel_size,
             pad_to_multiple_of=multiple,
+            flag=flag,
         )
     return plan_micro_batches(
         lengths,

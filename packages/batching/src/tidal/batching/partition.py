@@ -219,12 +219,14 @@ def _token_budget_bins(sizes: np.ndarray, budget: int) -> tuple[np.ndarray, int]
     return packed, num_bins
 
 
-def _effective_budget(max_tokens_per_gpu: int, context_parallel_size: int, pad_to_multiple_of: int) -> int:
+def _effective_budget(
+    max_tokens_per_gpu: int, context_parallel_size: int, pad_to_multiple_of: int, flag: str = "--max-tokens-per-gpu"
+) -> int:
     aligned = (max_tokens_per_gpu // pad_to_multiple_of) * pad_to_multiple_of
     if aligned < 1:
         raise ValueError(
-            f"--max-tokens-per-gpu {max_tokens_per_gpu} is smaller than the alignment multiple {pad_to_multiple_of}; "
-            f"raise --max-tokens-per-gpu to at least {pad_to_multiple_of}"
+            f"{flag} {max_tokens_per_gpu} is smaller than the alignment multiple {pad_to_multiple_of}; "
+            f"raise {flag} to at least {pad_to_multiple_of}"
         )
     return aligned * context_parallel_size
 
@@ -245,6 +247,7 @@ def plan_micro_batches(
     micro_batch_size: int | None = None,
     context_parallel_size: int = 1,
     pad_to_multiple_of: int = 1,
+    flag: str = "--max-tokens-per-gpu",
 ) -> MicroBatchPlan:
     """Plan one global batch: samples per data-parallel rank and per micro-batch.
 
@@ -260,13 +263,15 @@ def plan_micro_batches(
         micro_batch_size: sequences per micro-batch (the last one per rank may hold fewer).
         context_parallel_size: context-parallel size.
         pad_to_multiple_of: alignment multiple the micro-batches will be padded to (per GPU).
+        flag: the option ``max_tokens_per_gpu`` came from, named in the errors (``--log-probs-max-tokens-per-gpu``
+            for a forward-only pass).
 
     Returns:
         The plan; every rank has the same number of non-empty micro-batches.
 
     Raises:
         ValueError: on bad arguments, a batch that does not split over ``dp_size``, or a sequence longer than the
-            token budget (naming --max-tokens-per-gpu and --context-parallel-size).
+            token budget (naming ``flag`` and --context-parallel-size).
     """
     if (max_tokens_per_gpu is None) == (micro_batch_size is None):
         raise ValueError("give exactly one of max_tokens_per_gpu (dynamic batch size) and micro_batch_size")
@@ -286,15 +291,15 @@ def plan_micro_batches(
     else:
         assert max_tokens_per_gpu is not None
         if max_tokens_per_gpu < 1:
-            raise ValueError(f"--max-tokens-per-gpu must be >= 1, got {max_tokens_per_gpu}")
-        budget = _effective_budget(max_tokens_per_gpu, context_parallel_size, pad_to_multiple_of)
+            raise ValueError(f"{flag} must be >= 1, got {max_tokens_per_gpu}")
+        budget = _effective_budget(max_tokens_per_gpu, context_parallel_size, pad_to_multiple_of, flag)
         longest = int(np.argmax(planned))
         if planned[longest] > budget:
             raise ValueError(
                 f"sample {longest} has {int(arr[longest])} tokens, more than fits in one micro-batch: "
-                f"--max-tokens-per-gpu {max_tokens_per_gpu} × --context-parallel-size {context_parallel_size}"
+                f"{flag} {max_tokens_per_gpu} × --context-parallel-size {context_parallel_size}"
                 + (f" (aligned to {pad_to_multiple_of})" if pad_to_multiple_of > 1 else "")
-                + f" = {budget} tokens; raise --max-tokens-per-gpu to at least "
+                + f" = {budget} tokens; raise {flag} to at least "
                 f"{-(-int(planned[longest]) // (context_parallel_size * pad_to_multiple_of)) * pad_to_multiple_of} "
                 "or raise --context-parallel-size"
             )
