@@ -4,6 +4,7 @@ import pytest
 import torch
 from tidal.actor import Actor, ActorConfig
 from tidal.actor.loss import grpo_advantages
+from tidal.actor.offload import host_copy_shapes
 from tidal.batching import pack, unpack
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77]]
@@ -67,6 +68,9 @@ def test_sharded_state_dict_covers_model(actor):
 def test_train_step_changes_weights_and_reports_metrics(dist_env, qwen2_dir):
     actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, entropy_coef=0.01, clip_grad=1.0))
     before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    # what reserve_offload_memory pins before the first step (on CUDA) is what an offload after a step moves
+    actor._ensure_optimizer_state()
+    planned = sorted((tuple(s), str(d)) for s, d in host_copy_shapes(actor._offloadable(), with_host=True))
     batch = rl_batch(actor, [*SEQS, [9, 8, 7, 6, 5]])
     metrics = actor.train_step([batch])
     for key in ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy"):
@@ -85,6 +89,7 @@ def test_train_step_changes_weights_and_reports_metrics(dist_env, qwen2_dir):
     # the co-located hand-off: parameters, gradients and both Adam moments take part; on CPU nothing moves
     held = list(actor._offloadable())
     assert len(held) >= 3 * len(actor.params) and all(any(t is h for h in held) for t in actor.params)
+    assert sorted((tuple(s), str(d)) for s, d in host_copy_shapes(held, with_host=True)) == planned
     moved = actor.offload()
     assert moved["actor/offload_gb"] == 0.0 and moved["actor/offload_s"] >= 0.0
     assert actor.onload()["actor/onload_gb"] == 0.0

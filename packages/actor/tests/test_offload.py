@@ -101,3 +101,13 @@ def test_actor_with_offloaded_optimizer_trains_like_on_device_adam(dist_env, qwe
         actor.train_step([rl_batch(actor, SEQS)])
     for actor in resumed:
         _assert_same_mains(off, actor)
+
+
+def test_a_pinned_reservation_counts_its_bytes_and_never_raises():
+    from tidal.actor.offload import PinnedReservation
+
+    shapes = [(torch.Size([2, 3]), torch.float32), (torch.Size([4]), torch.bfloat16)]
+    reservation = PinnedReservation(shapes)
+    reservation.wait()  # on CPU pinning fails inside the thread: logged, and the offload pins (or not) itself
+    assert reservation.bytes == 2 * 3 * 4 + 4 * 2
+    assert reservation.seconds is not None and reservation.error is None

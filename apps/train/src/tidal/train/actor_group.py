@@ -117,6 +117,9 @@ class ActorGroup:
                     pipeline_model_parallel_size=job.train.pipeline_model_parallel_size,
                 )
             )
+        if self.plan.offload_train:  # runs after each constructor, while the engines start (no-op without CUDA)
+            for worker in self.workers:
+                worker.reserve_offload_memory.remote()
 
     def wait_ready(self) -> None:
         """Wait until every rank built (and loaded) its model."""

@@ -125,6 +125,12 @@ class ActorWorker:
             out_dir, tensors, source_dir=self.hf_checkpoint, max_shard_bytes=max_shard_bytes
         )
 
+    def reserve_offload_memory(self) -> None:
+        """Pin the host memory the offloads will use, in the background (CUDA only): called while engines start."""
+        self.actor.reserve_offload_memory()
+        if self.critic:
+            self.critic.reserve_offload_memory()
+
     def offload(self) -> dict[str, float]:
         """Parameters, gradients and optimizer state (the critic's too) to host memory while the engines generate."""
         return self.actor.offload() | (self.critic.offload() if self.critic else {})

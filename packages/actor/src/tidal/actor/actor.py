@@ -25,7 +25,7 @@ from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss, load_function, policy_loss_of
 from tidal.actor.main_params import MainParams
-from tidal.actor.offload import CPUOffloadAdamW, move_tensors
+from tidal.actor.offload import CPUOffloadAdamW, PinnedReservation, host_copy_shapes, move_tensors
 from tidal.actor.pipeline import (
     PipelineStage,
     all_reduce_tied_embedding_grad,
@@ -70,6 +70,7 @@ class Actor:
         self._fused = cfg.fused_kernels and self.device.type == "cuda"
         self._recompute_lm_head = cfg.recompute_lm_head
         self._exporters: dict[tuple, HFExporter] = {}
+        self._pinned: PinnedReservation | None = None
         self.spec = read_hf_config(cfg.hf_checkpoint)
         self.stage = PipelineStage.current(self.spec.num_layers)
         # bf16 weights with fp32 main copies on CUDA: the weight-gradient GEMMs accumulate into the main gradients
@@ -379,6 +380,19 @@ class Actor:
         self._exporters.clear()
         return self._move(torch.device("cpu"), "offload")
 
+    def reserve_offload_memory(self) -> None:
+        """Pin, in a background thread, the host memory :meth:`offload` will copy into (CUDA only; else nothing).
+
+        Call it while the engines start: the first offload otherwise pins it itself (22.3 s for a 1.5B actor on an
+        H200 host). Sizes are those of every tensor :meth:`offload` moves, AdamW's moments included (created now,
+        as zeros, exactly as the first step would). :meth:`offload` waits for the thread.
+        """
+        if self.device.type != "cuda" or self._pinned is not None:
+            return
+        self._ensure_optimizer_state()
+        self._pinned = PinnedReservation(host_copy_shapes(self._offloadable()))
+        logger.info("pinning %.1f GiB of host memory for offload in the background", self._pinned.bytes / 2**30)
+
     def onload(self) -> dict[str, float]:
         """Bring back what :meth:`offload` moved; ``actor/onload_gb``, ``actor/onload_s`` (and GPU memory on CUDA)."""
         return self._move(self.device, "onload")
@@ -398,6 +412,8 @@ class Actor:
                 yield from (v for k, v in state.items() if torch.is_tensor(v) and k != "step")
 
     def _move(self, device: torch.device, what: str) -> dict[str, float]:
+        if self._pinned is not None:
+            self._pinned.wait()
         tick = time.perf_counter()
         moved = move_tensors(self._offloadable(), device)
         metrics = {f"{self.kind}/{what}_gb": moved / 2**30, f"{self.kind}/{what}_s": time.perf_counter() - tick}
