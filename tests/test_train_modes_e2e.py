@@ -217,7 +217,7 @@ def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, 
 
 @pytest.fixture(scope="module")
 def one_step_off(tmp_path_factory, external_engine):
-    """--max-staleness 1 (--use-tis), 4 rollouts on the shared server, a checkpoint after each; killed, resumed.
+    """--max-staleness 1 (TIS on by default), 4 rollouts on the shared server, a checkpoint after each; killed, resumed.
 
     The actor runs as two pipeline stages on two (logical) GPUs, synced by broadcast (the external engine's default
     transport) with --check-weight-update-equal: about 5 s more than one rank (RL time 17 s against 13 s, seen on two
@@ -234,7 +234,7 @@ def one_step_off(tmp_path_factory, external_engine):
     out = tmp_path_factory.mktemp("async")
     external = ["--rollout-external-engine-addrs", external_engine]
     pipeline = ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--check-weight-update-equal"]
-    args = [*COMMON, *external, "--num-rollout", "4", "--max-staleness", "1", "--use-tis", "--save-interval", "1"]
+    args = [*COMMON, *external, "--num-rollout", "4", "--max-staleness", "1", "--save-interval", "1"]
     args += [*pipeline, "--save", str(out / "ckpt"), "--save-debug-rollout-data", str(out / "debug")]
 
     def training_rollout_2(run_dir: Path, _log: Path) -> bool:
@@ -257,7 +257,7 @@ def test_one_step_off_trains_on_samples_at_most_one_version_old(one_step_off):
     assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
     for r in records:
         assert r["time/trainer_wait"] >= 0 and r["time/engine_wait"] >= 0 and r["rollout/stale_tokens_masked"] == 0
-        assert math.isfinite(r["train/loss"]) and "train/tis" in r  # decoupled PPO: pi_old / pi_behaviour
+        assert math.isfinite(r["train/loss"]) and "train/tis" in r  # on by default: pi_old / pi_behaviour
 
 
 def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all(one_step_off):
