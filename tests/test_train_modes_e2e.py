@@ -122,7 +122,9 @@ def resumed(tmp_path_factory, external_engine):
     def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
         return len(_records(run_dir)) >= 2 and (run_dir / "ckpt" / "iter_0000002" / "metadata.json").exists()
 
-    killed_code, killed_log, killed_leftovers = _train(args, out=out, kill_when=mid_third_rollout, group=False)
+    killed_code, killed_log, killed_leftovers = _train(
+        args, out=out, kill_when=mid_third_rollout, group=False, poll_s=0.1
+    )  # a rollout takes under a second: a 0.5 s poll could miss it under load
     records_at_kill = _records(out)
     server = SGLangClient(f"http://{external_engine}")
     server.update_weights_from_disk(embedded_model_path(), weight_version="0")
@@ -226,7 +228,8 @@ def one_step_off(tmp_path_factory, external_engine):
     Its driver alone is SIGKILLed as soon as the checkpoint of rollout 1 is complete: it then trains rollout 2,
     which that checkpoint holds (generated while rollout 1 trained). A rollout takes under a second here, so the kill
     may also land in rollout 2's weight sync, leaving the shared server's weight-update session open: the next sync
-    closes it (tidal.rollout.weight_sync). The same command with --load then trains on the buffered rollout 2 and on
+    closes it (tidal.rollout.weight_sync); a kill that lands after rollout 2 finds the checkpoint of rollout 2 holding
+    rollout 3, and the tests read which. The same command with --load then trains on the buffered rollout 2 and on
     rollout 3, which it generates itself, in the same output folder.
     """
     from tidal.rollout import load_rollout_data
@@ -242,7 +245,10 @@ def one_step_off(tmp_path_factory, external_engine):
         return tracker.exists() and tracker.read_text().strip() == "2"
 
     killed = _train(args, out=out, kill_when=training_rollout_2, group=False, poll_s=0.1)
-    at_kill = _records(out), load_rollout_data(out / "debug", 2)  # rollout 2: generated, buffered, not trained on
+    # A rollout can take 0.2 s here: a late kill finds rollout 2 trained and checkpointed, with rollout 3 buffered.
+    resume_at = int((out / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    buffered = load_rollout_data(out / "debug", resume_at)  # generated, checkpointed, not trained on
+    at_kill = resume_at, _records(out), buffered
     code, log, leftovers = _train([*args, "--load", str(out / "ckpt")], out=out)
     assert code == 0, log[-6000:]
     return _records(out), killed, at_kill, (out, log, leftovers)
@@ -278,11 +284,13 @@ def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all
 def test_async_run_killed_after_a_checkpoint_with_a_buffered_rollout_leaves_no_process(one_step_off, external_engine):
     from tidal.rollout import SGLangClient
 
-    _, (code, log, leftovers), (records_at_kill, _), _ = one_step_off
+    _, (code, log, leftovers), (resume_at, records_at_kill, _), _ = one_step_off
     assert code == -signal.SIGKILL, log[-3000:]
-    assert [r["rollout"] for r in records_at_kill] == [0, 1]  # killed in rollout 2, before its record
-    # Each checkpoint holds the rollout generated ahead: [1] after rollout 0, [2] after rollout 1.
-    assert re.findall(r"the checkpoint holds 1 buffered rollout\(s\): \[(\d)\]", log) == ["1", "2"]
+    assert resume_at in (2, 3)  # killed in rollout 2 (or, late, 3), before its record
+    assert [r["rollout"] for r in records_at_kill] == list(range(resume_at))
+    # Each checkpoint holds the rollout generated ahead: [1] after rollout 0, [2] after rollout 1, ...
+    held = re.findall(r"the checkpoint holds 1 buffered rollout\(s\): \[(\d)\]", log)
+    assert held[:resume_at] == [str(k) for k in range(1, resume_at + 1)]
     assert not leftovers, leftovers  # the actor's two ranks, the engine worker, Ray: none outlives the driver
     assert SGLangClient(f"http://{external_engine}").health_ok()  # the shared server was not left mid-update
 
@@ -293,20 +301,20 @@ def test_resumed_async_run_trains_on_the_buffered_samples_without_gap_or_repeat(
     from tidal.train.data import PromptDataset
     from transformers import AutoTokenizer
 
-    records, _, (_, buffered), (out, log, leftovers) = one_step_off
-    assert "resumed 1 buffered rollout(s) from the checkpoint: [2]" in log
+    records, _, (k, _, buffered), (out, log, leftovers) = one_step_off
+    assert f"resumed 1 buffered rollout(s) from the checkpoint: [{k}]" in log
     assert not leftovers, leftovers
-    # Rollout 2 was trained on the samples the killed run generated and checkpointed, not generated again: its file
-    # under --save-debug-rollout-data is the killed run's, and its record is of exactly those samples.
-    again = load_rollout_data(out / "debug", 2)
+    # Rollout k (2) was trained on the samples the killed run generated and checkpointed, not generated again: its
+    # file under --save-debug-rollout-data is the killed run's, and its record is of exactly those samples.
+    again = load_rollout_data(out / "debug", k)
     assert [(list(s.prompt_ids), list(s.response_ids)) for s in again] == [
         (list(s.prompt_ids), list(s.response_ids)) for s in buffered
     ]
-    assert records[2]["rollout/num_samples"] == len(buffered) == 16
-    assert records[2]["rollout/reward/mean"] == pytest.approx(sum(s.reward for s in buffered) / len(buffered))
+    assert records[k]["rollout/num_samples"] == len(buffered) == 16
+    assert records[k]["rollout/reward/mean"] == pytest.approx(sum(s.reward for s in buffered) / len(buffered))
     lengths = [len(s.response_ids) for s in buffered]
-    assert records[2]["rollout/response_len/mean"] == pytest.approx(sum(lengths) / len(lengths))
-    assert {v for s in buffered for v in s.token_weight_versions} == {"1"}  # sampled by the weights after rollout 0
+    assert records[k]["rollout/response_len/mean"] == pytest.approx(sum(lengths) / len(lengths))
+    assert {v for s in buffered for v in s.token_weight_versions} == {str(k - 1)}  # the weights after rollout k - 2
     # Each rollout used its own prompts, in order: no batch skipped or repeated across the kill.
     job = parse_job(COMMON)
     tokenizer = AutoTokenizer.from_pretrained(job.actor.hf_checkpoint)
