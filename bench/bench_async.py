@@ -11,7 +11,8 @@ on their own logical GPUs), one run per K, in its own folder. From each run's ``
 
 On a CPU box the engine and the actor share the cores, so overlap cannot speed much up there; the idle shares are
 what a machine with separate rollout GPUs turns into speed (the engines' idle time under K = 0 is the time K >= 1
-hides). The numbers go to stdout as one JSON line per run, and to ``--out/results.json``.
+hides). The numbers go to stdout as one JSON line per run, and to ``--out/results.json``. Runs with K >= 1 train
+with the off-policy correction (``--use-tis``), on by default there; ``-- --no-use-tis`` runs them without it.
 
     uv run python bench/bench_async.py                                  # 150 rollouts x 3 runs: over an hour
     uv run python bench/bench_async.py --num-rollout 20 --eval-interval 5 --stalenesses 0 1

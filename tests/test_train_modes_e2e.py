@@ -6,13 +6,15 @@
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
   --debug-train-only on its saved rollouts (no engine), its forward-only passes on --log-probs-max-tokens-per-gpu;
 - Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130;
-- --max-staleness 1: rollout 1 is generated while rollout 0 trains, staleness <= 1 in metrics.jsonl, and the
-  checkpoint of rollout 0 holds rollout 1; its actor is two pipeline stages (--pipeline-model-parallel-size 2), each
-  of whose first rank broadcasts its own stage's tensors to the engine through its own group.
+- --max-staleness 1: rollout k + 1 is generated while rollout k trains, staleness <= 1 in metrics.jsonl; its
+  actor is two pipeline stages (--pipeline-model-parallel-size 2), each of whose first rank broadcasts its own stage's
+  tensors to the engine through its own group. Its driver alone is SIGKILLed as it trains rollout 2, just after the
+  checkpoint of rollout 1, which holds the buffered rollout 2; resumed with --load, it trains on exactly those
+  samples (not generated again), then on a new rollout 3, without a gap or a repeat, and leaves no process.
 
 The resumed, rollout-only and --max-staleness runs attach to the session's one SGLang server (``external_engine``,
-tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own; the killed
-run launches its own, to show that a SIGKILL of the driver leaves no server behind.
+tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own; the first
+killed run launches its own, to show that a SIGKILL of the driver leaves no server behind.
 """
 
 import contextlib
@@ -42,8 +44,10 @@ COMMON = [
 ]  # fmt: skip
 
 
-def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL, group=True):
+def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL, group=True, poll_s=0.5):
     """Run `train`; with ``kill_when(out)`` send ``sig`` to its process group (``group``) or to the driver alone.
+
+    ``kill_when`` is asked every ``poll_s`` seconds.
 
     Returns ``(returncode, output, leftover pids)``; leftovers (orphans re-parented here) are killed afterwards.
     """
@@ -63,7 +67,7 @@ def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL,
                 if kill_when is not None and kill_when(out, log):
                     (os.killpg if group else os.kill)(proc.pid, sig)
                     kill_when = None
-                time.sleep(0.5)
+                time.sleep(poll_s)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait(timeout=120)
@@ -118,7 +122,9 @@ def resumed(tmp_path_factory, external_engine):
     def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
         return len(_records(run_dir)) >= 2 and (run_dir / "ckpt" / "iter_0000002" / "metadata.json").exists()
 
-    killed_code, killed_log, killed_leftovers = _train(args, out=out, kill_when=mid_third_rollout, group=False)
+    killed_code, killed_log, killed_leftovers = _train(
+        args, out=out, kill_when=mid_third_rollout, group=False, poll_s=0.1
+    )  # a rollout takes under a second: a 0.5 s poll could miss it under load
     records_at_kill = _records(out)
     server = SGLangClient(f"http://{external_engine}")
     server.update_weights_from_disk(embedded_model_path(), weight_version="0")
@@ -213,42 +219,57 @@ def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, 
 
 @pytest.fixture(scope="module")
 def one_step_off(tmp_path_factory, external_engine):
-    """--max-staleness 1 (with --use-tis) for rollouts 0 and 1 on the shared server, a checkpoint after each.
+    """--max-staleness 1 (TIS on by default), 4 rollouts on the shared server, a checkpoint after each; killed, resumed.
 
     The actor runs as two pipeline stages on two (logical) GPUs, synced by broadcast (the external engine's default
     transport) with --check-weight-update-equal: about 5 s more than one rank (RL time 17 s against 13 s, seen on two
     loaded cores).
 
-    Its resume (--load of the checkpoint of rollout 0, which trains on the buffered rollout 1: same samples, same
-    loss) passed in commit aa76c48 and was left out for the suite's time; apps/train/tests/test_rollout_buffer.py covers
-    the buffer's restore.
+    Its driver alone is SIGKILLed as soon as the checkpoint of rollout 1 is complete: it then trains rollout 2,
+    which that checkpoint holds (generated while rollout 1 trained). A rollout takes under a second here, so the kill
+    may also land in rollout 2's weight sync, leaving the shared server's weight-update session open: the next sync
+    closes it (tidal.rollout.weight_sync); a kill that lands after rollout 2 finds the checkpoint of rollout 2 holding
+    rollout 3, and the tests read which. The same command with --load then trains on the buffered rollout 2 and on
+    rollout 3, which it generates itself, in the same output folder.
     """
+    from tidal.rollout import load_rollout_data
+
     out = tmp_path_factory.mktemp("async")
     external = ["--rollout-external-engine-addrs", external_engine]
     pipeline = ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--check-weight-update-equal"]
-    args = [*COMMON, *external, "--num-rollout", "2", "--max-staleness", "1", "--use-tis", "--save-interval", "1"]
-    args += pipeline
-    code, log, leftovers = _train([*args, "--save", str(out / "ckpt")], out=out)
-    assert code == 0 and not leftovers, log[-6000:]
-    return _records(out), log
+    args = [*COMMON, *external, "--num-rollout", "4", "--max-staleness", "1", "--save-interval", "1"]
+    args += [*pipeline, "--save", str(out / "ckpt"), "--save-debug-rollout-data", str(out / "debug")]
+
+    def training_rollout_2(run_dir: Path, _log: Path) -> bool:
+        tracker = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
+        return tracker.exists() and tracker.read_text().strip() == "2"
+
+    killed = _train(args, out=out, kill_when=training_rollout_2, group=False, poll_s=0.1)
+    # A rollout can take 0.2 s here: a late kill finds rollout 2 trained and checkpointed, with rollout 3 buffered.
+    resume_at = int((out / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    buffered = load_rollout_data(out / "debug", resume_at)  # generated, checkpointed, not trained on
+    at_kill = resume_at, _records(out), buffered
+    code, log, leftovers = _train([*args, "--load", str(out / "ckpt")], out=out)
+    assert code == 0, log[-6000:]
+    return _records(out), killed, at_kill, (out, log, leftovers)
 
 
 def test_one_step_off_trains_on_samples_at_most_one_version_old(one_step_off):
-    records, _ = one_step_off
-    assert [r["rollout"] for r in records] == [0, 1]
+    records, *_ = one_step_off
+    assert [r["rollout"] for r in records] == [0, 1, 2, 3]  # rollouts 0, 1 before the kill; 2, 3 after the resume
     assert all(r["rollout/staleness_max"] <= 1 for r in records)  # --max-staleness 1, from the per-token versions
-    # Both rollouts were sampled by the initial weights: rollout 1 while the actor trained on rollout 0.
-    assert [r["rollout/weight_version"] for r in records] == [0.0, 0.0]
-    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0]
+    # Rollouts 0 and 1 were sampled by the initial weights (1 while the actor trained on 0), k + 1 by those after k.
+    assert [r["rollout/weight_version"] for r in records] == [0.0, 0.0, 1.0, 2.0]
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
     for r in records:
         assert r["time/trainer_wait"] >= 0 and r["time/engine_wait"] >= 0 and r["rollout/stale_tokens_masked"] == 0
-        assert math.isfinite(r["train/loss"]) and "train/tis" in r  # decoupled PPO: pi_old / pi_behaviour
+        assert math.isfinite(r["train/loss"]) and "train/tis" in r  # on by default: pi_old / pi_behaviour
 
 
 def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all(one_step_off):
     # The embedded model's 4 layers of 12 HF tensors each, split 2 + 2: stage 0 adds the (tied) embedding, stage 1
     # the final norm. Each stage's first rank sent its own share alone, through its own group (no PP hop to rank 0).
-    records, log = one_step_off
+    records, *_, (_, log, _) = one_step_off  # the resumed run's log (the killed one's may lack Ray's last lines)
     for r in records:
         assert r["weight_sync/transport"] == "nccl"
         counts = [r[f"weight_sync/{k}num_tensors"] for k in ("pp0/", "pp1/", "")]
@@ -260,9 +281,47 @@ def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all
     assert senders == {("r0", "pp0"), ("r1", "pp1")}
 
 
-def test_the_checkpoint_of_an_async_run_holds_the_rollout_generated_ahead(one_step_off):
-    _, log = one_step_off
-    assert log.count("the checkpoint holds 1 buffered rollout(s): [1]") == 1  # after rollout 0; none after the last
+def test_async_run_killed_after_a_checkpoint_with_a_buffered_rollout_leaves_no_process(one_step_off, external_engine):
+    from tidal.rollout import SGLangClient
+
+    _, (code, log, leftovers), (resume_at, records_at_kill, _), _ = one_step_off
+    assert code == -signal.SIGKILL, log[-3000:]
+    assert resume_at in (2, 3)  # killed in rollout 2 (or, late, 3), before its record
+    assert [r["rollout"] for r in records_at_kill] == list(range(resume_at))
+    # Each checkpoint holds the rollout generated ahead: [1] after rollout 0, [2] after rollout 1, ...
+    held = re.findall(r"the checkpoint holds 1 buffered rollout\(s\): \[(\d)\]", log)
+    assert held[:resume_at] == [str(k) for k in range(1, resume_at + 1)]
+    assert not leftovers, leftovers  # the actor's two ranks, the engine worker, Ray: none outlives the driver
+    assert SGLangClient(f"http://{external_engine}").health_ok()  # the shared server was not left mid-update
+
+
+def test_resumed_async_run_trains_on_the_buffered_samples_without_gap_or_repeat(one_step_off):
+    from tidal.rollout import load_rollout_data
+    from tidal.train.cli import parse_job
+    from tidal.train.data import PromptDataset
+    from transformers import AutoTokenizer
+
+    records, _, (k, _, buffered), (out, log, leftovers) = one_step_off
+    assert f"resumed 1 buffered rollout(s) from the checkpoint: [{k}]" in log
+    assert not leftovers, leftovers
+    # Rollout k (2) was trained on the samples the killed run generated and checkpointed, not generated again: its
+    # file under --save-debug-rollout-data is the killed run's, and its record is of exactly those samples.
+    again = load_rollout_data(out / "debug", k)
+    assert [(list(s.prompt_ids), list(s.response_ids)) for s in again] == [
+        (list(s.prompt_ids), list(s.response_ids)) for s in buffered
+    ]
+    assert records[k]["rollout/num_samples"] == len(buffered) == 16
+    assert records[k]["rollout/reward/mean"] == pytest.approx(sum(s.reward for s in buffered) / len(buffered))
+    lengths = [len(s.response_ids) for s in buffered]
+    assert records[k]["rollout/response_len/mean"] == pytest.approx(sum(lengths) / len(lengths))
+    assert {v for s in buffered for v in s.token_weight_versions} == {str(k - 1)}  # the weights after rollout k - 2
+    # Each rollout used its own prompts, in order: no batch skipped or repeated across the kill.
+    job = parse_job(COMMON)
+    tokenizer = AutoTokenizer.from_pretrained(job.actor.hf_checkpoint)
+    data = PromptDataset(job.train.prompt_data, tokenizer, input_key="prompt", label_key="label", seed=job.train.seed)
+    for rollout_id in (0, 1, 2, 3):
+        expected = [list(p.ids) for p in data.batch(rollout_id, 4) for _ in range(4)]
+        assert [list(s.prompt_ids) for s in load_rollout_data(out / "debug", rollout_id)] == expected, rollout_id
 
 
 @pytest.fixture(scope="module")

@@ -31,3 +31,15 @@ def test_the_token_budget_is_scaled_by_the_context_parallel_size(out):
         parse_job(argv)
     job = parse_job([*argv, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
     assert job.batching.micro_batch_token_budget == 400  # what the planner packs: 200 tokens per GPU x CP 2
+
+
+def test_stale_samples_turn_the_off_policy_correction_on_unless_no_use_tis(out):
+    # --max-staleness K >= 1 trains on samples up to K versions old: without the correction its K = 2 benchmark run
+    # did not learn (bench/RESULTS.md, issue 20), so it is on by default there and off in the synchronous loop.
+    decoupled = ["--no-colocate", "--rollout-num-gpus", "1", *out]
+    assert parse_job(out).actor.off_policy_correction is False
+    job = parse_job(["--max-staleness", "2", *decoupled])
+    assert job.actor.max_staleness == job.train.max_staleness == 2
+    assert job.actor.off_policy_correction is True
+    assert parse_job(["--max-staleness", "2", "--no-use-tis", *decoupled]).actor.off_policy_correction is False
+    assert parse_job(["--use-tis", *out]).actor.off_policy_correction is True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,21 @@ def test_tensor_update_outside_a_session_is_refused_with_the_server_message(
     with pytest.raises(RolloutError, match="between begin_weight_update"):
         sglang_server.call("/update_weights_from_tensor", payload)
     assert sglang_server.generate([[3, 4]], {"max_new_tokens": 2})[0]["output_ids"]  # still serving
+
+
+def test_a_session_left_open_by_a_killed_trainer_is_closed_by_the_next_update(
+    sglang_server: SGLangEngine, greedy_reference, tiny_model_dir: Path, other_model_dir: Path
+) -> None:
+    # A trainer SIGKILLed mid-sync never sends /end_weight_update; the next run's update must still go in.
+    original, expected = greedy_reference
+    sglang_server.call("/begin_weight_update", {})
+    tensors = load_file(other_model_dir / "model.safetensors")
+    try:
+        update_weights_from_tensor(sglang_server, sorted(tensors.items()), weight_version="t2")
+        assert _greedy(sglang_server) == expected
+        assert sglang_server.get_model_info()["weight_version"] == "t2"
+    finally:
+        with contextlib.suppress(RolloutError):  # without the fix the session is still open: leave the server usable
+            sglang_server.call("/end_weight_update", {})
+        sglang_server.update_weights_from_disk(tiny_model_dir)
+    assert _greedy(sglang_server) == original

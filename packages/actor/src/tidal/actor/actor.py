@@ -115,7 +115,7 @@ class Actor:
             kl_loss_type=cfg.kl_loss_type,
             entropy_coef=cfg.entropy_coef,
             eps_clip_c=cfg.eps_clip_c,
-            use_tis=cfg.use_tis,
+            use_tis=cfg.off_policy_correction,
             tis_clip=cfg.tis_clip,
             policy_loss=policy_loss_of(cfg.advantage_estimator),
             loss_type=cfg.loss_type,

@@ -107,8 +107,10 @@ class ActorConfig:
     """KL-to-reference penalty subtracted from each token's advantage (reward shaping)."""
     calculate_per_token_loss: bool = False
     """Mean the loss over every response token of the step; default: mean per sample, then over samples."""
-    use_tis: bool = False
-    """Truncated importance sampling between the engine's and the actor's old log-probs."""
+    use_tis: bool | None = None
+    """Importance-weight each token by the actor's old log-prob over the engine's (truncated at --tis-clip): the
+    off-policy correction of decoupled PPO, behaviour -> proximal policy. None: on exactly when the samples can be
+    older than the actor (--max-staleness >= 1), off otherwise; --no-use-tis turns it off there too."""
     tis_clip: float = 2.0
     """Upper bound of the TIS weight."""
     tis_mode: str = "truncate"
@@ -121,6 +123,8 @@ class ActorConfig:
     """Tokens per LM-head chunk when computing log-probs (bounds logits memory)."""
     temperature: float = field(default=1.0, metadata={"flag": None})
     """Rollout sampling temperature; logits are divided by it before log-softmax (``--rollout-temperature``)."""
+    max_staleness: int = field(default=0, metadata={"flag": None})
+    """Weight versions the samples may lag the actor by (``--max-staleness``); with it >= 1 ``use_tis`` defaults on."""
 
     def _check_model(self) -> None:
         if not self.hf_checkpoint:
@@ -141,6 +145,11 @@ class ActorConfig:
                 f"--recompute-num-layers {self.recompute_num_layers} needs --recompute-activations (it says how many "
                 "layers to recompute)"
             )
+
+    @property
+    def off_policy_correction(self) -> bool:
+        """Whether the loss weights tokens by old / engine log-prob (``use_tis``, or its default from the staleness)."""
+        return self.max_staleness > 0 if self.use_tis is None else self.use_tis
 
     def __post_init__(self) -> None:
         self._check_model()

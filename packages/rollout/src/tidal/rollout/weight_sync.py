@@ -46,6 +46,24 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
         yield bucket
 
 
+def _begin_weight_update(engine: SGLangEngine) -> None:
+    """Open ``engine``'s weight-update session; one left open by a trainer that died in a sync is closed first.
+
+    A trainer SIGKILLed between ``/begin_weight_update`` and ``/end_weight_update`` (its ``finally`` never ran)
+    leaves the session open, and SGLang then refuses every later begin ("already open"): a run resumed against the
+    same server (--rollout-external-engine-addrs) could never sync again. That session's update is over (its
+    sender is gone), so closing it loses nothing; a warning says it happened.
+    """
+    try:
+        engine.call("/begin_weight_update", {}, what="begin_weight_update")
+    except RolloutError as e:
+        if "already open" not in str(e):
+            raise
+        logger.warning("%s: a weight-update session was left open (a trainer died mid-sync); closed", engine.describe())
+        engine.call("/end_weight_update", {}, what="end_weight_update")
+        engine.call("/begin_weight_update", {}, what="begin_weight_update")
+
+
 def _with_last(items: Iterable[list]) -> Iterator[tuple[list, bool]]:
     """Each item with whether it is the last one, looking one ahead (the last bucket flushes the cache)."""
     pending = None
@@ -95,7 +113,7 @@ def update_weights_from_tensor(
     torch.multiprocessing.set_sharing_strategy("file_system")
     start, total_bytes, num_buckets = time.perf_counter(), 0, 0
     for engine in engines:
-        engine.call("/begin_weight_update", {}, what="begin_weight_update")
+        _begin_weight_update(engine)
     try:
         for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
             _send(engines, bucket, tp_size, last=last, weight_version=weight_version if last else None)
@@ -260,7 +278,7 @@ def update_weights_from_distributed(
     engines = [engines] if isinstance(engines, SGLangEngine) else list(engines)
     start, total_bytes, num_buckets, num_tensors = time.perf_counter(), 0, 0, 0
     for engine in engines:
-        engine.call("/begin_weight_update", {}, what="begin_weight_update")
+        _begin_weight_update(engine)
     try:
         for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
             payload = {
