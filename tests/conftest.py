@@ -19,9 +19,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def external_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``HOST:PORT`` of a real SGLang server on the embedded model (float32, as `train` would launch it)."""
+def _embedded_server(tmp_path_factory: pytest.TempPathFactory, name: str, *, grace_s: float = 15.0) -> Iterator[str]:
+    """A real SGLang server on the embedded model (float32, as `train` would launch it); ``HOST:PORT``.
+
+    Stopped with SIGTERM, then SIGKILL after ``grace_s`` (a server of the tests has nothing to save).
+    """
     from tidal.rollout import SGLangEngine
     from tidal.train.embedded_model import ensure_embedded_model
 
@@ -31,7 +33,7 @@ def external_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         model,
         port=port,
         nccl_port=_free_port(),
-        log_dir=tmp_path_factory.mktemp("external_sglang"),
+        log_dir=tmp_path_factory.mktemp(name),
         extra_server_args=("--dtype", "float32"),
         startup_timeout_s=900,
     )
@@ -39,4 +41,16 @@ def external_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout_s=grace_s)
+
+
+@pytest.fixture(scope="session")
+def external_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``HOST:PORT`` of the session's SGLang server on the embedded model."""
+    yield from _embedded_server(tmp_path_factory, "external_sglang")
+
+
+@pytest.fixture(scope="module")
+def second_external_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second server like ``external_engine``, for a module's runs with two engines (one more start-up, ~40 s)."""
+    yield from _embedded_server(tmp_path_factory, "second_sglang", grace_s=2.0)  # 15 s took 14.6 s at the end

@@ -2,17 +2,19 @@
 
 - its driver alone killed with SIGKILL in the middle of its third rollout (its own SGLang server, Ray and the actor
   must all go within 30 s), then resumed with --load: the metrics continue without a gap or a repeat, the resumed
-  rollout trains on the prompts it would have had, and the engine serves the checkpoint's weights again;
+  rollout trains on the prompts it would have had, and the engine serves the checkpoint's weights again; its actor
+  is two pipeline stages, each of whose first rank hands its own stage's tensors to the co-located engine;
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
   --debug-train-only on its saved rollouts (no engine);
 - Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130;
 - --max-staleness 1: rollout 1 is generated while rollout 0 trains, staleness <= 1 in metrics.jsonl, and the
   checkpoint of rollout 0 holds rollout 1; its actor is two pipeline stages (--pipeline-model-parallel-size 2), each
-  of whose first rank broadcasts its own stage's tensors to the engine through its own group.
+  of whose first rank broadcasts its own stage's tensors to both engines through its own group.
 
 The resumed, rollout-only and --max-staleness runs attach to the session's one SGLang server (``external_engine``,
-tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own; the killed
-run launches its own, to show that a SIGKILL of the driver leaves no server behind.
+tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own (the
+--max-staleness run adds a second server of this module, ``second_external_engine``); the killed run launches its
+own, to show that a SIGKILL of the driver leaves no server behind.
 """
 
 import contextlib
@@ -63,7 +65,7 @@ def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL,
                 if kill_when is not None and kill_when(out, log):
                     (os.killpg if group else os.kill)(proc.pid, sig)
                     kill_when = None
-                time.sleep(0.5)
+                time.sleep(0.05 if kill_when else 0.5)  # a rollout takes ~0.3 s: a kill "mid-rollout" must not miss it
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait(timeout=120)
@@ -113,6 +115,7 @@ def resumed(tmp_path_factory, external_engine):
         "--save-debug-rollout-data", str(out / "debug"),
         "--use-tensorboard",
         "--check-weight-update-equal",  # its own engine: tensors; the external one: broadcast over gloo
+        "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",  # each stage sends its own share
     ]  # fmt: skip
 
     def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
@@ -186,6 +189,19 @@ def test_external_engine_got_the_weights_by_broadcast_and_serves_them(resumed):
     assert "engines.release" not in events[-4:] and events[-2:] == ["sync.nccl", "sync.check"]
 
 
+def test_each_pipeline_stage_sent_its_own_tensors_to_the_colocated_engine(resumed):
+    # Co-located on CPU the tensor transport's handles are shared memory, which any process on the host may send:
+    # each stage's first rank sent its own 25 tensors (no PP hop to rank 0), stage 1's last bucket the version.
+    # (Only a stage's sender returns its weight_sync/pp{stage}/ keys. Its log line is no proof: Ray holds a line that
+    # repeats another rank's back for a few seconds, and the SIGKILL of the driver loses it.)
+    _, _, _, records_at_kill, *_ = resumed
+    for r in records_at_kill:
+        assert r["weight_sync/transport"] == "tensor"
+        assert [r[f"weight_sync/{k}num_tensors"] for k in ("pp0/", "pp1/", "")] == [25, 25, 50]
+        assert r["weight_sync/pp0/mb"] + r["weight_sync/pp1/mb"] == pytest.approx(r["weight_sync/mb"])
+        assert r["weight_sync/probe_logprob_abs_diff/max"] < 1e-4  # the engine serves both stages' tensors
+
+
 def test_fp32_served_engine_agrees_with_the_actor_to_rounding(resumed):
     # The shared server serves fp32 like the actor computes: only summation order differs. A bf16-served engine
     # is above 1e-3 (test_train_e2e.py), so the metric separates the two; after the resume too, where the engine
@@ -212,19 +228,20 @@ def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, 
 
 
 @pytest.fixture(scope="module")
-def one_step_off(tmp_path_factory, external_engine):
-    """--max-staleness 1 (with --use-tis) for rollouts 0 and 1 on the shared server, a checkpoint after each.
+def one_step_off(tmp_path_factory, external_engine, second_external_engine):
+    """--max-staleness 1 (with --use-tis) for rollouts 0 and 1 on two servers, a checkpoint after each.
 
-    The actor runs as two pipeline stages on two (logical) GPUs, synced by broadcast (the external engine's default
+    The actor runs as two pipeline stages on two (logical) GPUs, synced by broadcast (the external engines' default
     transport) with --check-weight-update-equal: about 5 s more than one rank (RL time 17 s against 13 s, seen on two
-    loaded cores).
+    loaded cores). Two engines (the session's server and a second one, without a router): each stage's group holds
+    both, so each engine receives every stage's tensors.
 
     Its resume (--load of the checkpoint of rollout 0, which trains on the buffered rollout 1: same samples, same
     loss) passed in commit aa76c48 and was left out for the suite's time; apps/train/tests/test_rollout_buffer.py covers
     the buffer's restore.
     """
     out = tmp_path_factory.mktemp("async")
-    external = ["--rollout-external-engine-addrs", external_engine]
+    external = ["--rollout-external-engine-addrs", external_engine, second_external_engine, "--no-use-router"]
     pipeline = ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--check-weight-update-equal"]
     args = [*COMMON, *external, "--num-rollout", "2", "--max-staleness", "1", "--use-tis", "--save-interval", "1"]
     args += pipeline
@@ -245,9 +262,14 @@ def test_one_step_off_trains_on_samples_at_most_one_version_old(one_step_off):
         assert math.isfinite(r["train/loss"]) and "train/tis" in r  # decoupled PPO: pi_old / pi_behaviour
 
 
-def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all(one_step_off):
+def test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_all(
+    one_step_off, external_engine, second_external_engine
+):
     # The embedded model's 4 layers of 12 HF tensors each, split 2 + 2: stage 0 adds the (tied) embedding, stage 1
-    # the final norm. Each stage's first rank sent its own share alone, through its own group (no PP hop to rank 0).
+    # the final norm. Each stage's first rank sent its own share alone, through its own group (no PP hop to rank 0),
+    # to both engines at once.
+    from tidal.rollout import SGLangClient
+
     records, log = one_step_off
     for r in records:
         assert r["weight_sync/transport"] == "nccl"
@@ -255,9 +277,17 @@ def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all
         assert counts == [25, 25, 50]
         assert r["weight_sync/pp0/mb"] + r["weight_sync/pp1/mb"] == pytest.approx(r["weight_sync/mb"])
         assert r["weight_sync/pp0/mb"] > r["weight_sync/pp1/mb"] > 1.0  # the embedding is stage 0's
-        assert r["weight_sync/probe_logprob_abs_diff/mean"] < 1e-5  # the engine serves every stage's tensors
+        # Over both engines' probe tokens: an engine without one stage's tensors would be off by the training's step.
+        assert r["weight_sync/probe_logprob_abs_diff/max"] < 1e-4
     senders = set(re.findall(r"\[tidal actor (r\d)\][^\n]*weight broadcast \(tidal_weights_[0-9a-f]+_(pp\d)\)", log))
     assert senders == {("r0", "pp0"), ("r1", "pp1")}
+    groups = re.findall(r"weight update group '(tidal_weights_[0-9a-f]+_pp\d)': trainer \+ (\d) engine ranks", log)
+    assert {(name[-3:], ranks) for name, ranks in groups} == {("pp0", "2"), ("pp1", "2")}
+    servers = [SGLangClient(f"http://{addr}") for addr in (external_engine, second_external_engine)]
+    assert [s.get_model_info()["weight_version"] for s in servers] == ["2", "2"]  # the last stage set it on both
+    prompt, greedy = [[11, 12, 13]], {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    first, second = (s.generate(prompt, greedy)[0]["output_ids"] for s in servers)
+    assert first == second  # the same weights
 
 
 def test_the_checkpoint_of_an_async_run_holds_the_rollout_generated_ahead(one_step_off):
