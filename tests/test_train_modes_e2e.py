@@ -13,8 +13,8 @@
 
 The resumed, rollout-only and --max-staleness runs attach to the session's one SGLang server (``external_engine``,
 tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own (the
---max-staleness run adds a second server of this module, ``second_external_engine``); the killed run launches its
-own, to show that a SIGKILL of the driver leaves no server behind.
+--max-staleness run adds ``second_external_engine``, started beside it); the killed run launches its own, to show
+that a SIGKILL of the driver leaves no server behind.
 """
 
 import contextlib
@@ -233,8 +233,8 @@ def one_step_off(tmp_path_factory, external_engine, second_external_engine):
 
     The actor runs as two pipeline stages on two (logical) GPUs, synced by broadcast (the external engines' default
     transport) with --check-weight-update-equal: about 5 s more than one rank (RL time 17 s against 13 s, seen on two
-    loaded cores). Two engines (the session's server and a second one, without a router): each stage's group holds
-    both, so each engine receives every stage's tensors.
+    loaded cores). Two engines (the session's two servers, without a router): each stage's group holds both, so each
+    engine receives every stage's tensors.
 
     Its resume (--load of the checkpoint of rollout 0, which trains on the buffered rollout 1: same samples, same
     loss) passed in commit aa76c48 and was left out for the suite's time; apps/train/tests/test_rollout_buffer.py covers
