@@ -2,19 +2,21 @@
 
 - its driver alone killed with SIGKILL in the middle of its third rollout (its own SGLang server, Ray and the actor
   must all go within 30 s), then resumed with --load: the metrics continue without a gap or a repeat, the resumed
-  rollout trains on the prompts it would have had, and the engine serves the checkpoint's weights again;
+  rollout trains on the prompts it would have had, and the engine serves the checkpoint's weights again; its actor
+  is two pipeline stages, each of whose first rank hands its own stage's tensors to the co-located engine;
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
   --debug-train-only on its saved rollouts (no engine), its forward-only passes on --log-probs-max-tokens-per-gpu;
 - Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130;
 - --max-staleness 1: rollout k + 1 is generated while rollout k trains, staleness <= 1 in metrics.jsonl; its
   actor is two pipeline stages (--pipeline-model-parallel-size 2), each of whose first rank broadcasts its own stage's
-  tensors to the engine through its own group. Its driver alone is SIGKILLed as it trains rollout 2, just after the
+  tensors to both engines through its own group. Its driver alone is SIGKILLed as it trains rollout 2, just after the
   checkpoint of rollout 1, which holds the buffered rollout 2; resumed with --load, it trains on exactly those
   samples (not generated again), then on a new rollout 3, without a gap or a repeat, and leaves no process.
 
 The resumed, rollout-only and --max-staleness runs attach to the session's one SGLang server (``external_engine``,
-tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own; the first
-killed run launches its own, to show that a SIGKILL of the driver leaves no server behind.
+tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own (the
+--max-staleness run adds ``second_external_engine``, started beside it); the first killed run launches its own, to
+show that a SIGKILL of the driver leaves no server behind.
 """
 
 import contextlib
@@ -117,6 +119,7 @@ def resumed(tmp_path_factory, external_engine):
         "--save-debug-rollout-data", str(out / "debug"),
         "--use-tensorboard",
         "--check-weight-update-equal",  # its own engine: tensors; the external one: broadcast over gloo
+        "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",  # each stage sends its own share
     ]  # fmt: skip
 
     def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
@@ -192,6 +195,19 @@ def test_external_engine_got_the_weights_by_broadcast_and_serves_them(resumed):
     assert "engines.release" not in events[-4:] and events[-2:] == ["sync.nccl", "sync.check"]
 
 
+def test_each_pipeline_stage_sent_its_own_tensors_to_the_colocated_engine(resumed):
+    # Co-located on CPU the tensor transport's handles are shared memory, which any process on the host may send:
+    # each stage's first rank sent its own 25 tensors (no PP hop to rank 0), stage 1's last bucket the version.
+    # (Only a stage's sender returns its weight_sync/pp{stage}/ keys. Its log line is no proof: Ray holds a line that
+    # repeats another rank's back for a few seconds, and the SIGKILL of the driver loses it.)
+    _, _, _, records_at_kill, *_ = resumed
+    for r in records_at_kill:
+        assert r["weight_sync/transport"] == "tensor"
+        assert [r[f"weight_sync/{k}num_tensors"] for k in ("pp0/", "pp1/", "")] == [25, 25, 50]
+        assert r["weight_sync/pp0/mb"] + r["weight_sync/pp1/mb"] == pytest.approx(r["weight_sync/mb"])
+        assert r["weight_sync/probe_logprob_abs_diff/max"] < 1e-4  # the engine serves both stages' tensors
+
+
 def test_fp32_served_engine_agrees_with_the_actor_to_rounding(resumed):
     # The shared server serves fp32 like the actor computes: only summation order differs. A bf16-served engine
     # is above 1e-3 (test_train_e2e.py), so the metric separates the two; after the resume too, where the engine
@@ -218,12 +234,13 @@ def test_resumed_run_leaves_no_process_and_the_external_server_running(resumed, 
 
 
 @pytest.fixture(scope="module")
-def one_step_off(tmp_path_factory, external_engine):
-    """--max-staleness 1 (TIS on by default), 4 rollouts on the shared server, a checkpoint after each; killed, resumed.
+def one_step_off(tmp_path_factory, external_engine, second_external_engine):
+    """--max-staleness 1 (TIS on by default), 4 rollouts on two servers, a checkpoint after each; killed, resumed.
 
-    The actor runs as two pipeline stages on two (logical) GPUs, synced by broadcast (the external engine's default
+    The actor runs as two pipeline stages on two (logical) GPUs, synced by broadcast (the external engines' default
     transport) with --check-weight-update-equal: about 5 s more than one rank (RL time 17 s against 13 s, seen on two
-    loaded cores).
+    loaded cores). Two engines (the session's two servers, without a router): each stage's group holds both, so each
+    engine receives every stage's tensors.
 
     Its driver alone is SIGKILLed as soon as the checkpoint of rollout 1 is complete: it then trains rollout 2,
     which that checkpoint holds (generated while rollout 1 trained). A rollout takes under a second here, so the kill
@@ -235,7 +252,7 @@ def one_step_off(tmp_path_factory, external_engine):
     from tidal.rollout import load_rollout_data
 
     out = tmp_path_factory.mktemp("async")
-    external = ["--rollout-external-engine-addrs", external_engine]
+    external = ["--rollout-external-engine-addrs", external_engine, second_external_engine, "--no-use-router"]
     pipeline = ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--check-weight-update-equal"]
     args = [*COMMON, *external, "--num-rollout", "4", "--max-staleness", "1", "--save-interval", "1"]
     args += [*pipeline, "--save", str(out / "ckpt"), "--save-debug-rollout-data", str(out / "debug")]
@@ -266,9 +283,14 @@ def test_one_step_off_trains_on_samples_at_most_one_version_old(one_step_off):
         assert math.isfinite(r["train/loss"]) and "train/tis" in r  # on by default: pi_old / pi_behaviour
 
 
-def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all(one_step_off):
+def test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_all(
+    one_step_off, external_engine, second_external_engine
+):
     # The embedded model's 4 layers of 12 HF tensors each, split 2 + 2: stage 0 adds the (tied) embedding, stage 1
-    # the final norm. Each stage's first rank sent its own share alone, through its own group (no PP hop to rank 0).
+    # the final norm. Each stage's first rank sent its own share alone, through its own group (no PP hop to rank 0),
+    # to both engines at once.
+    from tidal.rollout import SGLangClient
+
     records, *_, (_, log, _) = one_step_off  # the resumed run's log (the killed one's may lack Ray's last lines)
     for r in records:
         assert r["weight_sync/transport"] == "nccl"
@@ -276,9 +298,18 @@ def test_each_pipeline_stage_broadcast_its_own_tensors_and_the_engine_serves_all
         assert counts == [25, 25, 50]
         assert r["weight_sync/pp0/mb"] + r["weight_sync/pp1/mb"] == pytest.approx(r["weight_sync/mb"])
         assert r["weight_sync/pp0/mb"] > r["weight_sync/pp1/mb"] > 1.0  # the embedding is stage 0's
-        assert r["weight_sync/probe_logprob_abs_diff/mean"] < 1e-5  # the engine serves every stage's tensors
+        # Over both engines' probe tokens: an engine without one stage's tensors would be off by the training's step.
+        assert r["weight_sync/probe_logprob_abs_diff/max"] < 1e-4
     senders = set(re.findall(r"\[tidal actor (r\d)\][^\n]*weight broadcast \(tidal_weights_[0-9a-f]+_(pp\d)\)", log))
     assert senders == {("r0", "pp0"), ("r1", "pp1")}
+    groups = re.findall(r"weight update group '(tidal_weights_[0-9a-f]+_pp\d)': trainer \+ (\d) engine ranks", log)
+    assert {(name[-3:], ranks) for name, ranks in groups} == {("pp0", "2"), ("pp1", "2")}
+    servers = [SGLangClient(f"http://{addr}") for addr in (external_engine, second_external_engine)]
+    versions = [s.get_model_info()["weight_version"] for s in servers]
+    assert versions == [str(len(records))] * 2  # the last stage of the last sync set it on both
+    prompt, greedy = [[11, 12, 13]], {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    first, second = (s.generate(prompt, greedy)[0]["output_ids"] for s in servers)
+    assert first == second  # the same weights
 
 
 def test_async_run_killed_after_a_checkpoint_with_a_buffered_rollout_leaves_no_process(one_step_off, external_engine):

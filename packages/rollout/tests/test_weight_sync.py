@@ -40,14 +40,19 @@ def greedy_reference(_sglang_engine: SGLangEngine, tiny_model_dir: Path, other_m
 def test_update_weights_from_tensor_in_buckets_matches_loading_from_disk(
     sglang_server: SGLangEngine, greedy_reference, tiny_model_dir: Path, other_model_dir: Path
 ) -> None:
+    """In two parts (as two pipeline stages send them): the first without version or flush, the second sets it."""
     original, expected = greedy_reference
     tensors = load_file(other_model_dir / "model.safetensors")
+    names = sorted(tensors)
+    halves = [[(n, tensors[n]) for n in names[: len(names) // 2]], [(n, tensors[n]) for n in names[len(names) // 2 :]]]
     try:
-        metrics = update_weights_from_tensor(
-            sglang_server, sorted(tensors.items()), bucket_bytes=64 * 1024, weight_version="t1"
-        )
-        assert metrics["weight_sync/num_buckets"] > 1  # the small bucket size split the model
-        assert metrics["weight_sync/mb"] == pytest.approx(sum(t.nbytes for t in tensors.values()) / 2**20)
+        first = update_weights_from_tensor(sglang_server, halves[0], bucket_bytes=64 * 1024, flush_cache=False)
+        assert sglang_server.get_model_info()["weight_version"] != "t1"  # part of the weights: not the new version
+        second = update_weights_from_tensor(sglang_server, halves[1], bucket_bytes=64 * 1024, weight_version="t1")
+        assert first["weight_sync/num_buckets"] > 1  # the small bucket size split the model
+        assert (first["weight_sync/num_tensors"], second["weight_sync/num_tensors"]) == tuple(map(len, halves))
+        mb = first["weight_sync/mb"] + second["weight_sync/mb"]
+        assert mb == pytest.approx(sum(t.nbytes for t in tensors.values()) / 2**20)
         assert _greedy(sglang_server) == expected
         assert sglang_server.get_model_info()["weight_version"] == "t1"
     finally:

@@ -13,7 +13,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -86,6 +86,7 @@ class ActorGroup:
         """Metrics of the latest sync: ``weight_sync/transport``, ``weight_sync/mb_per_s``, ... (the loop records
         them)."""
         self._offloaded = False
+        self._on_gpu = False  # the ranks compute on GPUs (set by wait_ready): the tensor transport sends from rank 0
         self._group: tuple[str, list] | None = None  # --update-weight-transport nccl: (group name, its engines)
         self.version = 0
         """Weight version of the parameters the ranks hold now, as the loop numbers them (the last sync's, plus one
@@ -124,6 +125,7 @@ class ActorGroup:
     def wait_ready(self) -> None:
         """Wait until every rank built (and loaded) its model."""
         self._all("ready")
+        self._on_gpu = any(self._all("on_gpu"))
 
     def __len__(self) -> int:
         """Number of ranks (a group without ranks is falsy: nothing trains)."""
@@ -295,7 +297,13 @@ class ActorGroup:
         targets = engines.weight_targets(plan.timeout_s)
         if plan.transport == "tensor":
             tp = max(t["tp_size"] for t in targets)
-            return self._all("sync_tensor", targets, str(version), plan.bucket_bytes, tp, timeout=plan.timeout_s)[0]
+            # A CUDA IPC handle opens only on a GPU the engine sees, and Ray gives each engine its own GPUs alone: on
+            # GPU every stage's tensors go to rank 0 first (the PP broadcast of the export), which sends them all.
+            stages = [None] if self._on_gpu else self._stages()
+            return self._stages_in_turn(
+                stages, lambda stage, left: self._all("sync_tensor", targets, str(version), plan.bucket_bytes, tp,
+                                                      stage, timeout=left),
+            )  # fmt: skip
         if self._group is None:
             name = f"tidal_weights_{uuid.uuid4().hex[:8]}"  # a server another run used may still hold its group
             self._group = (name, targets)
@@ -305,35 +313,38 @@ class ActorGroup:
             except Exception:
                 self.close_weight_sync()  # the groups of the stages formed before the failure
                 raise
-        return self._broadcast_stages(targets, str(version), self._group[0])
+        name = self._group[0]
+        return self._stages_in_turn(
+            self._stages(), lambda stage, left: self._all("sync_broadcast", targets, str(version), plan.bucket_bytes,
+                                                          name, left, stage, timeout=left),
+        )  # fmt: skip
 
     def _stages(self) -> list[int | None]:
-        """The pipeline stages that broadcast their own tensors, in order ([None]: rank 0 sends the whole model)."""
+        """The pipeline stages that send their own tensors, in order ([None]: rank 0 sends the whole model)."""
         size = self.job.train.pipeline_model_parallel_size
         return [None] if size == 1 else list(range(size))
 
-    def _broadcast_stages(self, targets: list[dict[str, Any]], version: str, name: str) -> dict[str, float]:
-        """Each stage's first rank broadcasts its stage's tensors, one stage after another, within one timeout.
+    def _stages_in_turn(self, stages: list[int | None], send: Callable[[int | None, float], list]) -> dict[str, float]:
+        """``send(stage, seconds left)`` for each stage, one after another, within one --update-weight-timeout.
 
-        At PP = 1 one call: rank 0 broadcasts the whole model (the other ranks take part in its export).
-
-        One after another, never at once: an engine serves one update request at a time, so two stages' broadcasts
-        at once could leave engine A inside stage 0's broadcast while engine B sits in stage 1's, each waiting on
-        the other. The last stage sets the version, so an engine never reports it with part of the weights.
+        Each stage's first rank sends its stage's tensors (``[None]``: rank 0 sends the whole model, the other ranks
+        take part in its export). One after another, never at once: an engine serves one update request at a time,
+        so two stages' broadcasts at once could leave engine A inside stage 0's broadcast while engine B sits in
+        stage 1's, each waiting on the other. The last stage sets the version, so an engine never reports it with
+        part of the weights. Returns the senders' metrics, the plain keys summed over the stages.
         """
         from tidal.rollout import RolloutError
 
         plan = self.plan
         deadline, metrics = time.monotonic() + plan.timeout_s, {}
-        for stage in self._stages():
+        for stage in stages:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RolloutError(
-                    f"the nccl weight sync ran past --update-weight-timeout {plan.timeout_s:.0f} s before pipeline "
-                    f"stage {stage} of {len(self._stages())} broadcast its tensors; raise --update-weight-timeout"
+                    f"the {plan.transport} weight sync ran past --update-weight-timeout {plan.timeout_s:.0f} s before "
+                    f"pipeline stage {stage} of {len(stages)} sent its tensors; raise --update-weight-timeout"
                 )
-            results = self._all("sync_broadcast", targets, version, plan.bucket_bytes, name, left, stage, timeout=left)
-            for key, value in (kv for r in results for kv in r.items()):
+            for key, value in (kv for r in send(stage, left) for kv in r.items()):
                 metrics[key] = metrics.get(key, 0.0) + value  # the totals add up over the stages' senders
         return metrics
 

@@ -139,20 +139,31 @@ class ActorWorker:
         """Back onto the device, before training."""
         return self.actor.onload() | (self.critic.onload() if self.critic else {})
 
-    def sync_tensor(self, targets: list[dict[str, Any]], version: str, bucket_bytes: int, tp_size: int) -> dict:
-        """Every rank exports its buckets (TP gather, PP broadcast); rank 0 hands them to each engine as tensors.
+    def on_gpu(self) -> bool:
+        """Whether this rank computes on a GPU (its tensor-transport handles are CUDA IPC ones, else shared memory)."""
+        return next(iter(self.actor.params)).is_cuda
 
-        On GPU the payload is CUDA IPC handles of rank 0's buckets, on CPU shared-memory handles: no weight bytes
-        cross HTTP. The last bucket sets ``version`` and flushes the engines' caches.
+    def sync_tensor(
+        self, targets: list[dict[str, Any]], version: str, bucket_bytes: int, tp_size: int, stage: int | None = None
+    ) -> dict:
+        """Hand the weights to each engine as tensors (handles, no weight bytes over HTTP); the sender's metrics.
+
+        ``stage`` None: every rank exports the whole model (TP gather, PP broadcast) and rank 0 sends it: on GPU the
+        payload is CUDA IPC handles, which open only on a GPU the engine sees. Pipeline stage ``stage`` (CPU, whose
+        shared-memory handles any process on the host may send): its first rank sends its stage's tensors alone, as
+        :meth:`sync_broadcast` does. Only the last part's last bucket sets ``version`` and flushes the engines' caches.
         """
         from tidal.rollout import update_weights_from_tensor
 
-        exported = self._export_to(targets, bucket_bytes)
-        if exported is None:
+        sender = self._sender(targets, bucket_bytes, stage)
+        if sender is None:
             return {}
-        named, engines = exported
-        return update_weights_from_tensor(engines, named, bucket_bytes=bucket_bytes, weight_version=version,
-                                          tp_size=tp_size)  # fmt: skip
+        named, engines, last = sender
+        metrics = update_weights_from_tensor(
+            engines, named, bucket_bytes=bucket_bytes, weight_version=version if last else None, tp_size=tp_size,
+            flush_cache=last,
+        )  # fmt: skip
+        return metrics | _stage_metrics(metrics, stage)
 
     def init_weight_group(
         self, targets: list[dict[str, Any]], group_name: str, timeout_s: float, stage: int | None = None
@@ -189,31 +200,16 @@ class ActorWorker:
         """
         from tidal.rollout import update_weights_from_distributed
 
-        if stage is None:
-            exported = self._export_to(targets, bucket_bytes)
-            if exported is None:
-                return {}
-            named, engines = exported
-            return update_weights_from_distributed(
-                engines, self.weight_group[0], named, group_name=group_name, bucket_bytes=bucket_bytes,
-                weight_version=version, timeout_s=timeout_s,
-            )  # fmt: skip
-        from tidal.actor import stage_export_role
-
-        own, exports, sends = stage_export_role()
-        if own != stage or not exports:
+        sender = self._sender(targets, bucket_bytes, stage)
+        if sender is None:
             return {}
-        named = self._exported(bucket_bytes, stage_only=True)
-        if not sends:  # a TP peer of the sender: takes part in the gathers
-            for _ in named:
-                pass
-            return {}
-        last = stage == self.actor.stage.size - 1
+        named, engines, last = sender
+        group, name = self.weight_group
         metrics = update_weights_from_distributed(
-            [_client(t) for t in targets], self.weight_group[0], named, group_name=self.weight_group[1],
-            bucket_bytes=bucket_bytes, weight_version=version if last else None, timeout_s=timeout_s, flush_cache=last,
+            engines, group, named, group_name=name, bucket_bytes=bucket_bytes, weight_version=version if last else None,
+            timeout_s=timeout_s, flush_cache=last,
         )  # fmt: skip
-        return metrics | {f"weight_sync/pp{stage}/{k.rsplit('/', 1)[1]}": v for k, v in metrics.items()}
+        return metrics | _stage_metrics(metrics, stage)
 
     def close_weight_group(self, targets: list[dict[str, Any]], group_name: str) -> None:
         """Tear this rank's weight group (rank 0's, or its stage's) down on the engines and here; local, no peers."""
@@ -233,18 +229,29 @@ class ActorWorker:
         own, _, sends = stage_export_role()
         return f"{group_name}_pp{stage}" if own == stage and sends else None
 
-    def _export_to(self, targets: list[dict[str, Any]], bucket_bytes: int) -> tuple[Iterator, list] | None:
-        """Rank 0: its exported buckets (a generator) and a client per engine in ``targets``.
+    def _sender(
+        self, targets: list[dict[str, Any]], bucket_bytes: int, stage: int | None
+    ) -> tuple[Iterator, list, bool] | None:
+        """The sender's part of a sync: its buckets (a generator), a client per engine, and whether its part is last.
 
-        The other ranks take part in every bucket's export (the TP gathers, the PP broadcasts) but send nothing:
-        they drain the generator here and get None.
+        ``stage`` None: rank 0 sends the whole model (the last part). Pipeline stage ``stage``: the stage's first rank
+        sends the stage's own tensors. The ranks that take part in the export (TP gathers, PP broadcasts) but send
+        nothing drain the generator here; they and the ranks outside the export get None.
         """
-        named = self._exported(bucket_bytes)
-        if self.rank != 0:
+        if stage is None:
+            named, sends, last = self._exported(bucket_bytes), self.rank == 0, True
+        else:
+            from tidal.actor import stage_export_role
+
+            own, exports, sends = stage_export_role()
+            if own != stage or not exports:
+                return None
+            named, last = self._exported(bucket_bytes, stage_only=True), stage == self.actor.stage.size - 1
+        if not sends:
             for _ in named:
                 pass
             return None
-        return named, [_client(t) for t in targets]
+        return named, [_client(t) for t in targets], last
 
     def _exported(self, bucket_bytes: int, *, stage_only: bool = False):
         """``(hf_name, tensor)`` of every bucket (``stage_only``: this stage's), in the model's dtype, on its device."""
@@ -287,6 +294,13 @@ def _client(target: dict[str, Any]):
     from tidal.rollout import SGLangClient
 
     return SGLangClient(target["url"], api_key=target.get("api_key"), request_timeout_s=target["timeout_s"])
+
+
+def _stage_metrics(metrics: dict[str, float], stage: int | None) -> dict[str, float]:
+    """A pipeline stage's sender's metrics again under ``weight_sync/pp{stage}/`` (the driver sums the plain keys)."""
+    if stage is None:
+        return {}
+    return {f"weight_sync/pp{stage}/{k.rsplit('/', 1)[1]}": v for k, v in metrics.items()}
 
 
 def _limit_cpu_threads() -> None:

@@ -88,8 +88,14 @@ def update_weights_from_tensor(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     weight_version: str | None = None,
     tp_size: int = 1,
+    flush_cache: bool = True,
 ) -> dict[str, float]:
     """Push HF-named tensors into every engine, bucket by bucket; the cache is flushed after the last bucket.
+
+    Several processes may send one after another, each its own part of an update (one pipeline stage's tensors):
+    the last part alone passes ``weight_version`` and ``flush_cache``, so no engine reports the version with part of
+    the weights. A CPU tensor's handle names a shared-memory file, which any process on the host opens; a CUDA
+    tensor's handle opens only on a GPU the engine's process sees (SGLang rebuilds it on that device).
 
     Sets torch's tensor sharing strategy to ``file_system`` for this process: with the default strategy
     the server rejects the shared-memory handles ("digest sent was rejected").
@@ -100,9 +106,11 @@ def update_weights_from_tensor(
         bucket_bytes: Most tensor bytes per request.
         weight_version: Version recorded by the engines (and in every later sample) once all buckets are in.
         tp_size: Tensor-parallel size of each engine (each TP rank gets its own copy of the payload).
+        flush_cache: Whether the last bucket flushes the engines' cache (False: more of the update follows).
 
     Returns:
-        Metrics: ``weight_sync/seconds``, ``weight_sync/mb``, ``weight_sync/num_buckets``.
+        Metrics: ``weight_sync/seconds``, ``weight_sync/mb``, ``weight_sync/num_buckets``,
+        ``weight_sync/num_tensors``.
 
     Raises:
         RolloutError: An engine refused a bucket (the session is still closed on every engine).
@@ -111,13 +119,14 @@ def update_weights_from_tensor(
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     engines = [engines] if isinstance(engines, SGLangEngine) else list(engines)
     torch.multiprocessing.set_sharing_strategy("file_system")
-    start, total_bytes, num_buckets = time.perf_counter(), 0, 0
+    start, total_bytes, num_buckets, num_tensors = time.perf_counter(), 0, 0, 0
     for engine in engines:
         _begin_weight_update(engine)
     try:
         for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
-            _send(engines, bucket, tp_size, last=last, weight_version=weight_version if last else None)
+            _send(engines, bucket, tp_size, flush=last and flush_cache, weight_version=weight_version if last else None)
             num_buckets += 1
+            num_tensors += len(bucket)
             total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
     finally:
         for engine in engines:
@@ -128,11 +137,12 @@ def update_weights_from_tensor(
         "weight_sync/seconds": seconds,
         "weight_sync/mb": total_bytes / 2**20,
         "weight_sync/num_buckets": float(num_buckets),
+        "weight_sync/num_tensors": float(num_tensors),
     }
 
 
-def _send(engines: list[SGLangEngine], bucket: list, tp_size: int, *, last: bool, weight_version: str | None) -> None:
-    payload = {"serialized_named_tensors": [_serialize(bucket) for _ in range(tp_size)], "flush_cache": last}
+def _send(engines: list[SGLangEngine], bucket: list, tp_size: int, *, flush: bool, weight_version: str | None) -> None:
+    payload = {"serialized_named_tensors": [_serialize(bucket) for _ in range(tp_size)], "flush_cache": flush}
     if weight_version is not None:
         payload["weight_version"] = weight_version
     names = f"{bucket[0][0]} .. {bucket[-1][0]}"
