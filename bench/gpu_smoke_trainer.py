@@ -39,6 +39,7 @@ REWARDS = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
 
 def grpo(out: dict, fast: dict, tokens: list, masks: list) -> None:
     actor = Actor(ActorConfig(**fast))
+    actor.reserve_offload_memory()  # pinned in the background; the offload below waits for it
     batching = BatchingConfig(
         rollout_batch_size=4, n_samples_per_prompt=2, use_dynamic_batch_size=True, max_tokens_per_gpu=4096
     )
@@ -53,7 +54,8 @@ def grpo(out: dict, fast: dict, tokens: list, masks: list) -> None:
     out["grpo_offload"] = {**actor.offload(), **actor.onload()}
 
 
-def ppo(out: dict, fast: dict, tokens: list, masks: list) -> None:
+def ppo(out: dict, fast: dict, tokens: list, masks: list, log_probs_budget: int | None = None) -> None:
+    """PPO with a critic; ``log_probs_budget``: the forward-only passes on --log-probs-max-tokens-per-gpu."""
     cfg = ActorConfig(**fast, advantage_estimator="ppo", critic_lr=1e-4, value_clip=0.2, num_critic_only_steps=1)
     actor, critic = Actor(cfg), Critic(cfg)
     batching = BatchingConfig(
@@ -61,15 +63,17 @@ def ppo(out: dict, fast: dict, tokens: list, masks: list) -> None:
         n_samples_per_prompt=2,
         num_steps_per_rollout=2,
         use_dynamic_batch_size=True,
-        max_tokens_per_gpu=4096,
+        max_tokens_per_gpu=2048,
+        log_probs_max_tokens_per_gpu=log_probs_budget,
     )
     kw = dict(tokens=tokens, loss_masks=masks, rewards=REWARDS, group_size=2, critic=critic)
-    keys = ("critic/", "train/loss", "train/grad_norm", "train/critic_only")
-    out["ppo"] = [
+    keys = ("critic/", "train/loss", "train/grad_norm", "train/critic_only", "batching/")
+    name = "ppo" if log_probs_budget is None else f"ppo_log_probs_budget_{log_probs_budget}"
+    out[name] = [
         {k: v for k, v in train_on_rollout(actor, batching, rollout_id=i, **kw).items() if k.startswith(keys)}
         for i in range(3)
     ]
-    out["ppo_critic_offload"] = {**critic.offload(), **critic.onload()}
+    out[f"{name}_critic_offload"] = {**critic.offload(), **critic.onload()}
 
 
 def main() -> None:
@@ -85,7 +89,8 @@ def main() -> None:
         ckpt = Path(tmp, "model")
         B.save_checkpoint(MODEL, ckpt)
         fast = dict(hf_checkpoint=str(ckpt), params_dtype="bfloat16", fp32_main_params=True, lr=1e-4)
-        for name, fn in (("grpo", grpo), ("ppo", ppo)):
+        budget = lambda *a: ppo(*a, log_probs_budget=8192)  # noqa: E731
+        for name, fn in (("grpo", grpo), ("ppo", ppo), ("ppo_log_probs_budget", budget)):
             try:
                 fn(out, fast, tokens, masks)
             except Exception as e:  # keep going: the report says what failed

@@ -428,12 +428,15 @@ class Actor:
         if isinstance(self.optimizer, CPUOffloadAdamW):
             self.optimizer.init_state()
             return
-        for p in self._optimizer_params():
-            self.optimizer.state[p] = {
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
+        for group in self.optimizer.param_groups:
+            # as torch's AdamW initialises it: a fused (CUDA) or capturable update needs its step on the device
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                self.optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
 
     def sharded_state_dict(self, *, with_optimizer: bool = True) -> dict:
         """Megatron sharded state of the model (and AdamW state) for ``tidal.ckpt.save_checkpoint``/``load_checkpoint``.
