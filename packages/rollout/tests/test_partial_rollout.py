@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -12,20 +13,31 @@ from tidal.rollout import InterruptibleUpdates, Sample, SGLangEngine, generate_s
 from tidal.rollout.partial_rollout import resume_samples
 
 MAX_NEW = 200
+PROMPTS = [[3, 4, 5], [6, 7]]
+PARAMS = {"n": 2, "max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
 
 
-def _generate_in_background(engine: SGLangEngine, prompts: list[list[int]], params: dict) -> tuple:
+@contextlib.contextmanager
+def _slowed_generation(server: SGLangEngine, generate):
+    """``generate()`` in a thread on ``server`` slowed to 0.05 s a forward (200 tokens: 10 s), still running after
+    3 s; yields ``(thread, box)`` (``box["result"]`` or ``box["error"]``); the server is fast again after."""
     box: dict = {}
 
     def run() -> None:
         try:
-            box["samples"] = generate_samples(engine, prompts, params)
+            box["result"] = generate()
         except BaseException as e:
             box["error"] = e
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
+    server.call("/slow_down", {"forward_sleep_time": 0.05})
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=3.0)
+        assert thread.is_alive(), "generation finished within 3 s; the slow-down did not take"
+        yield thread, box
+    finally:
+        server.call("/slow_down", {"forward_sleep_time": None})
 
 
 def test_aborted_samples_resume_with_per_token_weight_versions(
@@ -33,21 +45,14 @@ def test_aborted_samples_resume_with_per_token_weight_versions(
 ) -> None:
     from transformers import Qwen2ForCausalLM
 
-    prompts = [[3, 4, 5], [6, 7]]
-    params = {"n": 2, "max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
+    prompts, params = PROMPTS, PARAMS
     sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
     # SGLang's test hook: every forward step sleeps, so the 200-token requests are still running when aborted.
-    sglang_server.call("/slow_down", {"forward_sleep_time": 0.05})
-    try:
-        thread, box = _generate_in_background(sglang_server, prompts, params)
-        thread.join(timeout=3.0)
-        assert thread.is_alive(), "generation finished before the abort; the slow-down did not take"
+    with _slowed_generation(sglang_server, lambda: generate_samples(sglang_server, prompts, params)) as (thread, box):
         sglang_server.abort()
         thread.join(timeout=60.0)
-        assert not thread.is_alive() and "error" not in box
-    finally:
-        sglang_server.call("/slow_down", {"forward_sleep_time": None})
-    aborted: list[Sample] = box["samples"]
+    assert not thread.is_alive() and "error" not in box
+    aborted: list[Sample] = box["result"]
     assert [s.finish_reason for s in aborted] == ["abort"] * 4
     assert all(len(s.response_ids) < MAX_NEW for s in aborted)
     assert any(len(s.response_ids) > 0 for s in aborted)  # cut mid-response, not in the queue
@@ -77,36 +82,24 @@ def test_aborted_samples_resume_with_per_token_weight_versions(
 def test_an_interruptible_update_aborts_the_generation_which_finishes_under_the_new_weights(
     sglang_server: SGLangEngine, tiny_model_dir: Path
 ) -> None:
-    prompts = [[3, 4, 5], [6, 7]]
-    params = {"n": 2, "max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
+    prompts, params = PROMPTS, PARAMS
     sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
     gate = InterruptibleUpdates(sglang_server, timeout_s=60)
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["samples"] = gate.generate(lambda: generate_samples(sglang_server, prompts, params), params)
-        except BaseException as e:
-            box["error"] = e
 
     def load() -> None:  # the update itself: fast again, then the new version
         sglang_server.call("/slow_down", {"forward_sleep_time": None})
         sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="new")
 
-    sglang_server.call("/slow_down", {"forward_sleep_time": 0.05})  # 200 tokens take 10 s: still running at 2 s
-    try:
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        thread.join(timeout=2.0)
-        assert thread.is_alive(), "generation finished before the update; the slow-down did not take"
+    def generate():
+        return gate.generate(lambda: generate_samples(sglang_server, prompts, params), params)
+
+    with _slowed_generation(sglang_server, generate) as (thread, box):
         tick = time.monotonic()
         gate.update(load)
         assert time.monotonic() - tick < 5  # it did not wait for the 10 s generation
         thread.join(timeout=60.0)
-    finally:
-        sglang_server.call("/slow_down", {"forward_sleep_time": None})
     assert not thread.is_alive() and "error" not in box, box.get("error")
-    samples: list[Sample] = box["samples"]
+    samples: list[Sample] = box["result"]
     assert gate.interrupted_samples == 4
     for s in samples:  # finished, the old weights' tokens first, then the new ones'
         assert s.finish_reason == "length" and len(s.response_ids) == MAX_NEW
@@ -122,35 +115,24 @@ def test_the_driver_side_sends_again_what_an_update_cut(sglang_server: SGLangEng
     # once, and SGLang serves them before or after the update: nothing is lost or cut short either way.
     from tidal.rollout import generate_partial_rollout
 
-    prompts = [[3, 4, 5], [6, 7]]
-    params = {"n": 2, "max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
+    prompts, params = PROMPTS, PARAMS
     sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
     gate = InterruptibleUpdates(sglang_server, timeout_s=60)
-    box: dict = {}
 
-    def run() -> None:
+    def generate():
+        return generate_partial_rollout(sglang_server, prompts, params, num_groups=2, resume_interrupted=True)
+
+    with (
+        caplog.at_level("INFO", logger="tidal.rollout.dispatch"),
+        _slowed_generation(sglang_server, generate) as (thread, box),
+    ):
+        gate.begin()  # what the trainer's sync does first (EngineWorker.begin_update)
         try:
-            box["result"] = generate_partial_rollout(sglang_server, prompts, params, num_groups=2,
-                                                     resume_interrupted=True)  # fmt: skip
-        except BaseException as e:
-            box["error"] = e
-
-    sglang_server.call("/slow_down", {"forward_sleep_time": 0.05})  # 200 tokens take 10 s: still running at 2 s
-    try:
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        thread.join(timeout=2.0)
-        assert thread.is_alive(), "generation finished before the update; the slow-down did not take"
-        with caplog.at_level("INFO", logger="tidal.rollout.dispatch"):
-            gate.begin()  # what the trainer's sync does first (EngineWorker.begin_update)
-            try:
-                sglang_server.call("/slow_down", {"forward_sleep_time": None})
-                sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="new")
-            finally:
-                gate.end()
-            thread.join(timeout=60.0)
-    finally:
-        sglang_server.call("/slow_down", {"forward_sleep_time": None})
+            sglang_server.call("/slow_down", {"forward_sleep_time": None})
+            sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="new")
+        finally:
+            gate.end()
+        thread.join(timeout=60.0)
     assert not thread.is_alive() and "error" not in box, box.get("error")
     assert "cut by an abort (a weight update): sent again" in caplog.text
     result = box["result"]

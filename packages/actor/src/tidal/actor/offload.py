@@ -81,7 +81,7 @@ class PinnedReservation:
 
     def __init__(self, shapes: list[tuple[torch.Size, torch.dtype]]) -> None:
         self.shapes = shapes
-        self.bytes = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in shapes)
+        self.bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in shapes)
         self.seconds: float | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._pin, name="tidal-pin-host-memory", daemon=True)
