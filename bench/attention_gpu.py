@@ -84,11 +84,19 @@ def flash_dense(q, k, v, cu, max_len, scale, gqa_native):
 def tidal(q, k, v, cu, max_len, scale, gqa_native):
     from tidal.actor.attention import packed_causal_attention
 
+    return packed_causal_attention(q, k, v, cu, max_len, scale=scale, host_cu_seqlens=tuple(cu.tolist()))
+
+
+def tidal_fa2_only(q, k, v, cu, max_len, scale, gqa_native):
+    from tidal.actor.attention import packed_causal_attention
+
     return packed_causal_attention(q, k, v, cu, max_len, scale=scale)
 
 
 CONTENDERS = {
     "fa2 (k/v repeated)": (fa2, False),
+    "tidal fa2 only (k/v grouped)": (tidal_fa2_only, True),
+    "tidal, long segments to cudnn (padded)": (tidal, True),
     "cudnn dense per segment (k/v repeated)": (cudnn_dense, False),
     "cudnn dense per segment enable_gqa": (cudnn_dense, True),
     "flash dense per segment (k/v repeated)": (flash_dense, False),
@@ -200,8 +208,36 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(f"{family:13s} {name:30s} {json.dumps(row)}", flush=True)
             torch.cuda.empty_cache()
+        report["families"][family]["by_length"] = by_length(heads, groups, dim, scale, args.reps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+
+
+def by_length(heads: int, groups: int, dim: int, scale: float, reps: int) -> dict:
+    """Where cuDNN overtakes FA2: a 32k pack of equal segments per length, FA2 varlen (one call) against each
+    segment through tidal's padded cuDNN path; fwd and fwd+bwd ms."""
+    from tidal.actor.attention import cudnn_bucket_length, padded_segment_attention
+
+    def cudnn_each(q, k, v, cu, max_len, scale, gqa_native):
+        bounds = cu.tolist()
+        return torch.cat(
+            [padded_segment_attention(q[a:b], k[a:b], v[a:b], scale) for a, b in itertools.pairwise(bounds)]
+        )
+
+    rows = {}
+    for length in (509, 1013, 1531, 2039, 3067, 4091, 8179, 16381):  # just under a bucket: the padding is paid
+        lengths = [length] * max(1, 32768 // length)
+        q, k, v, grad = _inputs(lengths, heads, groups, dim, seed=2)
+        cu = _cu(lengths, "cuda")
+        row = rows[length] = {"segments": len(lengths), "padded_to": cudnn_bucket_length(length)}
+        for name, fn in (("fa2", tidal_fa2_only), ("cudnn", cudnn_each)):
+            try:
+                row[name] = _time(fn, True, q, k, v, grad, cu, length, scale, reps)
+            except Exception as exc:
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        print(f"  by length {heads}/{groups} {length}: {json.dumps(row)}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

@@ -366,13 +366,16 @@ def time_optimizer_steps(actor) -> list[float]:
 
 
 def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:  # noqa: C901
-    from tidal.actor import Actor
+    from tidal.actor import Actor, attention
     from tidal.actor.bridge import enable_layer_recompute
     from tidal.batching import pack_micro_batches, plan_micro_batches, unpack
 
     lengths, tokens, masks = work["lengths"], work["tokens"], work["loss_masks"]
     if CUDA and not args.no_fused:  # a torch.compile / Triton failure must not cost the run: fall back to eager
         smoke_fused(report, args)
+    if args.cudnn_min_segment is not None:
+        attention.CUDNN_MIN_SEGMENT = args.cudnn_min_segment or None
+    report["cudnn_min_segment"] = attention.CUDNN_MIN_SEGMENT
     cfg = actor_config(args, ckpt)
     if cfg.optimizer_cpu_offload:
         offload_check(report)
@@ -464,6 +467,21 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         wgrad_fusion_ab(
             report, actor, train_mbs(max(fits)), lambda: train(max(fits), f"tidal_train_{max(fits)}_no_wgrad_fusion")
         )
+    for threshold in args.ab_cudnn if fits else []:  # the same passes with other segments on cuDNN's kernel
+        first = [lp.clone() for lp in outs]
+        setting = attention.CUDNN_MIN_SEGMENT
+        attention.CUDNN_MIN_SEGMENT = threshold or None
+        tag = f"cudnn_min_segment_{threshold}"
+        try:
+            measure_logprob(f"tidal_logprob_{tag}")
+            report[f"logprob_max_abs_diff_{tag}"] = max(
+                float((a - b).abs().max()) for a, b in zip(first, outs, strict=True)
+            )
+            train(max(fits), f"tidal_train_{max(fits)}_{tag}")
+        finally:
+            attention.CUDNN_MIN_SEGMENT = setting
+    if CUDA:  # whether the long segments really went to cuDNN (False: every figure above is FlashAttention-2's)
+        report["cudnn_attention_usable"] = attention.cudnn_attention_usable(torch.cuda.current_device())
     if args.ab_fused and actor._fused:  # the same passes with SwiGLU, RoPE and the log-softmax unfused (eager)
         from tidal.actor import fused
 
@@ -778,6 +796,19 @@ def main() -> None:
     p.add_argument("--keep-lm-head", action="store_true", help="recompute_lm_head=False (keep the chunks' logits)")
     p.add_argument("--ab-lm-head", action="store_true", help="also time training with the other LM-head setting")
     p.add_argument("--ab-wgrad-fusion", action="store_true", help="also time training with wgrad fusion off")
+    p.add_argument(
+        "--cudnn-min-segment",
+        type=int,
+        default=None,
+        help="segments this long go to cuDNN (0: FA2 only; default: tidal's)",
+    )
+    p.add_argument(
+        "--ab-cudnn",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time log-probs and training at these thresholds (0: FA2)",
+    )
     p.add_argument("--bucket-mb", type=int, default=512, help="weight-export bucket size")
     p.add_argument("--hf-train-mbs", type=int, nargs="*", default=[2])
     p.add_argument("--hf-logprob-mbs", type=int, default=8)
@@ -850,6 +881,8 @@ def summary(report: dict) -> None:
                 if tps
                 else f"| {key} | {val['error'][:40]} | | {val.get('peak_gib', float('nan')):.1f} |"
             )
+    if report.get("cudnn_attention_usable") is False:
+        print("WARNING: cuDNN attention was unusable (see the log): long segments ran on FlashAttention-2")
     if report.get("fused_kernels") is False:
         print("WARNING: the Triton smoke test failed (see errors): tidal's figures below ran WITHOUT fused kernels")
     print("| what | tokens/s | MFU | peak GiB |\n| --- | --- | --- | --- |\n" + "\n".join(rows))

@@ -1,7 +1,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from tidal.actor.attention import packed_causal_attention
+from tidal.actor.attention import (
+    CUDNN_BUCKETS_PER_OCTAVE,
+    cudnn_bucket_length,
+    packed_causal_attention,
+    padded_segment_attention,
+    route_by_length,
+    sdpa_backend_runs,
+)
 
 
 def reference(q, k, v, scale):
@@ -37,6 +44,58 @@ def test_segments_do_not_see_each_other():
     changed = packed_causal_attention(q, k2, v2, cu, 3, scale=0.5)
     assert not torch.allclose(base[:3], changed[:3])
     torch.testing.assert_close(base[3:], changed[3:])
+
+
+def test_bucket_lengths_pad_little_and_are_few_per_octave():
+    for n in range(1, 40000, 7):
+        b = cudnn_bucket_length(n)
+        assert n <= b <= n * (1 + 1 / CUDNN_BUCKETS_PER_OCTAVE), n
+    # a rollout's lengths vary every step; the shapes cuDNN builds plans for must not
+    assert len({cudnn_bucket_length(n) for n in range(2048, 32769)}) <= 4 * CUDNN_BUCKETS_PER_OCTAVE + 1
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode, torch.enable_grad])
+def test_the_backend_probe_runs_a_backward_whatever_the_callers_grad_mode(mode):
+    """The first long segment often comes in a log-prob pass under no_grad; a probe that failed there turned cuDNN
+    off for the whole run (seen on an H200). The math backend on CPU stands in for cuDNN."""
+    from torch.nn.attention import SDPBackend
+
+    with mode():
+        assert sdpa_backend_runs(torch.device("cpu"), SDPBackend.MATH)
+
+
+def test_long_segments_routed_and_padded_give_the_packed_result_and_gradients():
+    """The GPU's cuDNN route on CPU: long segments padded to their bucket through SDPA (math backend), runs of short
+    ones through the packed path, one 2,100-token segment among short ones; fp64, outputs and gradients."""
+    from torch.nn.attention import SDPBackend
+
+    torch.manual_seed(0)
+    lengths = [5, 2100, 3, 60, 64, 1, 50]  # long ones at 64 and 2100 tokens: padded to 64 and 2112
+    total, heads, groups, dim, scale = sum(lengths), 4, 2, 8, 8**-0.5
+    q, k, v = (torch.randn(total, h, dim, dtype=torch.float64, requires_grad=True) for h in (heads, groups, groups))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    grad = torch.randn(total, heads, dim, dtype=torch.float64)
+    calls = {"long": [], "short": []}
+
+    def long_fn(q, k, v):
+        calls["long"].append(q.size(0))
+        return padded_segment_attention(q, k, v, scale, backend=SDPBackend.MATH)
+
+    def short_fn(q, k, v, cu, max_len):
+        calls["short"].append(cu.tolist())
+        return packed_causal_attention(q, k, v, cu, max_len, scale=scale)
+
+    routed = route_by_length(q, k, v, tuple(cu.tolist()), 64, long_fn, short_fn)
+    assert calls == {"long": [2100, 64], "short": [[0, 5], [0, 3, 63], [0, 1, 51]]}
+    got = [routed.detach(), *torch.autograd.grad(routed, (q, k, v), grad)]
+    packed = packed_causal_attention(q, k, v, cu, max(lengths), scale=scale)
+    want = [packed.detach(), *torch.autograd.grad(packed, (q, k, v), grad)]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    start = sum(lengths[:1])
+    torch.testing.assert_close(
+        got[0][start : start + 2100], reference(*(x[start : start + 2100] for x in (q, k, v)), scale)
+    )
 
 
 @pytest.mark.parametrize(

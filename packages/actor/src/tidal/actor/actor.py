@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
-from megatron.core.packed_seq_params import PackedSeqParams
+from tidal.actor.attention import HostPackedSeqParams
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
 from tidal.actor.compat import apply_cpu_compat, apply_wgrad_accumulation_fusion
 from tidal.actor.config import ActorConfig
@@ -146,12 +146,13 @@ class Actor:
         """
         tokens = batch.tokens.to(self.device)
         cu = batch.cu_seqlens.to(device=self.device, dtype=torch.int32)
-        params = PackedSeqParams(
+        params = HostPackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
             max_seqlen_q=int(batch.max_seqlen),
             max_seqlen_kv=int(batch.max_seqlen),
+            host_cu_seqlens=tuple(batch.cu_seqlens.tolist()),
         )
         targets = torch.roll(tokens, -1)
         position_ids = batch.position_ids.to(self.device)

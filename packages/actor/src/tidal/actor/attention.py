@@ -7,7 +7,10 @@ Engine). ``PackedCoreAttention`` takes its place in the layer spec: the attentio
 
 * CUDA with fp16/bf16 inputs or under bf16/fp16 autocast: ``torch.nn.attention.varlen.varlen_attn``
   (FlashAttention varlen);
-  it has no ``is_causal``, causal is ``window_size=(-1, 0)``.
+  it has no ``is_causal``, causal is ``window_size=(-1, 0)``. When the caller passes the segment bounds on the host
+  (``HostPackedSeqParams``), segments of at least ``CUDNN_MIN_SEGMENT`` tokens go to cuDNN's attention instead
+  (faster than FlashAttention-2 on Hopper), each padded at its end to one of ``CUDNN_BUCKETS_PER_OCTAVE`` lengths per
+  power of two, so that cuDNN builds a bounded number of kernel plans however the rollout's lengths vary.
 * Otherwise (CPU, or fp32 on CUDA): causal ``scaled_dot_product_attention`` per segment.
 
 Both give the same numbers as attending to each sequence unpacked (tested).
@@ -15,6 +18,7 @@ Both give the same numbers as attending to each sequence unpacked (tested).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -32,6 +36,112 @@ from megatron.core.utils import divide
 
 logger = logging.getLogger(__name__)
 
+# Segments at least this long go to cuDNN (None: FlashAttention-2 only). The crossover and the gain are measured on
+# an H200 by bench/attention_gpu.py (bench/RESULTS.md, issue 24).
+CUDNN_MIN_SEGMENT: int | None = 2048
+# A long segment is padded at its end to a multiple of 1/32 of its power of two (at most ~3% more tokens): cuDNN
+# builds (~0.1 s) and caches one plan per shape, and 32 lengths per octave bound them to ~100 up to 32k tokens.
+CUDNN_BUCKETS_PER_OCTAVE = 32
+
+
+@dataclasses.dataclass
+class HostPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` plus the segment bounds as host integers.
+
+    With them attention can route segments by length without reading ``cu_seqlens`` back from the device per layer.
+    """
+
+    host_cu_seqlens: tuple[int, ...] | None = None
+
+
+def cudnn_bucket_length(length: int) -> int:
+    """The padded length a segment of ``length`` tokens is given for cuDNN: the next multiple of 1/32 of its octave."""
+    step = max(1, (1 << (length.bit_length() - 1)) // CUDNN_BUCKETS_PER_OCTAVE)
+    return -(-length // step) * step
+
+
+def sdpa_backend_runs(device: torch.device, backend) -> bool:
+    """Whether SDPA's ``backend`` runs a tiny causal GQA forward and backward on ``device``.
+
+    The probe runs with gradients on whatever mode the caller is in: the first long segment often arrives in a
+    log-prob pass under ``torch.no_grad()``, and the answer is kept for training too.
+    """
+    from torch.nn.attention import sdpa_kernel
+
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            q = torch.randn(1, 4, 64, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True).sum().backward()
+        return True
+    except (RuntimeError, ValueError) as exc:
+        logger.warning("SDPA backend %s unavailable on %s (%s)", backend, device, str(exc)[:200])
+        return False
+
+
+@functools.cache
+def cudnn_attention_usable(device_index: int) -> bool:
+    """Whether cuDNN's attention runs on this GPU (cuDNN present, a GPU it supports); asked once per process."""
+    from torch.nn.attention import SDPBackend
+
+    usable = sdpa_backend_runs(torch.device("cuda", device_index), SDPBackend.CUDNN_ATTENTION)
+    if not usable:
+        logger.warning("cuDNN attention unavailable: long segments use FlashAttention-2")
+    return usable
+
+
+def padded_segment_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, backend=None
+) -> torch.Tensor:
+    """Causal attention over one segment ``[L, h, d]``, padded at its end to ``cudnn_bucket_length(L)``.
+
+    ``backend``: the SDPA backend (default cuDNN; the CPU tests take the math one). Padding at the end of a causal
+    sequence changes no real row's output or gradient.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    length = query.size(0)
+    pad = cudnn_bucket_length(length) - length
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (query, key, value))
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, h, L', d], the sequence dim strided
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION if backend is None else backend]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    return out[0].transpose(0, 1)[:length]
+
+
+def route_by_length(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: tuple[int, ...],
+    min_long: int,
+    long_fn,
+    short_fn,
+) -> torch.Tensor:
+    """Segments of ``min_long`` tokens or more through ``long_fn(q, k, v)``, shorter ones through ``short_fn``.
+
+    Each run of consecutive short segments is one ``short_fn(q, k, v, cu_seqlens, max_seqlen)`` call (varlen);
+    outputs are concatenated in token order, so gradients flow back through one split per input.
+    """
+    pieces: list[tuple[bool, list[int]]] = []  # (long?, bounds of the segment or of the run of short ones)
+    for start, end in itertools.pairwise(bounds):
+        if end - start >= min_long:
+            pieces.append((True, [start, end]))
+        elif pieces and not pieces[-1][0]:
+            pieces[-1][1].append(end)
+        else:
+            pieces.append((False, [start, end]))
+    sizes = [piece[-1] - piece[0] for _, piece in pieces]
+    outputs = []
+    for (long, piece), q, k, v in zip(pieces, query.split(sizes), key.split(sizes), value.split(sizes), strict=True):
+        if long:
+            outputs.append(long_fn(q, k, v))
+        else:
+            local = torch.tensor([b - piece[0] for b in piece], dtype=torch.int32).to(q.device, non_blocking=True)
+            outputs.append(short_fn(q, k, v, local, max(b - a for a, b in itertools.pairwise(piece))))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
 
 @functools.cache
 def _varlen_attn_supports_gqa() -> bool:
@@ -48,6 +158,7 @@ def packed_causal_attention(
     max_seqlen: int,
     *,
     scale: float,
+    host_cu_seqlens: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed segment.
 
@@ -58,6 +169,8 @@ def packed_causal_attention(
         cu_seqlens: int32 ``[segments + 1]`` segment boundaries, ``cu_seqlens[-1] == T``.
         max_seqlen: the longest segment.
         scale: softmax scale (usually ``dim ** -0.5``).
+        host_cu_seqlens: ``cu_seqlens`` as host integers, if the caller has them: on CUDA in fp16/bf16, segments of
+            ``CUDNN_MIN_SEGMENT`` tokens or more then go through cuDNN's attention.
 
     Returns:
         ``[T, heads, dim]``, the attention output for every token.
@@ -77,9 +190,20 @@ def packed_causal_attention(
         # 2.11's varlen_attn has no enable_gqa flag but passes them through (on an H200: outputs and gradients
         # identical to repeated k/v, fwd+bwd 1.4-3.5% faster, bench/RESULTS.md issue 24); later torch asks for it.
         kwargs = {"enable_gqa": True} if num_heads != num_groups and _varlen_attn_supports_gqa() else {}
-        return varlen_attn(
-            query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **kwargs
-        )
+
+        def flash(q, k, v, cu, max_len):
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), **kwargs)
+
+        if (
+            host_cu_seqlens is not None
+            and CUDNN_MIN_SEGMENT is not None
+            and host_cu_seqlens[-1] == query.size(0)
+            and max_seqlen >= CUDNN_MIN_SEGMENT
+            and cudnn_attention_usable(query.device.index or 0)
+        ):
+            long_fn = functools.partial(padded_segment_attention, scale=scale)
+            return route_by_length(query, key, value, host_cu_seqlens, CUDNN_MIN_SEGMENT, long_fn, flash)
+        return flash(query, key, value, cu, max_seqlen)
     gqa = num_heads != num_groups
     if query.is_cuda and gqa:  # SDPA's enable_gqa sends fp32 to the math kernel: a [heads, T, T] matrix at 32k
         key = key.repeat_interleave(num_heads // num_groups, dim=1)
@@ -209,5 +333,6 @@ class PackedCoreAttention(CausalCoreAttentionBase):
             packed_seq_params.cu_seqlens_q,
             int(packed_seq_params.max_seqlen_q),
             scale=self.softmax_scale,
+            host_cu_seqlens=getattr(packed_seq_params, "host_cu_seqlens", None),
         )
         return out.reshape(out.size(0), -1)
