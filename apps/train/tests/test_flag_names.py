@@ -180,5 +180,5 @@ def test_help_shows_every_default_and_the_embedded_recipes_values():
 
     text = build_parser(("embedded", recipe_options("embedded"))).format_help()
     assert text.count("(default:") == len(options()) + 1  # and --recipe's
-    assert "(default: 1e-06; recipe embedded: 0.0003)" in " ".join(text.split())
+    assert "(default: 1e-06; recipe embedded: 0.0004)" in " ".join(text.split())
     assert "without it `embedded`" in " ".join(text.split())  # the rule that picks the recipe

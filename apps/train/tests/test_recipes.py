@@ -10,13 +10,13 @@ from tidal.train.recipes import DEFAULT_RECIPE, RECIPES, recipe_options
 
 # The embedded job's values: the README's main command and its learning result (bench/RESULTS.md) rest on them.
 EMBEDDED = {
-    "num_rollout": 150,
+    "num_rollout": 110,
     "rollout_batch_size": 64,
     "n_samples_per_prompt": 8,
     "rollout_max_response_len": 6,
     "rollout_temperature": 1.0,
     "rm_type": "numeric_match",
-    "lr": 3e-4,
+    "lr": 4e-4,
     "use_dynamic_batch_size": True,
     "max_tokens_per_gpu": 8192,
     "eval_interval": 10,
