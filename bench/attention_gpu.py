@@ -82,9 +82,12 @@ def flash_dense(q, k, v, cu, max_len, scale, gqa_native):
 
 
 def tidal(q, k, v, cu, max_len, scale, gqa_native):
-    from tidal.actor.attention import packed_causal_attention
+    from tidal.actor.attention import CUDNN_MIN_SEGMENT, packed_causal_attention
 
-    return packed_causal_attention(q, k, v, cu, max_len, scale=scale, host_cu_seqlens=tuple(cu.tolist()))
+    bounds = tuple(cu.tolist())
+    return packed_causal_attention(
+        q, k, v, cu, max_len, scale=scale, host_cu_seqlens=bounds, cudnn_min_segment=CUDNN_MIN_SEGMENT
+    )
 
 
 def tidal_fa2_only(q, k, v, cu, max_len, scale, gqa_native):

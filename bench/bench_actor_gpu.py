@@ -234,6 +234,7 @@ def actor_config(args, ckpt: Path):
         fused_kernels=not args.no_fused,
         recompute_lm_head=not args.keep_lm_head,
         optimizer_cpu_offload=args.optimizer_cpu_offload,
+        **({} if args.cudnn_min_segment is None else {"cudnn_attention_min_tokens": args.cudnn_min_segment}),
         **precision,
     )
 
@@ -373,10 +374,8 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
     lengths, tokens, masks = work["lengths"], work["tokens"], work["loss_masks"]
     if CUDA and not args.no_fused:  # a torch.compile / Triton failure must not cost the run: fall back to eager
         smoke_fused(report, args)
-    if args.cudnn_min_segment is not None:
-        attention.CUDNN_MIN_SEGMENT = args.cudnn_min_segment or None
-    report["cudnn_min_segment"] = attention.CUDNN_MIN_SEGMENT
     cfg = actor_config(args, ckpt)
+    report["cudnn_min_segment"] = cfg.cudnn_attention_min_tokens
     if cfg.optimizer_cpu_offload:
         offload_check(report)
     t0 = time.perf_counter()
@@ -469,8 +468,7 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         )
     for threshold in args.ab_cudnn if fits else []:  # the same passes with other segments on cuDNN's kernel
         first = [lp.clone() for lp in outs]
-        setting = attention.CUDNN_MIN_SEGMENT
-        attention.CUDNN_MIN_SEGMENT = threshold or None
+        attention.set_cudnn_min_segment(actor.model, threshold)
         tag = f"cudnn_min_segment_{threshold}"
         try:
             measure_logprob(f"tidal_logprob_{tag}")
@@ -479,7 +477,7 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
             )
             train(max(fits), f"tidal_train_{max(fits)}_{tag}")
         finally:
-            attention.CUDNN_MIN_SEGMENT = setting
+            attention.set_cudnn_min_segment(actor.model, cfg.cudnn_attention_min_tokens)
     if CUDA:  # whether the long segments really went to cuDNN (False: every figure above is FlashAttention-2's)
         report["cudnn_attention_usable"] = attention.cudnn_attention_usable(torch.cuda.current_device())
     if args.ab_fused and actor._fused:  # the same passes with SwiGLU, RoPE and the log-softmax unfused (eager)
@@ -800,7 +798,7 @@ def main() -> None:
         "--cudnn-min-segment",
         type=int,
         default=None,
-        help="segments this long go to cuDNN (0: FA2 only; default: tidal's)",
+        help="--cudnn-attention-min-tokens of the actor (0: FA2 only; default: tidal's)",
     )
     p.add_argument(
         "--ab-cudnn",

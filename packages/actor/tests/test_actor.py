@@ -154,3 +154,17 @@ def test_config_errors_name_the_flag():
         ActorConfig(hf_checkpoint="x", eps_clip=0.0)
     with pytest.raises(ValueError, match="--kl-loss-type"):
         ActorConfig(hf_checkpoint="x", kl_loss_type="kl")
+    with pytest.raises(ValueError, match="--cudnn-attention-min-tokens must be >= 0"):
+        ActorConfig(hf_checkpoint="x", cudnn_attention_min_tokens=-1)
+
+
+def test_the_cudnn_threshold_reaches_every_attention_module(actor, dist_env, qwen2_dir):
+    """--cudnn-attention-min-tokens is what each PackedCoreAttention routes by; 0 turns the cuDNN route off."""
+    from tidal.actor.attention import PackedCoreAttention
+
+    def thresholds(a):
+        return {m.cudnn_min_segment for m in a.model.modules() if isinstance(m, PackedCoreAttention)}
+
+    assert thresholds(actor) == {2048}  # the default
+    assert thresholds(Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), cudnn_attention_min_tokens=0))) == {None}
+    assert thresholds(Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), cudnn_attention_min_tokens=4096))) == {4096}

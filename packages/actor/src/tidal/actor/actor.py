@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
-from tidal.actor.attention import HostPackedSeqParams
+from tidal.actor.attention import HostPackedSeqParams, set_cudnn_min_segment
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
 from tidal.actor.compat import apply_cpu_compat, apply_wgrad_accumulation_fusion
 from tidal.actor.config import ActorConfig
@@ -91,6 +91,7 @@ class Actor:
         model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused, value_head=self.value_head)
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage, value_head=self.value_head)
+        set_cudnn_min_segment(self.model, cfg.cudnn_attention_min_tokens)
         if cfg.recompute_activations:
             enable_layer_recompute(self.model, cfg.recompute_num_layers)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -36,8 +36,9 @@ from megatron.core.utils import divide
 
 logger = logging.getLogger(__name__)
 
-# Segments at least this long go to cuDNN (None: FlashAttention-2 only). The crossover and the gain are measured on
-# an H200 by bench/attention_gpu.py (bench/RESULTS.md, issue 24).
+# Segments at least this long go to cuDNN (None: FlashAttention-2 only): the default of PackedCoreAttention, which
+# the Actor sets from ActorConfig.cudnn_attention_min_tokens (set_cudnn_min_segment). The crossover and the gain are
+# measured on an H200 by bench/attention_gpu.py and bench/bench_actor_gpu.py (bench/RESULTS.md, issue 24).
 CUDNN_MIN_SEGMENT: int | None = 2048
 # A long segment is padded at its end to a multiple of 1/32 of its power of two (at most ~3% more tokens): cuDNN
 # builds (~0.1 s) and caches one plan per shape, and 32 lengths per octave bound them to ~100 up to 32k tokens.
@@ -159,6 +160,7 @@ def packed_causal_attention(
     *,
     scale: float,
     host_cu_seqlens: tuple[int, ...] | None = None,
+    cudnn_min_segment: int | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed segment.
 
@@ -170,7 +172,8 @@ def packed_causal_attention(
         max_seqlen: the longest segment.
         scale: softmax scale (usually ``dim ** -0.5``).
         host_cu_seqlens: ``cu_seqlens`` as host integers, if the caller has them: on CUDA in fp16/bf16, segments of
-            ``CUDNN_MIN_SEGMENT`` tokens or more then go through cuDNN's attention.
+            ``cudnn_min_segment`` tokens or more then go through cuDNN's attention (None: none do).
+        cudnn_min_segment: see ``host_cu_seqlens``.
 
     Returns:
         ``[T, heads, dim]``, the attention output for every token.
@@ -196,13 +199,13 @@ def packed_causal_attention(
 
         if (
             host_cu_seqlens is not None
-            and CUDNN_MIN_SEGMENT is not None
+            and cudnn_min_segment is not None
             and host_cu_seqlens[-1] == query.size(0)
-            and max_seqlen >= CUDNN_MIN_SEGMENT
+            and max_seqlen >= cudnn_min_segment
             and cudnn_attention_usable(query.device.index or 0)
         ):
             long_fn = functools.partial(padded_segment_attention, scale=scale)
-            return route_by_length(query, key, value, host_cu_seqlens, CUDNN_MIN_SEGMENT, long_fn, flash)
+            return route_by_length(query, key, value, host_cu_seqlens, cudnn_min_segment, long_fn, flash)
         return flash(query, key, value, cu, max_seqlen)
     gqa = num_heads != num_groups
     if query.is_cuda and gqa:  # SDPA's enable_gqa sends fp32 to the math kernel: a [heads, T, T] matrix at 32k
@@ -288,6 +291,8 @@ class PackedCoreAttention(CausalCoreAttentionBase):
     """
 
     _name = "PackedCoreAttention"
+    cudnn_min_segment: int | None = CUDNN_MIN_SEGMENT
+    """Segments at least this long go to cuDNN on CUDA (None: FlashAttention-2 only); ``set_cudnn_min_segment``."""
 
     def __init__(self, config: TransformerConfig, *args, **kwargs) -> None:
         if config.context_parallel_size != 1:
@@ -334,5 +339,13 @@ class PackedCoreAttention(CausalCoreAttentionBase):
             int(packed_seq_params.max_seqlen_q),
             scale=self.softmax_scale,
             host_cu_seqlens=getattr(packed_seq_params, "host_cu_seqlens", None),
+            cudnn_min_segment=self.cudnn_min_segment,
         )
         return out.reshape(out.size(0), -1)
+
+
+def set_cudnn_min_segment(model: torch.nn.Module, tokens: int | None) -> None:
+    """Route segments of ``tokens`` or more to cuDNN in every ``PackedCoreAttention`` of ``model`` (None or 0: none)."""
+    for module in model.modules():
+        if isinstance(module, PackedCoreAttention):
+            module.cudnn_min_segment = tokens or None
