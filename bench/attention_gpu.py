@@ -82,11 +82,13 @@ def flash_dense(q, k, v, cu, max_len, scale, gqa_native):
 
 
 def tidal(q, k, v, cu, max_len, scale, gqa_native):
-    from tidal.actor.attention import CUDNN_MIN_SEGMENT, packed_causal_attention
+    from tidal.actor import ActorConfig
+    from tidal.actor.attention import packed_causal_attention
 
+    threshold = ActorConfig.__dataclass_fields__["cudnn_attention_min_tokens"].default  # the actor's default
     bounds = tuple(cu.tolist())
     return packed_causal_attention(
-        q, k, v, cu, max_len, scale=scale, host_cu_seqlens=bounds, cudnn_min_segment=CUDNN_MIN_SEGMENT
+        q, k, v, cu, max_len, scale=scale, host_cu_seqlens=bounds, cudnn_min_segment=threshold
     )
 
 

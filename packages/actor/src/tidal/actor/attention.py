@@ -8,7 +8,8 @@ Engine). ``PackedCoreAttention`` takes its place in the layer spec: the attentio
 * CUDA with fp16/bf16 inputs or under bf16/fp16 autocast: ``torch.nn.attention.varlen.varlen_attn``
   (FlashAttention varlen);
   it has no ``is_causal``, causal is ``window_size=(-1, 0)``. When the caller passes the segment bounds on the host
-  (``HostPackedSeqParams``), segments of at least ``CUDNN_MIN_SEGMENT`` tokens go to cuDNN's attention instead
+  (``HostPackedSeqParams``), segments of at least ``cudnn_min_segment`` tokens (the Actor's
+  ``--cudnn-attention-min-tokens``, ``set_cudnn_min_segment``) go to cuDNN's attention instead
   (faster than FlashAttention-2 on Hopper), each padded at its end to one of ``CUDNN_BUCKETS_PER_OCTAVE`` lengths per
   power of two, so that cuDNN builds a bounded number of kernel plans however the rollout's lengths vary.
 * Otherwise (CPU, or fp32 on CUDA): causal ``scaled_dot_product_attention`` per segment.
@@ -36,10 +37,6 @@ from megatron.core.utils import divide
 
 logger = logging.getLogger(__name__)
 
-# Segments at least this long go to cuDNN (None: FlashAttention-2 only): the default of PackedCoreAttention, which
-# the Actor sets from ActorConfig.cudnn_attention_min_tokens (set_cudnn_min_segment). The crossover and the gain are
-# measured on an H200 by bench/attention_gpu.py and bench/bench_actor_gpu.py (bench/RESULTS.md, issue 24).
-CUDNN_MIN_SEGMENT: int | None = 2048
 # A long segment is padded at its end to a multiple of 1/32 of its power of two (at most ~3% more tokens): cuDNN
 # builds (~0.1 s) and caches one plan per shape, and 32 lengths per octave bound them to ~100 up to 32k tokens.
 CUDNN_BUCKETS_PER_OCTAVE = 32
@@ -61,8 +58,8 @@ def cudnn_bucket_length(length: int) -> int:
     return -(-length // step) * step
 
 
-def sdpa_backend_runs(device: torch.device, backend) -> bool:
-    """Whether SDPA's ``backend`` runs a tiny causal GQA forward and backward on ``device``.
+def sdpa_backend_error(device: torch.device, backend) -> str | None:
+    """Why SDPA's ``backend`` fails a tiny causal GQA forward and backward on ``device``; None when it runs.
 
     The probe runs with gradients on whatever mode the caller is in: the first long segment often arrives in a
     log-prob pass under ``torch.no_grad()``, and the answer is kept for training too.
@@ -75,10 +72,9 @@ def sdpa_backend_runs(device: torch.device, backend) -> bool:
             k = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
             with sdpa_kernel([backend]):
                 F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True).sum().backward()
-        return True
+        return None
     except (RuntimeError, ValueError) as exc:
-        logger.warning("SDPA backend %s unavailable on %s (%s)", backend, device, str(exc)[:200])
-        return False
+        return str(exc)[:200]
 
 
 @functools.cache
@@ -86,10 +82,10 @@ def cudnn_attention_usable(device_index: int) -> bool:
     """Whether cuDNN's attention runs on this GPU (cuDNN present, a GPU it supports); asked once per process."""
     from torch.nn.attention import SDPBackend
 
-    usable = sdpa_backend_runs(torch.device("cuda", device_index), SDPBackend.CUDNN_ATTENTION)
-    if not usable:
-        logger.warning("cuDNN attention unavailable: long segments use FlashAttention-2")
-    return usable
+    error = sdpa_backend_error(torch.device("cuda", device_index), SDPBackend.CUDNN_ATTENTION)
+    if error is not None:
+        logger.warning("cuDNN attention unavailable (%s): long segments use FlashAttention-2", error)
+    return error is None
 
 
 def padded_segment_attention(
@@ -291,8 +287,9 @@ class PackedCoreAttention(CausalCoreAttentionBase):
     """
 
     _name = "PackedCoreAttention"
-    cudnn_min_segment: int | None = CUDNN_MIN_SEGMENT
-    """Segments at least this long go to cuDNN on CUDA (None: FlashAttention-2 only); ``set_cudnn_min_segment``."""
+    cudnn_min_segment: int | None = None
+    """Segments at least this long go to cuDNN on CUDA (None: FlashAttention-2 only); the Actor sets it from
+    ``--cudnn-attention-min-tokens`` (``set_cudnn_min_segment``)."""
 
     def __init__(self, config: TransformerConfig, *args, **kwargs) -> None:
         if config.context_parallel_size != 1:
