@@ -497,6 +497,11 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
             actor._fused = True
             actor.model.config.bias_activation_fusion = True
             fused.set_fused_kernels(actor.model, True)
+    if args.sync_debug and CUDA:  # where the host waits for the GPU inside a step (it cannot run ahead there)
+        biggest = train_mbs(max(fits or args.max_tokens_train[:1]))
+        report["sync_sites_train"] = sync_sites(lambda: actor.train_step(biggest))
+        report["sync_sites_logprob"] = sync_sites(logprob_pass)
+        log(f"sync sites: {json.dumps({k: report[k] for k in ('sync_sites_train', 'sync_sites_logprob')}, indent=1)}")
     if args.profile and CUDA:
         biggest = train_mbs(max(fits or args.max_tokens_train[:1]))
         profile(report, args, lambda: actor.train_step(biggest), "train")
@@ -579,14 +584,88 @@ def profile(report: dict, args, fn, tag: str) -> None:
         wall = time.perf_counter() - t0
     cuda = torch.autograd.DeviceType.CUDA
     kernels = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda) / 1e6
-    report[f"profile_{tag}"] = {"wall_s": wall, "kernel_s": kernels}
-    log(f"profile {tag}: {kernels:.3f} s of kernels in {wall:.3f} s (under the profiler)")
+    report[f"profile_{tag}"] = {"wall_s": wall, "kernel_s": kernels, **gpu_idle(prof)}
+    log(f"profile {tag}: {kernels:.3f} s of kernels in {wall:.3f} s (under the profiler): {report[f'profile_{tag}']}")
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60)
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=90
     )
     Path(args.out, f"profile_{tag}.txt").write_text(table + "\n\nby input shape (aten ops):\n" + shapes)
     print(f"--- profile {tag} (top by CUDA time) ---\n" + "\n".join(table.splitlines()[:22]), flush=True)
+
+
+def gpu_idle(prof, min_gap_us: float = 50.0, top: int = 12) -> dict:
+    """Where the GPU waited: idle time between the first and last kernel, the longest gaps and the host calls
+    (CPU ops and CUDA runtime calls) that started inside each, and the time the host spent in synchronizing calls."""
+    cuda = torch.autograd.DeviceType.CUDA
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    if not kernels:
+        return {}
+    busy, gaps, (cur_start, cur_end) = 0.0, [], kernels[0]
+    for start, end in kernels[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            if start - cur_end >= min_gap_us:
+                gaps.append((start - cur_end, cur_end, start))
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = cur_end - kernels[0][0]
+    host = [e for e in events if e.device_type != cuda]
+    longest = []
+    for gap, start, end in sorted(gaps, reverse=True)[:top]:
+        inside: dict[str, int] = {}
+        for e in host:
+            if start <= e.time_range.start < end:
+                inside[e.name] = inside.get(e.name, 0) + 1
+        names = sorted(inside, key=inside.get, reverse=True)[:6]
+        longest.append({"gap_us": round(gap), "host_calls": {n: inside[n] for n in names}})
+    sync = {}
+    for e in host:
+        if "Synchronize" in e.name or e.name.startswith("cudaMemcpy") or e.name == "cudaHostAlloc":
+            count, total = sync.get(e.name, (0, 0.0))
+            sync[e.name] = (count + 1, total + e.time_range.elapsed_us())
+    return {
+        "kernel_span_s": span / 1e6,
+        "gpu_idle_s": (span - busy) / 1e6,
+        "gaps_over_50us": len(gaps),
+        "idle_in_gaps_over_50us_s": sum(g for g, _, _ in gaps) / 1e6,
+        "longest_gaps": longest,
+        "host_sync_calls": {k: {"calls": c, "ms": round(t / 1e3, 2)} for k, (c, t) in sync.items()},
+    }
+
+
+def sync_sites(fn, depth: int = 8) -> dict[str, int]:
+    """The call stacks at which ``fn`` synchronizes the host with the GPU (``torch.cuda.set_sync_debug_mode``)."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message).lower():
+            return original(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-depth:]))
+        sites[key] = sites.get(key, 0) + 1
+
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+                sync()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = original
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
@@ -812,6 +891,7 @@ def main() -> None:
     p.add_argument("--hf-logprob-mbs", type=int, default=8)
     p.add_argument("--hf-packed-train-tokens", type=int, default=16384)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--sync-debug", action="store_true", help="record where a step synchronizes host and GPU")
     p.add_argument("--skip", nargs="*", default=[], help="sections to skip: ceilings actor hf")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

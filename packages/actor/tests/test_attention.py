@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from tidal.actor.attention import (
     CUDNN_BUCKETS_PER_OCTAVE,
+    HostPackedSeqParams,
     cudnn_bucket_length,
     packed_causal_attention,
     padded_segment_attention,
@@ -96,6 +97,32 @@ def test_long_segments_routed_and_padded_give_the_packed_result_and_gradients():
     torch.testing.assert_close(
         got[0][start : start + 2100], reference(*(x[start : start + 2100] for x in (q, k, v)), scale)
     )
+
+
+def test_the_route_plan_is_made_once_per_batch_and_reused_by_every_layer():
+    """``HostPackedSeqParams.route_cache``: the first layer plans the routes and copies the runs' cu_seqlens to the
+    device; the next layers take both from the cache (no host work, no copy per layer) and route alike."""
+    torch.manual_seed(0)
+    lengths = [5, 300, 3, 60]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    bounds = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    runs = []
+
+    def short_fn(q, k, v, cu, max_len):
+        runs.append(cu)
+        return packed_causal_attention(q, k, v, cu, max_len, scale=0.5)
+
+    def long_fn(q, k, v):
+        return packed_causal_attention(q, k, v, torch.tensor([0, q.size(0)]), q.size(0), scale=0.5)
+
+    params = HostPackedSeqParams(qkv_format="thd", host_cu_seqlens=bounds)
+    first = route_by_length(q, k, v, bounds, 64, long_fn, short_fn, cache=params.route_cache)
+    second = route_by_length(q, k, v, bounds, 64, long_fn, short_fn, cache=params.route_cache)
+    assert len(params.route_cache) == 1 and [r.tolist() for r in runs[:2]] == [[0, 5], [0, 3, 63]]
+    assert runs[2] is runs[0] and runs[3] is runs[1]  # the same device tensors, not new copies
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    torch.testing.assert_close(first, packed_causal_attention(q, k, v, torch.tensor(bounds), 300, scale=0.5))
 
 
 @pytest.mark.parametrize(

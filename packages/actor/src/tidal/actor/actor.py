@@ -33,6 +33,7 @@ from tidal.actor.pipeline import (
     broadcast_object_from_last_stage,
     run_schedule,
 )
+from tidal.actor.transfer import to_device, to_host_async
 from tidal.batching import PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -145,8 +146,8 @@ class Actor:
 
         On a pipeline stage other than the last: its output hidden states (what the schedule sends on).
         """
-        tokens = batch.tokens.to(self.device)
-        cu = batch.cu_seqlens.to(device=self.device, dtype=torch.int32)
+        tokens = to_device(batch.tokens, self.device)
+        cu = to_device(batch.cu_seqlens, self.device, torch.int32)
         params = HostPackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
@@ -156,7 +157,7 @@ class Actor:
             host_cu_seqlens=tuple(batch.cu_seqlens.tolist()),
         )
         targets = torch.roll(tokens, -1)
-        position_ids = batch.position_ids.to(self.device)
+        position_ids = to_device(batch.position_ids, self.device)
         # context parallelism: this rank's zigzag shard of every sequence; rows are gathered back below
         cp = shard_inputs(batch, self.device) if self.model.config.context_parallel_size > 1 else None
         if cp is not None:
@@ -258,14 +259,14 @@ class Actor:
             raise ValueError("train_step with pipeline stages needs every micro-batch's old_log_probs")
 
         def loss_of(mb: PackedBatch, output: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-            fields = {k: v.to(self.device) for k, v in mb.token_fields.items()}
+            fields = {k: to_device(v, self.device) for k, v in mb.token_fields.items()}
             if "old_log_probs" not in fields:  # this forward runs on the weights the old log-probs mean
                 fields["old_log_probs"] = output[0].detach().float()
-                self.step_log_probs.append(fields["old_log_probs"].cpu())
+                self.step_log_probs.append(to_host_async(fields["old_log_probs"]))  # complete after the sync below
             loss, sums = self._loss_fn(
                 *output,
                 fields,
-                mb.loss_mask.to(self.device),
+                to_device(mb.loss_mask, self.device),
                 self.loss_settings,
                 num_loss_tokens=num_loss_tokens,
                 cu_seqlens=mb.cu_seqlens,
@@ -282,6 +283,8 @@ class Actor:
             run_schedule(
                 self.model, micro_batches, forward, lambda mb, out: (loss_of(mb, out), _ONE, None), forward_only=False
             )
+        if self.step_log_probs and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the step_log_probs copies have landed
         params = self._optimizer_params()
         all_reduce_gradients(params)
         if self._tied_index is not None:

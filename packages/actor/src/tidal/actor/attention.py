@@ -34,6 +34,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from tidal.actor.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class HostPackedSeqParams(PackedSeqParams):
     """
 
     host_cu_seqlens: tuple[int, ...] | None = None
+    route_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """``route_by_length``'s plan for these bounds, made by the first layer and reused by the others."""
 
 
 def cudnn_bucket_length(length: int) -> int:
@@ -115,12 +118,30 @@ def route_by_length(
     min_long: int,
     long_fn,
     short_fn,
+    cache: dict | None = None,
 ) -> torch.Tensor:
     """Segments of ``min_long`` tokens or more through ``long_fn(q, k, v)``, shorter ones through ``short_fn``.
 
     Each run of consecutive short segments is one ``short_fn(q, k, v, cu_seqlens, max_seqlen)`` call (varlen);
-    outputs are concatenated in token order, so gradients flow back through one split per input.
+    outputs are concatenated in token order, so gradients flow back through one split per input. ``cache``: a
+    dict that lives as long as ``bounds`` (``HostPackedSeqParams.route_cache``): the plan and the runs'
+    ``cu_seqlens`` on the device are made once and reused by every layer.
     """
+    cache_key = (min_long, query.device)
+    plan = None if cache is None else cache.get(cache_key)
+    if plan is None:
+        plan = _route_plan(bounds, min_long, query.device)
+        if cache is not None:
+            cache[cache_key] = plan
+    sizes, runs = plan
+    outputs = []
+    for run, q, k, v in zip(runs, query.split(sizes), key.split(sizes), value.split(sizes), strict=True):
+        outputs.append(long_fn(q, k, v) if run is None else short_fn(q, k, v, *run))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _route_plan(bounds: tuple[int, ...], min_long: int, device: torch.device):
+    """``route_by_length``'s pieces: their sizes, and per piece None (a long segment) or a run's (cu_seqlens, max)."""
     pieces: list[tuple[bool, list[int]]] = []  # (long?, bounds of the segment or of the run of short ones)
     for start, end in itertools.pairwise(bounds):
         if end - start >= min_long:
@@ -129,15 +150,16 @@ def route_by_length(
             pieces[-1][1].append(end)
         else:
             pieces.append((False, [start, end]))
-    sizes = [piece[-1] - piece[0] for _, piece in pieces]
-    outputs = []
-    for (long, piece), q, k, v in zip(pieces, query.split(sizes), key.split(sizes), value.split(sizes), strict=True):
+    runs = []
+    for long, piece in pieces:
         if long:
-            outputs.append(long_fn(q, k, v))
-        else:
-            local = torch.tensor([b - piece[0] for b in piece], dtype=torch.int32).to(q.device, non_blocking=True)
-            outputs.append(short_fn(q, k, v, local, max(b - a for a, b in itertools.pairwise(piece))))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            runs.append(None)
+            continue
+        local = torch.tensor([b - piece[0] for b in piece], dtype=torch.int32)
+        with torch.inference_mode(False):  # the plan may be made under inference mode and kept for autograd
+            local = to_device(local, device)
+        runs.append((local, max(b - a for a, b in itertools.pairwise(piece))))
+    return [piece[-1] - piece[0] for _, piece in pieces], runs
 
 
 @functools.cache
@@ -157,6 +179,7 @@ def packed_causal_attention(
     scale: float,
     host_cu_seqlens: tuple[int, ...] | None = None,
     cudnn_min_segment: int | None = None,
+    route_cache: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed segment.
 
@@ -170,6 +193,7 @@ def packed_causal_attention(
         host_cu_seqlens: ``cu_seqlens`` as host integers, if the caller has them: on CUDA in fp16/bf16, segments of
             ``cudnn_min_segment`` tokens or more then go through cuDNN's attention (None: none do).
         cudnn_min_segment: see ``host_cu_seqlens``.
+        route_cache: see ``route_by_length``.
 
     Returns:
         ``[T, heads, dim]``, the attention output for every token.
@@ -201,7 +225,9 @@ def packed_causal_attention(
             and cudnn_attention_usable(query.device.index or 0)
         ):
             long_fn = functools.partial(padded_segment_attention, scale=scale)
-            return route_by_length(query, key, value, host_cu_seqlens, cudnn_min_segment, long_fn, flash)
+            return route_by_length(
+                query, key, value, host_cu_seqlens, cudnn_min_segment, long_fn, flash, cache=route_cache
+            )
         return flash(query, key, value, cu, max_seqlen)
     gqa = num_heads != num_groups
     if query.is_cuda and gqa:  # SDPA's enable_gqa sends fp32 to the math kernel: a [heads, T, T] matrix at 32k
@@ -337,6 +363,7 @@ class PackedCoreAttention(CausalCoreAttentionBase):
             scale=self.softmax_scale,
             host_cu_seqlens=getattr(packed_seq_params, "host_cu_seqlens", None),
             cudnn_min_segment=self.cudnn_min_segment,
+            route_cache=getattr(packed_seq_params, "route_cache", None),
         )
         return out.reshape(out.size(0), -1)
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
+from tidal.actor.transfer import to_device
 from tidal.batching import ContextParallelShard, PackedBatch, gather_from_context_parallel, split_for_context_parallel
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def shard_inputs(batch: PackedBatch, device: torch.device) -> ShardedInputs:
     full_targets = torch.roll(batch.tokens, -1)
     real = shard.source_index >= 0
     targets = torch.where(real, full_targets[shard.source_index.clamp(min=0)], torch.zeros((), dtype=torch.int64))
-    cu = shard.cu_seqlens_padded.to(device=device, dtype=torch.int32)
+    cu = to_device(shard.cu_seqlens_padded, device, torch.int32)
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -67,10 +68,10 @@ def shard_inputs(batch: PackedBatch, device: torch.device) -> ShardedInputs:
         max_seqlen_kv=shard.max_seqlen,
     )
     return ShardedInputs(
-        tokens=shard.tokens.to(device),
-        position_ids=shard.position_ids.to(device),
+        tokens=to_device(shard.tokens, device),
+        position_ids=to_device(shard.position_ids, device),
         packed_seq_params=params,
-        targets=targets.to(device),
+        targets=to_device(targets, device),
         shard=shard,
     )
 
@@ -101,4 +102,4 @@ def gather_rows(local: torch.Tensor, batch: PackedBatch, shard: ContextParallelS
     Every CP rank must call it (all-gather), and every CP rank must then compute the *same* loss from
     the result: the backward hands each rank its own rows' gradient without reduction.
     """
-    return _GatherRows.apply(local, batch, shard.source_index.to(local.device))
+    return _GatherRows.apply(local, batch, to_device(shard.source_index, local.device))

@@ -183,6 +183,5 @@ def to_token_convention(row_values: torch.Tensor, cu_seqlens: torch.Tensor) -> t
     sequence's first token (which has no prediction).
     """
     shifted = torch.cat([row_values.new_zeros(1), row_values[:-1]])
-    starts = torch.zeros_like(shifted, dtype=torch.bool)
-    starts[cu_seqlens[:-1].long().clamp(max=shifted.numel() - 1)] = True
-    return torch.where(starts, torch.zeros_like(shifted), shifted)
+    # index_fill_ with a Python scalar: ``x[idx] = 0`` would copy the 0 from the host and make the host wait
+    return shifted.index_fill_(0, cu_seqlens[:-1].long().clamp(max=shifted.numel() - 1), 0.0)
