@@ -1,6 +1,7 @@
 """GPU smoke of the trainer paths in the fast setting (bf16 parameters, fp32 main copies, fused kernels and the
-gradient-accumulation fusion): GRPO with one step per rollout (old log-probs taken from the training forward), PPO
-with a critic (a critic-only rollout, then both), offload/onload of the actor and the critic. Prints the metrics.
+gradient-accumulation fusion): GRPO and GSPO with one step per rollout (old log-probs taken from the training
+forward), PPO with a critic (a critic-only rollout, then both), offload/onload of the actor and the critic. Prints
+the metrics.
 
     PYTHONPATH=$P python3 bench/gpu_smoke_trainer.py       # P as in bench_actor_gpu.py; ~40 s on an H200
 """
@@ -37,8 +38,9 @@ LENGTHS = (300, 280, 500, 450, 64, 90, 1200, 1000)
 REWARDS = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
 
 
-def grpo(out: dict, fast: dict, tokens: list, masks: list) -> None:
-    actor = Actor(ActorConfig(**fast))
+def grpo(out: dict, fast: dict, tokens: list, masks: list, estimator: str = "grpo") -> None:
+    """GRPO, or another group estimator (``gspo``: the sequence ratio, per-sequence ids sent to the GPU)."""
+    actor = Actor(ActorConfig(**fast, advantage_estimator=estimator))
     actor.reserve_offload_memory()  # pinned in the background; the offload below waits for it
     batching = BatchingConfig(
         rollout_batch_size=4, n_samples_per_prompt=2, use_dynamic_batch_size=True, max_tokens_per_gpu=4096
@@ -49,9 +51,9 @@ def grpo(out: dict, fast: dict, tokens: list, masks: list) -> None:
     m = train_on_rollout(
         actor, batching, tokens=tokens, loss_masks=masks, rewards=REWARDS, group_size=2, rollout_log_probs=engine
     )
-    out["grpo"] = {k: v for k, v in m.items() if k.startswith(("train/", "rollout/", "time/"))}
-    out["grpo_max_logprob_change"] = float((actor.compute_log_probs(plain) - before).abs().max())
-    out["grpo_offload"] = {**actor.offload(), **actor.onload()}
+    out[estimator] = {k: v for k, v in m.items() if k.startswith(("train/", "rollout/", "time/"))}
+    out[f"{estimator}_max_logprob_change"] = float((actor.compute_log_probs(plain) - before).abs().max())
+    out[f"{estimator}_offload"] = {**actor.offload(), **actor.onload()}
 
 
 def ppo(out: dict, fast: dict, tokens: list, masks: list, log_probs_budget: int | None = None) -> None:
@@ -90,7 +92,8 @@ def main() -> None:
         B.save_checkpoint(MODEL, ckpt)
         fast = dict(hf_checkpoint=str(ckpt), params_dtype="bfloat16", fp32_main_params=True, lr=1e-4)
         budget = lambda *a: ppo(*a, log_probs_budget=8192)  # noqa: E731
-        for name, fn in (("grpo", grpo), ("ppo", ppo), ("ppo_log_probs_budget", budget)):
+        gspo = lambda *a: grpo(*a, estimator="gspo")  # noqa: E731
+        for name, fn in (("grpo", grpo), ("gspo", gspo), ("ppo", ppo), ("ppo_log_probs_budget", budget)):
             try:
                 fn(out, fast, tokens, masks)
             except Exception as e:  # keep going: the report says what failed

@@ -158,6 +158,20 @@ def test_gspo_sequence_ratio_matches_the_paper_values_and_gradients():
     assert grad[mask == 0].abs().max() == 0
 
 
+def test_gspo_takes_host_cu_seqlens_with_the_model_on_another_device():
+    """The actor passes the batch's cu_seqlens (host) with log-probs on the GPU. The sequence ids are built on the
+    host and sent over; building them on the model's device crashed GSPO on an H200 ("index is on cuda:0, different
+    from other tensors on cpu"). The meta device stands in for the GPU: the loss must build there, shape and all."""
+    lp, old, adv, mask, cu = seg_batch()
+    meta = torch.device("meta")
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.28, policy_loss="gspo")
+    fields = {"old_log_probs": old, "advantages": adv, "loss_weights": per_sample_weights(mask, cu)}
+    fields = {k: v.to(meta) for k, v in fields.items()}
+    lp = lp.detach().to(meta).requires_grad_()
+    loss, _ = actor_loss(lp, None, fields, mask.to(meta), settings, num_loss_tokens=3.0, cu_seqlens=cu)
+    assert loss.device == meta and loss.shape == ()
+
+
 def test_cispo_clipped_detached_weight_times_log_prob():
     # CISPO: J = 1/sum|y_i| sum_i sum_t sg(min(r_it, 1 + e_h)) A_i log pi(y_it); token-level aggregation
     lp, old, adv, mask, _ = seg_batch(1)

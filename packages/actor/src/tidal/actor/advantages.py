@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from tidal.actor.transfer import to_device
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
@@ -126,8 +127,11 @@ def _segments(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def sequence_mean(values: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Each token gets the mean of ``values`` over its sequence's loss tokens (differentiable; 0 without any)."""
-    ids = _segments(cu_seqlens, values.numel()).to(values.device)
+    """Each token gets the mean of ``values`` over its sequence's loss tokens (differentiable; 0 without any).
+
+    The sequence ids are built on the host from ``cu_seqlens`` and sent without a host wait (``to_device``).
+    """
+    ids = to_device(_segments(cu_seqlens.cpu(), values.numel()), values.device)
     num = cu_seqlens.numel() - 1
     mask = loss_mask.to(values.dtype)
     sums = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, ids, values * mask)

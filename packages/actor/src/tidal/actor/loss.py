@@ -250,7 +250,7 @@ def _policy_loss(log_probs, fields, loss_mask, settings: LossSettings, reduce, c
         if settings.policy_loss == "gspo":  # one ratio per sequence: exp(mean over its tokens of log r)
             if cu_seqlens is None:
                 raise ValueError("--advantage-estimator gspo needs the batch's cu_seqlens (sequence boundaries)")
-            log_ratio = sequence_mean(log_probs - old, loss_mask, cu_seqlens.to(log_probs.device))
+            log_ratio = sequence_mean(log_probs - old, loss_mask, cu_seqlens)
         pg, clipped = ppo_clip_loss(
             log_probs,
             old,
