@@ -1,7 +1,7 @@
 """GPU smoke of the trainer paths in the fast setting (bf16 parameters, fp32 main copies, fused kernels and the
 gradient-accumulation fusion): GRPO and GSPO with one step per rollout (old log-probs taken from the training
-forward), PPO with a critic (a critic-only rollout, then both), offload/onload of the actor and the critic. Prints
-the metrics.
+forward), PPO with a critic (a critic-only rollout, then both), offload/onload of the actor and the critic, every
+other estimator with a reference model, KL loss, KL penalty and TIS. Prints the metrics.
 
     PYTHONPATH=$P python3 bench/gpu_smoke_trainer.py       # P as in bench_actor_gpu.py; ~40 s on an H200
 """
@@ -56,6 +56,45 @@ def grpo(out: dict, fast: dict, tokens: list, masks: list, estimator: str = "grp
     out[f"{estimator}_offload"] = {**actor.offload(), **actor.onload()}
 
 
+def algorithms(out: dict, fast: dict, tokens: list, masks: list) -> None:
+    """Every other estimator for one rollout (two optimizer steps, so the old log-probs come from their own pass),
+    with a reference model, the KL loss and the KL reward penalty, and TIS against the engine's log-probs."""
+    from tidal.actor import ReferenceModel
+
+    batching = BatchingConfig(
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        num_steps_per_rollout=2,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=2048,
+    )
+    keys = ("train/loss", "train/grad_norm", "train/kl", "train/pg_clipfrac", "rollout/logprob_abs_diff/max")
+    for estimator in ("cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo"):
+        cfg = ActorConfig(
+            **fast, advantage_estimator=estimator, use_kl_loss=True, kl_loss_coef=0.01, kl_coef=0.01, use_tis=True
+        )
+        try:
+            actor = Actor(cfg)
+            reference = ReferenceModel(cfg)
+            before = actor.compute_log_probs(pack(tokens))
+            engine = [lp.tolist() for lp in torch.split(before, [len(t) for t in tokens])]
+            m = train_on_rollout(
+                actor,
+                batching,
+                tokens=tokens,
+                loss_masks=masks,
+                rewards=REWARDS,
+                group_size=2,
+                rollout_log_probs=engine,
+                reference=reference,
+            )
+            out[f"{estimator}_kl_tis"] = {k: m.get(k) for k in keys}
+            del actor, reference
+        except Exception as e:  # the next estimator still runs
+            traceback.print_exc()
+            out[f"{estimator}_kl_tis_error"] = repr(e)[:400]
+
+
 def ppo(out: dict, fast: dict, tokens: list, masks: list, log_probs_budget: int | None = None) -> None:
     """PPO with a critic; ``log_probs_budget``: the forward-only passes on --log-probs-max-tokens-per-gpu."""
     cfg = ActorConfig(**fast, advantage_estimator="ppo", critic_lr=1e-4, value_clip=0.2, num_critic_only_steps=1)
@@ -93,7 +132,8 @@ def main() -> None:
         fast = dict(hf_checkpoint=str(ckpt), params_dtype="bfloat16", fp32_main_params=True, lr=1e-4)
         budget = lambda *a: ppo(*a, log_probs_budget=8192)  # noqa: E731
         gspo = lambda *a: grpo(*a, estimator="gspo")  # noqa: E731
-        for name, fn in (("grpo", grpo), ("gspo", gspo), ("ppo", ppo), ("ppo_log_probs_budget", budget)):
+        cases = (("grpo", grpo), ("gspo", gspo), ("ppo", ppo), ("ppo_log_probs_budget", budget), ("algos", algorithms))
+        for name, fn in cases:
             try:
                 fn(out, fast, tokens, masks)
             except Exception as e:  # keep going: the report says what failed
