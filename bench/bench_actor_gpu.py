@@ -500,6 +500,9 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
     if args.sync_debug and CUDA:  # where the host waits for the GPU inside a step (it cannot run ahead there)
         biggest = train_mbs(max(fits or args.max_tokens_train[:1]))
         report["sync_sites_train"] = sync_sites(lambda: actor.train_step(biggest))
+        # a site hit once per micro-batch (or more) makes the GPU drain and idle inside the step
+        sites = report["sync_sites_train"]
+        report["sync_sites_per_micro_batch"] = {k: n for k, n in sites.items() if n >= len(biggest)}
         report["sync_sites_logprob"] = sync_sites(logprob_pass)
         log(f"sync sites: {json.dumps({k: report[k] for k in ('sync_sites_train', 'sync_sites_logprob')}, indent=1)}")
     if args.profile and CUDA:
@@ -961,6 +964,9 @@ def summary(report: dict) -> None:
             )
     if report.get("cudnn_attention_usable") is False:
         print("WARNING: cuDNN attention was unusable (see the log): long segments ran on FlashAttention-2")
+    if report.get("sync_sites_per_micro_batch"):
+        sites = report["sync_sites_per_micro_batch"]
+        print("WARNING: the host waits for the GPU once per micro-batch or more at:", *sites, sep="\n  ")
     if report.get("fused_kernels") is False:
         print("WARNING: the Triton smoke test failed (see errors): tidal's figures below ran WITHOUT fused kernels")
     print("| what | tokens/s | MFU | peak GiB |\n| --- | --- | --- | --- |\n" + "\n".join(rows))
