@@ -502,7 +502,7 @@ def actor_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> No
         report["sync_sites_train"] = sync_sites(lambda: actor.train_step(biggest))
         # a site hit once per micro-batch (or more) makes the GPU drain and idle inside the step
         sites = report["sync_sites_train"]
-        report["sync_sites_per_micro_batch"] = {k: n for k, n in sites.items() if n >= len(biggest)}
+        report["sync_sites_per_micro_batch"] = {k: n for k, n in sites.items() if n >= len(biggest) > 1}
         report["sync_sites_logprob"] = sync_sites(logprob_pass)
         log(f"sync sites: {json.dumps({k: report[k] for k in ('sync_sites_train', 'sync_sites_logprob')}, indent=1)}")
     if args.profile and CUDA:
