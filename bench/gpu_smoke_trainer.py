@@ -56,18 +56,24 @@ def grpo(out: dict, fast: dict, tokens: list, masks: list, estimator: str = "grp
     out[f"{estimator}_offload"] = {**actor.offload(), **actor.onload()}
 
 
-def algorithms(out: dict, fast: dict, tokens: list, masks: list) -> None:
-    """Every other estimator for one rollout (two optimizer steps, so the old log-probs come from their own pass),
-    with a reference model, the KL loss and the KL reward penalty, and TIS against the engine's log-probs."""
-    from tidal.actor import ReferenceModel
-
-    batching = BatchingConfig(
+def two_step_batching(**kw) -> BatchingConfig:
+    """4 prompts x 2 samples in two optimizer steps of dynamic micro-batches (2048 tokens)."""
+    return BatchingConfig(
         rollout_batch_size=4,
         n_samples_per_prompt=2,
         num_steps_per_rollout=2,
         use_dynamic_batch_size=True,
         max_tokens_per_gpu=2048,
+        **kw,
     )
+
+
+def algorithms(out: dict, fast: dict, tokens: list, masks: list) -> None:
+    """Every other estimator for one rollout (two optimizer steps, so the old log-probs come from their own pass),
+    with a reference model, the KL loss and the KL reward penalty, and TIS against the engine's log-probs."""
+    from tidal.actor import ReferenceModel
+
+    batching = two_step_batching()
     keys = ("train/loss", "train/grad_norm", "train/kl", "train/pg_clipfrac", "rollout/logprob_abs_diff/max")
     for estimator in ("cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo"):
         cfg = ActorConfig(
@@ -99,14 +105,7 @@ def ppo(out: dict, fast: dict, tokens: list, masks: list, log_probs_budget: int 
     """PPO with a critic; ``log_probs_budget``: the forward-only passes on --log-probs-max-tokens-per-gpu."""
     cfg = ActorConfig(**fast, advantage_estimator="ppo", critic_lr=1e-4, value_clip=0.2, num_critic_only_steps=1)
     actor, critic = Actor(cfg), Critic(cfg)
-    batching = BatchingConfig(
-        rollout_batch_size=4,
-        n_samples_per_prompt=2,
-        num_steps_per_rollout=2,
-        use_dynamic_batch_size=True,
-        max_tokens_per_gpu=2048,
-        log_probs_max_tokens_per_gpu=log_probs_budget,
-    )
+    batching = two_step_batching(log_probs_max_tokens_per_gpu=log_probs_budget)
     kw = dict(tokens=tokens, loss_masks=masks, rewards=REWARDS, group_size=2, critic=critic)
     keys = ("critic/", "train/loss", "train/grad_norm", "train/critic_only", "batching/")
     name = "ppo" if log_probs_budget is None else f"ppo_log_probs_budget_{log_probs_budget}"
