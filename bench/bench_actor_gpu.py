@@ -655,19 +655,15 @@ def sync_sites(fn, depth: int = 8) -> dict[str, int]:
         key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-depth:]))
         sites[key] = sites.get(key, 0) + 1
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-                sync()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = original
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            sync()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
 
 
