@@ -73,7 +73,7 @@ def test_oom_in_training_is_one_line_and_frees_the_pass(actor, backward):
 def test_oom_in_log_probs_names_its_own_budget(actor):
     inject = Injected(actor.model.decoder.layers[0], backward=False)
     try:
-        with pytest.raises(ActorOutOfMemoryError, match="log-prob pass .* --log-probs-max-tokens-per-gpu"):
+        with pytest.raises(ActorOutOfMemoryError, match=r"log-prob pass .* --log-probs-max-tokens-per-gpu"):
             actor.compute_log_probs(pack(SEQS))
     finally:
         inject.remove()
