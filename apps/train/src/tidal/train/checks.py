@@ -405,6 +405,10 @@ def check_job(
                 problems.run(batching.resolve, dp_size=dp)
     if batching is not None and rollout is not None:
         problems.run(check_token_budget, batching, rollout)
+        if train is not None and actor is not None and placement is not None:
+            from tidal.train.memory import check_memory
+
+            problems.run(check_memory, train, actor, batching, rollout, placement, hf_config)
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:

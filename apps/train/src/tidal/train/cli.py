@@ -267,6 +267,11 @@ def _run(job: JobConfig) -> int:
 
     write_effective_config(job, job.train.output_dir)
     link_latest(Path(job.train.output_dir))
+    if not job.train.debug_rollout_only:
+        from tidal.ckpt import read_hf_config_json
+        from tidal.train.memory import write_memory_plan
+
+        write_memory_plan(job, read_hf_config_json(job.actor.hf_checkpoint), job.train.output_dir)
     result = run(job)
     logger.info(
         "done in %.1f s (RL %.1f s): held-out accuracy %s -> %s; summary %s; curves %s; checkpoint %s",

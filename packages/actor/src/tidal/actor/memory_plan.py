@@ -55,6 +55,8 @@ class ModelShape:
     """Channels per head."""
     tie_word_embeddings: bool
     """The LM head shares the embedding matrix."""
+    qkv_bias: bool = False
+    """The q/k/v projections carry a bias (Qwen2)."""
     qk_norm: bool = False
     """Per-head RMSNorm of queries and keys (Qwen3): the layer keeps q/k before the norm too."""
 
@@ -71,6 +73,7 @@ class ModelShape:
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=cfg.get("model_type") == "qwen3",
         )
 
@@ -82,12 +85,15 @@ class ModelShape:
     def layer_params(self, tp: int = 1) -> int:
         """Parameters of one decoder layer on one tensor-parallel rank (norms are replicated)."""
         h, f, q = self.hidden_size, self.ffn_hidden_size, self.num_attention_heads * self.head_dim
-        sharded = h * self.qkv_width + self.qkv_width + q * h + 3 * h * f
+        sharded = h * self.qkv_width + (self.qkv_width if self.qkv_bias else 0) + q * h + 3 * h * f
         return sharded // tp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
 
     def embedding_params(self, tp: int = 1) -> int:
-        """Parameters of the embedding (or of an untied LM head) on one rank: the vocabulary padded for TP."""
-        padded = -(-self.vocab_size // (ALIGN * tp)) * ALIGN * tp
+        """Parameters of the embedding (or of an untied LM head) on one rank, the vocabulary padded for TP.
+
+        The padding is ``vocab_padding.padded_vocab_size``'s: none when TP divides the vocabulary.
+        """
+        padded = self.vocab_size if self.vocab_size % tp == 0 else -(-self.vocab_size // (ALIGN * tp)) * ALIGN * tp
         return padded // tp * self.hidden_size
 
     def num_params(self) -> int:
@@ -191,14 +197,14 @@ class MemoryPlan:
     def table(self) -> str:
         """The plan as a short fixed-width table (GiB)."""
         lines = [f"memory plan per GPU (GiB), training micro-batch {self.inputs.train_tokens} tokens:"]
-        lines += [f"  {name:<34} {size / GIB:8.2f}" for name, size in self.rows]
-        lines.append(f"  {'training peak':<34} {self.train_peak / GIB:8.2f}")
-        lines.append(f"  {f'log-prob peak ({self.inputs.logprob_tokens} tokens)':<34} {self.logprob_peak / GIB:8.2f}")
+        lines += [f"  {name:<40} {size / GIB:8.2f}" for name, size in self.rows]
+        lines.append(f"  {'training peak':<40} {self.train_peak / GIB:8.2f}")
+        lines.append(f"  {f'log-prob peak ({self.inputs.logprob_tokens} tokens)':<40} {self.logprob_peak / GIB:8.2f}")
         if self.engine_bytes:
-            lines.append(f"  {'co-located engines':<34} {self.engine_bytes / GIB:8.2f}")
+            lines.append(f"  {'co-located engines':<40} {self.engine_bytes / GIB:8.2f}")
         if self.gpu_bytes is not None:
             verdict = "fits" if self.fits() else "DOES NOT FIT"
-            lines.append(f"  {'card (less 5% headroom)':<34} {self.limit / GIB:8.2f}  {verdict}")
+            lines.append(f"  {'card (less 5% headroom)':<40} {self.limit / GIB:8.2f}  {verdict}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -249,6 +255,7 @@ def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
     # the stage that holds the embedding (and, in one stage, the LM head): the largest
     heads = 1 if shape.tie_word_embeddings or pp > 1 else 2
     params = _layers_per_stage(shape, inputs) * shape.layer_params(tp) + heads * shape.embedding_params(tp)
+    params += shape.hidden_size  # the final norm
     width = 2 if inputs.params_dtype == "bfloat16" else 4
     rows = [(f"parameters ({inputs.params_dtype})", params * width)]
     if inputs.fp32_main_params:
