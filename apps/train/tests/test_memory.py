@@ -3,7 +3,7 @@ import re
 from pathlib import Path
 
 import pytest
-from tidal.actor.memory_plan import GIB, ModelShape, largest_fitting_tokens
+from tidal.actor import ModelShape, largest_fitting_tokens
 from tidal.train.checks import ConfigErrors
 from tidal.train.cli import parse_job
 from tidal.train.memory import job_memory_plan, memory_inputs
@@ -19,6 +19,7 @@ QWEN3_1_7B = dict(
     head_dim=128,
     tie_word_embeddings=True,
 )
+GIB = 2**30
 BF16 = ["--params-dtype", "bfloat16", "--fp32-main-params"]
 
 

@@ -8,38 +8,21 @@ to the run folder (``memory_plan.json``).
 from __future__ import annotations
 
 import logging
-import shutil
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tidal.actor.memory_plan import GIB, MemoryInputs, MemoryPlan, ModelShape, largest_fitting_tokens, plan_memory
+from tidal.actor import MemoryInputs, MemoryPlan, ModelShape, largest_fitting_tokens, plan_memory
+from tidal.placement import gpu_memory_bytes
 
 logger = logging.getLogger(__name__)
+
+GIB = 2**30
 
 PROMPT_TOKENS = 1024
 """Prompt tokens assumed per sequence where only the response length is known (a fixed --micro-batch-size)."""
 SGLANG_DEFAULT_FRACTION = 0.9
 """The engines' share of a co-located GPU assumed when --sglang-mem-fraction-static is not given."""
-
-
-def local_gpu_bytes() -> int | None:
-    """Memory of this machine's first GPU by nvidia-smi (no torch import); None without one."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-        return int(float(out.splitlines()[0])) * 2**20
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
 
 
 def engine_fraction(train, rollout, placement) -> float:
@@ -88,7 +71,7 @@ def job_memory_plan(
 
 def gpu_bytes_of(actor) -> int | None:
     """The trainer GPU's memory: ``--gpu-memory-gib``, else this machine's first GPU (None without one)."""
-    return int(actor.gpu_memory_gib * GIB) if actor.gpu_memory_gib else local_gpu_bytes()
+    return int(actor.gpu_memory_gib * GIB) if actor.gpu_memory_gib else gpu_memory_bytes()
 
 
 def check_memory(train, actor, batching, rollout, placement, hf_config: dict[str, Any] | None) -> None:
