@@ -195,3 +195,17 @@ def test_no_child_process_remains(run):
     assert summary["engine_pids"]
     assert not [pid for pid in summary["engine_pids"] if _alive(pid)]
     assert not leftovers, leftovers
+
+
+def test_the_run_folder_holds_the_memory_plan_of_its_model(run):
+    from tidal.actor import ModelShape
+    from tidal.ckpt import read_hf_config_json
+
+    job, summary, _, _, _ = run
+    plan = json.loads((Path(summary["metrics"]).parent / "memory_plan.json").read_text())
+    shape = ModelShape.from_hf_config(read_hf_config_json(job.actor.hf_checkpoint))
+    width = 2 if job.actor.params_dtype == "bfloat16" else 4
+    params = plan["rows_gib"][f"parameters ({job.actor.params_dtype})"]
+    assert abs(params - shape.num_params() * width / 2**30) < 0.001
+    assert abs(plan["train_peak_gib"] - sum(plan["rows_gib"].values())) < 0.01
+    assert plan["inputs"]["recompute_activations"] == job.actor.recompute_activations
