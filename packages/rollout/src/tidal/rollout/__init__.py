@@ -23,7 +23,13 @@ if TYPE_CHECKING:
         sample_with_dynamic_filter,
     )
     from tidal.rollout.engine import SGLangEngine
-    from tidal.rollout.generation import check_chat_template, filter_uniform_groups, generate_samples, rollout_metrics
+    from tidal.rollout.generation import (
+        check_chat_template,
+        check_stop_tokens,
+        filter_uniform_groups,
+        generate_samples,
+        rollout_metrics,
+    )
     from tidal.rollout.health import Heartbeat
     from tidal.rollout.import_path import load_callable
     from tidal.rollout.partial_rollout import InterruptibleUpdates, generate_partial_rollout
@@ -53,6 +59,7 @@ _LAZY = {
     "sample_with_dynamic_filter": "dynamic_sampling",
     "SGLangEngine": "engine",
     "check_chat_template": "generation",
+    "check_stop_tokens": "generation",
     "filter_uniform_groups": "generation",
     "generate_samples": "generation",
     "rollout_metrics": "generation",
@@ -100,6 +107,7 @@ __all__ = [
     "SGLangEngine",
     "Sample",
     "check_chat_template",
+    "check_stop_tokens",
     "destroy_weights_update_group",
     "filter_uniform_groups",
     "generate_partial_rollout",
