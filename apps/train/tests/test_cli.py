@@ -175,6 +175,10 @@ BAD = [
     (["--advantage-estimator", "ppo", "--value-clip", "-1"], "^--value-clip must be > 0"),
     (["--critic-load", "{file}"], "^--critic-load starts the critic of --advantage-estimator ppo"),
     (["--advantage-estimator", "ppo", "--critic-load", "/nonexistent"], "^--critic-load /nonexistent does not exist"),
+    (["--ref-load", "/nonexistent"], "^--ref-load /nonexistent loads the reference model of a KL term, and this run"),
+    (["--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "/no/ref"], "^--ref-load /no/ref does not exist"),
+    (["--kl-coef", "0.01", "--ref-load", "{file}"], "^--ref-load .* is a file, not a checkpoint directory"),
+    (["--kl-loss-coef", "0.01", "--ref-load", "{model}"], "^--ref-load .* and this run has none"),  # no --use-kl-loss
 ]
 
 

@@ -290,6 +290,23 @@ def check_load(ckpt) -> None:
         raise ValueError(str(e) if "--load" in str(e) else f"--load {ckpt.load}: {e}") from e
 
 
+def check_ref_load(actor, ckpt) -> None:
+    """``--ref-load`` loads the reference model of a KL term, and names a loadable checkpoint."""
+    if not ckpt.ref_load:
+        return
+    if actor.kl_loss_coef == 0 and actor.kl_coef == 0:
+        raise ValueError(
+            f"--ref-load {ckpt.ref_load} loads the reference model of a KL term, and this run has none: add "
+            "--use-kl-loss --kl-loss-coef C (or --kl-coef C), or drop --ref-load"
+        )
+    from tidal.ckpt import CheckpointError, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(ckpt.ref_load, flag="--ref-load")
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e
+
+
 def check_critic(actor, ckpt) -> None:
     """``--critic-load`` starts the critic of ``--advantage-estimator ppo`` and names a loadable checkpoint."""
     if not ckpt.critic_load:
@@ -408,6 +425,7 @@ def check_job(
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:
+            problems.run(check_ref_load, actor, ckpt)
             problems.run(check_critic, actor, ckpt)
         if train is not None:
             problems.run(check_keep_best_by, train, ckpt)
