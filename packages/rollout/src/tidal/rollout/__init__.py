@@ -9,7 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tidal.rollout.config import WILDCARD_HOSTS, RolloutConfig, sglang_router_args, sglang_server_args
+from tidal.rollout.config import (
+    WILDCARD_HOSTS,
+    RolloutConfig,
+    sglang_arg_problems,
+    sglang_router_args,
+    sglang_server_args,
+)
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 
 if TYPE_CHECKING:
@@ -125,6 +131,7 @@ __all__ = [
     "samples_from_records",
     "save_rollout_data",
     "score_samples",
+    "sglang_arg_problems",
     "sglang_router_args",
     "sglang_server_args",
     "update_weights_from_distributed",
