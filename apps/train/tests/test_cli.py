@@ -175,6 +175,20 @@ BAD = [
     (["--advantage-estimator", "ppo", "--value-clip", "-1"], "^--value-clip must be > 0"),
     (["--critic-load", "{file}"], "^--critic-load starts the critic of --advantage-estimator ppo"),
     (["--advantage-estimator", "ppo", "--critic-load", "/nonexistent"], "^--critic-load /nonexistent does not exist"),
+    (
+        ["--custom-generate-function-path", "json:loads", "--partial-rollout"],
+        "^--custom-generate-function-path runs on each engine's own worker, not on the driver-side path that "
+        "--partial-rollout takes .*: drop --partial-rollout",
+    ),
+    (
+        ["--custom-generate-function-path", "json:loads", "--dynamic-sampling-filter-path", "reward_variance"],
+        "^--custom-generate-function-path .* --dynamic-sampling-filter-path takes",
+    ),
+    (
+        ["--custom-generate-function-path", "json:loads", "--rollout-external-engine-addrs", "h:1", "h:2"],
+        r"^--custom-generate-function-path .* the router \(--use-router, the default with 2 or more engines\) takes "
+        r"\(2 engine\(s\)\), where it would be dropped: pass --no-use-router",
+    ),
     (["--ref-load", "/nonexistent"], "^--ref-load /nonexistent loads the reference model of a KL term, and this run"),
     (["--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "/no/ref"], "^--ref-load /no/ref does not exist"),
     (["--kl-coef", "0.01", "--ref-load", "{file}"], "^--ref-load .* is a file, not a checkpoint directory"),
@@ -375,6 +389,12 @@ def test_sglang_pass_through_is_checked_by_sglangs_own_parsers_one_line_per_flag
     job = parse_job(good)
     assert job.rollout.sglang_server_args[:3] == ("--mem-fraction-static", "0.5", "--enable-metrics")
     assert job.rollout.sglang_router_args == ("--cache-threshold", "0.3")
+
+
+def test_a_custom_generate_function_is_kept_on_the_engine_workers_path():
+    job = parse_job(["--custom-generate-function-path", "json:loads"])  # one engine, no router: each worker calls it
+    assert job.rollout.custom_generate_function_path == "json:loads"
+    assert not job.rollout.router_wanted(job.placement.num_engines)
 
 
 def test_hf_checkpoint_without_recipe_reports_the_folder_as_well():
