@@ -130,6 +130,8 @@ class Actor:
         if cfg.loss_type == "custom_loss":
             self._loss_fn = load_function(cfg.custom_loss_function_path, flag="--custom-loss-function-path")
         self.num_steps = 0
+        self.num_skipped_steps = 0
+        """Steps skipped for a non-finite gradient norm since this Actor was built (``--no-check-for-nan-...``)."""
         self.step_log_probs: list[torch.Tensor] = []
         """The log-probs the last :meth:`train_step` computed for micro-batches given without old ones."""
         self._autocast = cfg.bf16 and self.device.type == "cuda"
@@ -278,7 +280,8 @@ class Actor:
         Returns:
             Metrics, identical on every rank: "train/loss", "train/pg_loss", "train/pg_clipfrac",
             "train/ppo_kl", "train/entropy", "train/kl" (with KL), "train/grad_norm", "train/lr",
-            "train/num_loss_tokens", "train/skipped".
+            "train/num_loss_tokens", "train/skipped" (1.0 when this step was skipped), "train/skipped_steps" (the
+            running total of skipped steps).
         """
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
@@ -340,7 +343,13 @@ class Actor:
                 "--no-check-for-nan-in-loss-and-grad to skip such steps instead"
             )
         if skipped:
-            logger.warning("skipping optimizer step %d: gradient norm is %s", self.num_steps, grad_norm)
+            self.num_skipped_steps += 1
+            logger.warning(
+                "skipping optimizer step %d: gradient norm is %s (%d step(s) skipped so far)",
+                self.num_steps,
+                grad_norm,
+                self.num_skipped_steps,
+            )
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -373,7 +382,8 @@ class Actor:
             metrics = {f"{self.metric_prefix}/{k}": float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
         if self.stage.size > 1:
             metrics = broadcast_object_from_last_stage(metrics)
-        extra = {"grad_norm": grad_norm, "lr": lr, "num_loss_tokens": num_loss_tokens, "skipped": float(skipped)}
+        extra = {"grad_norm": grad_norm, "lr": lr, "num_loss_tokens": num_loss_tokens, "skipped": float(skipped),
+                 "skipped_steps": float(self.num_skipped_steps)}  # fmt: skip
         metrics |= {f"{self.metric_prefix}/{k}": v for k, v in extra.items()}
         return metrics
 
