@@ -69,6 +69,12 @@ def job_memory_plan(
     return plan_memory(shape, inputs, gpu_bytes=gpu_bytes, engine_fraction=engine_fraction(train, rollout, placement))
 
 
+def plannable(hf_config: dict[str, Any] | None) -> bool:
+    """Whether ``hf_config`` holds the dimensions a plan needs (a config.json the actor could build from)."""
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    return hf_config is not None and all(key in hf_config for key in needed)
+
+
 def gpu_bytes_of(actor) -> int | None:
     """The trainer GPU's memory: ``--gpu-memory-gib``, else this machine's first GPU (None without one)."""
     return int(actor.gpu_memory_gib * GIB) if actor.gpu_memory_gib else gpu_memory_bytes()
@@ -77,9 +83,8 @@ def gpu_bytes_of(actor) -> int | None:
 def check_memory(train, actor, batching, rollout, placement, hf_config: dict[str, Any] | None) -> None:
     """Refuse a job whose memory plan exceeds the trainer GPU, naming the budget (or option) that fits."""
     gpu = gpu_bytes_of(actor)
-    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    if hf_config is None or gpu is None or any(key not in hf_config for key in needed):
-        return  # no model yet (the embedded one is built at start), no GPU to check against, or no shape to plan
+    if not plannable(hf_config) or gpu is None:
+        return  # no model yet (the embedded one is built at start), no shape to plan, or no GPU to check against
     plan = job_memory_plan(train, actor, batching, rollout, placement, hf_config, gpu)
     if plan.fits():
         return
@@ -114,8 +119,13 @@ def _budget_advice(flag: str, fits: int, cp: int, batching=None) -> str:
     return f"{flag} {fits // cp} fits"
 
 
-def write_memory_plan(job, hf_config: dict[str, Any], out_dir: str | Path) -> MemoryPlan:
-    """Log the plan (a table when a GPU is known, one line otherwise) and write ``memory_plan.json``."""
+def write_memory_plan(job, hf_config: dict[str, Any], out_dir: str | Path) -> MemoryPlan | None:
+    """Log the plan (a table when a GPU is known, one line otherwise) and write ``memory_plan.json``.
+
+    None, and nothing written, when the model's config.json lacks the dimensions (the actor then says what is wrong).
+    """
+    if not plannable(hf_config):
+        return None
     gpu = gpu_bytes_of(job.actor)
     plan = job_memory_plan(job.train, job.actor, job.batching, job.rollout, job.placement, hf_config, gpu)
     path = Path(out_dir) / "memory_plan.json"
