@@ -207,15 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     A bad input prints one line per problem (exit 2); any later error prints one line and the file holding its
     traceback (exit 1); Ctrl-C stops every process and exits 130.
     """
-    from tidal.train.logs import forward_ray_logs, setup_logging
+    from tidal.train.logs import LogPlan, forward_ray_logs, setup_logging
 
-    setup_logging("train", terminal_marks=True)
-    forward_ray_logs()  # before anything imports Ray
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["convert"]:
         from tidal.train.convert import convert_main
 
+        setup_logging("convert", LogPlan(verbose=True))  # a one-shot tool: its few INFO lines are its report
         return convert_main(argv[1:])
+    setup_logging("train", terminal_marks=True)
+    forward_ray_logs()  # before anything imports Ray
     if "--list-recipes" in argv or _recipe_arg(argv) == "list":
         from tidal.train.recipes import describe
 

@@ -95,8 +95,9 @@ def _announce(job: JobConfig, plan: SyncPlan, *, with_engines: bool, with_actor:
     external = job.rollout.rollout_external_engine_addrs
     engines = f"{len(external)} external SGLang server(s)" if external else f"{cfg.num_engines} SGLang engine(s)"
     engines = engines if with_engines else "no engine"
-    where = "co-located on the same GPUs" if cfg.colocate else "on separate GPUs"
-    logger.info("%s; %s; %s", actor, engines, where, extra=TERMINAL)
+    shared = with_actor and with_engines and not external
+    where = ("; co-located on the same GPUs" if cfg.colocate else "; on separate GPUs") if shared else ""
+    logger.info("%s; %s%s", actor, engines, where, extra=TERMINAL)
     if with_engines and with_actor:
         on = {True: "on", False: "off"}
         offload = f"offload: actor {on[plan.offload_train]}, engines {on[plan.offload_rollout]}"
