@@ -197,16 +197,30 @@ def test_no_child_process_remains(run):
     assert not leftovers, leftovers
 
 
+def test_the_run_folder_holds_the_memory_plan_of_its_model(run):
+    from tidal.actor import ModelShape
+    from tidal.ckpt import read_hf_config_json
+
+    job, summary, _, _, _ = run
+    plan = json.loads((Path(summary["metrics"]).parent / "memory_plan.json").read_text())
+    shape = ModelShape.from_hf_config(read_hf_config_json(job.actor.hf_checkpoint))
+    width = 2 if job.actor.params_dtype == "bfloat16" else 4
+    params = plan["rows_gib"][f"parameters ({job.actor.params_dtype})"]
+    assert abs(params - shape.num_params() * width / 2**30) < 0.001
+    assert abs(plan["train_peak_gib"] - sum(plan["rows_gib"].values())) < 0.01
+    assert plan["inputs"]["recompute_activations"] == job.actor.recompute_activations
+
+
 def test_terminal_gets_one_plain_line_per_rollout_and_no_warning(run):
-    # Redirected (captured here), the run writes plain lines: a start-up block (run folder, model, Ray, what is
-    # placed, weight sync, engines ready), the accuracy before RL, one line per rollout, the summary. Per-call
-    # worker lines and third-party notices are in the run folder's logs, not here.
+    # Redirected (captured here), the run writes plain lines: a start-up block (run folder, model, memory plan,
+    # Ray, what is placed, weight sync, engines ready), the accuracy before RL, one line per rollout, the summary.
+    # Per-call worker lines and third-party notices are in the run folder's logs, not here.
     _, summary, _, _, output = run
     lines = output.splitlines()
     assert "\x1b" not in output and "\r" not in output, output[:2000]
     assert not [line for line in lines if "WARNING" in line or "Warning" in line], output
     assert len([line for line in lines if " | reward " in line]) == 2, output
-    assert len(lines) <= 6 + 1 + 2 + 1, output
+    assert len(lines) <= 7 + 1 + 2 + 1, output
     assert all(line.startswith("[tidal train] ") for line in lines), output
     logs = Path(summary["metrics"]).parent / "logs"
     engine_log = next(logs.glob("engine_*.log")).read_text()

@@ -175,6 +175,24 @@ BAD = [
     (["--advantage-estimator", "ppo", "--value-clip", "-1"], "^--value-clip must be > 0"),
     (["--critic-load", "{file}"], "^--critic-load starts the critic of --advantage-estimator ppo"),
     (["--advantage-estimator", "ppo", "--critic-load", "/nonexistent"], "^--critic-load /nonexistent does not exist"),
+    (
+        ["--custom-generate-function-path", "json:loads", "--partial-rollout"],
+        "^--custom-generate-function-path runs on each engine's own worker, not on the driver-side path that "
+        "--partial-rollout takes .*: drop --partial-rollout",
+    ),
+    (
+        ["--custom-generate-function-path", "json:loads", "--dynamic-sampling-filter-path", "reward_variance"],
+        "^--custom-generate-function-path .* --dynamic-sampling-filter-path takes",
+    ),
+    (
+        ["--custom-generate-function-path", "json:loads", "--rollout-external-engine-addrs", "h:1", "h:2"],
+        r"^--custom-generate-function-path .* the router \(--use-router, the default with 2 or more engines\) takes "
+        r"\(2 engine\(s\)\), where it would be dropped: pass --no-use-router",
+    ),
+    (["--ref-load", "/nonexistent"], "^--ref-load /nonexistent loads the reference model of a KL term, and this run"),
+    (["--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "/no/ref"], "^--ref-load /no/ref does not exist"),
+    (["--kl-coef", "0.01", "--ref-load", "{file}"], "^--ref-load .* is a file, not a checkpoint directory"),
+    (["--kl-loss-coef", "0.01", "--ref-load", "{model}"], "^--ref-load .* and this run has none"),  # no --use-kl-loss
 ]
 
 
@@ -341,6 +359,51 @@ def test_memory_flags_reach_the_actor():
 def test_sglang_flags_pass_through():
     job = parse_job(["--sglang-mem-fraction-static", "0.5", "--sglang-dtype", "bfloat16"])
     assert job.rollout.sglang_server_args == ("--mem-fraction-static", "0.5", "--dtype", "bfloat16")
+
+
+def test_sglang_pass_through_is_checked_by_sglangs_own_parsers_one_line_per_flag():
+    argv = ["--sglang-mem-fraction-static", "abc", "--sglang-attention-backend", "nope", "--sglang-mem-fraction-statc",
+            "0.5", "--sglang-enable-metrics", "yes", "--sglang-router-cache-threshold", "x", "--lr", "-1"]  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(ConfigErrors) as info:
+        parse_job(argv)
+    elapsed = time.monotonic() - start
+    expected = [
+        "--sglang-mem-fraction-static abc: sglang.launch_server refuses it (argument --mem-fraction-static: invalid "
+        "float value: 'abc')",
+        "--sglang-attention-backend nope: sglang.launch_server refuses it (argument --attention-backend: invalid "
+        "choice: 'nope' (choose from ",
+        "--sglang-mem-fraction-statc is not an option of sglang.launch_server (tidal passes --sglang-X on as --X); "
+        "did you mean --sglang-mem-fraction-static?",
+        "--sglang-enable-metrics yes: sglang.launch_server takes no value 'yes' after --enable-metrics",
+        "--sglang-router-cache-threshold x: sglang_router.launch_router refuses it (argument --cache-threshold: "
+        "invalid float value: 'x')",
+        "--lr must be >= 0",
+    ]
+    problems = info.value.problems
+    assert len(problems) == len(expected), problems
+    for got, want in zip(problems, expected, strict=True):
+        assert got.startswith(want) and "\n" not in got, (got, want)
+    assert elapsed < 30, elapsed  # sglang's parser imports torch (about 4 s alone); nothing starts
+    good = ["--sglang-mem-fraction-static", "0.5", "--sglang-enable-metrics", "--sglang-router-cache-threshold", "0.3"]
+    job = parse_job(good)
+    assert job.rollout.sglang_server_args[:3] == ("--mem-fraction-static", "0.5", "--enable-metrics")
+    assert job.rollout.sglang_router_args == ("--cache-threshold", "0.3")
+
+
+def test_a_custom_generate_function_is_kept_on_the_engine_workers_path():
+    job = parse_job(["--custom-generate-function-path", "json:loads"])  # one engine, no router: each worker calls it
+    assert job.rollout.custom_generate_function_path == "json:loads"
+    assert not job.rollout.router_wanted(job.placement.num_engines)
+
+
+def test_hf_checkpoint_without_recipe_reports_the_folder_as_well():
+    with pytest.raises(ConfigErrors) as info:
+        parse_job(["--hf-checkpoint", "/no/such/dir"])
+    problems = info.value.problems
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("--hf-checkpoint is given without --recipe: add --recipe base")
+    assert problems[1] == "--hf-checkpoint /no/such/dir has no config.json; point it at a Hugging Face model directory"
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is not None, reason="wandb is installed here")

@@ -168,3 +168,38 @@ def test_the_cudnn_threshold_reaches_every_attention_module(actor, dist_env, qwe
     assert thresholds(actor) == {2048}  # the default
     assert thresholds(Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), cudnn_attention_min_tokens=0))) == {None}
     assert thresholds(Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), cudnn_attention_min_tokens=4096))) == {4096}
+
+
+def _poisoned(batch, value: float):
+    """``batch`` with one loss token's advantage set to ``value`` (a NaN or an Inf reward reaching the loss)."""
+    import dataclasses
+
+    advantages = batch.token_fields["advantages"].clone()
+    advantages[int(batch.loss_mask.nonzero()[0])] = value
+    return dataclasses.replace(batch, token_fields={**batch.token_fields, "advantages": advantages})
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_non_finite_step_stops_the_run_by_default(dist_env, qwen2_dir, value):
+    from tidal.actor import ActorError
+
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2))
+    with pytest.raises(ActorError, match=r"^optimizer step 0: the gradient norm is (nan|inf) .*--no-check-for-nan"):
+        actor.train_step([_poisoned(rl_batch(actor, SEQS), value)])
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_non_finite_step_is_skipped_and_counted_when_asked(dist_env, qwen2_dir, value):
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, check_for_nan_in_loss_and_grad=False))
+    good = rl_batch(actor, SEQS)
+    assert actor.train_step([good])["train/skipped_steps"] == 0.0
+    weights = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    for total in (1.0, 2.0):
+        metrics = actor.train_step([_poisoned(good, value)])
+        assert not math.isfinite(metrics["train/grad_norm"])
+        assert metrics["train/skipped"] == 1.0 and metrics["train/skipped_steps"] == total
+    assert all(torch.equal(p, weights[n]) for n, p in actor.model.named_parameters())  # nothing was applied
+    assert actor.num_steps == 1
+    metrics = actor.train_step([good])  # the next finite step trains, and the total stays
+    assert metrics["train/skipped"] == 0.0 and metrics["train/skipped_steps"] == 2.0 and actor.num_steps == 2
+    assert any(not torch.equal(p, weights[n]) for n, p in actor.model.named_parameters())

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tidal.actor import Actor, ActorConfig, ReferenceModel
 from tidal.batching import pack
-from tidal.ckpt import save_checkpoint
+from tidal.ckpt import CheckpointError, save_checkpoint
 
 SEQS = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3, 4], [120, 0, 33, 33, 8, 90]]
 
@@ -34,6 +34,9 @@ def test_reference_from_megatron_checkpoint(dist_env, qwen2_dir, tmp_path, rl_ba
     assert not ref.offloaded
     batch = pack(SEQS)
     torch.testing.assert_close(ref.compute_log_probs(batch), actor.compute_log_probs(batch), atol=0, rtol=0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"^--ref-load \S+ holds no checkpoint.*Point --ref-load at"):
+        ReferenceModel(ActorConfig(hf_checkpoint=str(qwen2_dir)), load_dir=tmp_path / "empty")
 
 
 @pytest.mark.gpu

@@ -205,3 +205,15 @@ def test_each_dp_rank_computes_the_forward_passes_of_exactly_the_samples_it_trai
         covered |= computed
         counts.append(count)
     assert covered == set(range(8)) and counts[0] == counts[1] >= 1  # every rank reports the busiest rank's count
+
+
+def test_a_rollout_with_nan_and_inf_rewards_skips_its_steps_and_reports_the_running_total(dist_env, qwen2_dir):
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, check_for_nan_in_loss_and_grad=False))
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout=2)
+    rollout = {"tokens": TOKENS, "loss_masks": MASKS, "group_size": 2}
+    poisoned = [math.nan, 0.0, 1.0, math.inf]  # one in each group: both steps of the rollout are non-finite
+    for rollout_id, total in ((0, 2.0), (1, 4.0)):
+        metrics = train_on_rollout(actor, batching, rewards=poisoned, rollout_id=rollout_id, **rollout)
+        assert metrics["train/skipped"] == 1.0 and metrics["train/skipped_steps"] == total, metrics
+    metrics = train_on_rollout(actor, batching, rewards=REWARDS, rollout_id=2, **rollout)
+    assert metrics["train/skipped"] == 0.0 and metrics["train/skipped_steps"] == 4.0 and actor.num_steps == 2

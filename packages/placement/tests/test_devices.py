@@ -47,3 +47,35 @@ def test_detection_without_nvidia_smi_or_driver_is_zero(monkeypatch, tmp_path):
     monkeypatch.setattr(devices, "Path", lambda _: tmp_path / "no-driver")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert detect_gpus() == 0
+
+
+SMI_MEMORY = """
+==============NVSMI LOG==============
+
+Attached GPUs                             : 2
+GPU 00000000:19:00.0
+    FB Memory Usage
+        Total                             : 143771 MiB
+        Reserved                          : 551 MiB
+        Used                              : 0 MiB
+        Free                              : 143219 MiB
+    BAR1 Memory Usage
+        Total                             : 262144 MiB
+        Used                              : 1 MiB
+GPU 00000000:2D:00.0
+    FB Memory Usage
+        Total                             : 81559 MiB
+        Used                              : 0 MiB
+    BAR1 Memory Usage
+        Total                             : 131072 MiB
+"""
+
+
+def test_gpu_memory_is_the_smallest_framebuffer_total():
+    assert devices.parse_gpu_memory(SMI_MEMORY) == 81559 * 2**20  # not BAR1's, and the smaller card decides
+    assert devices.parse_gpu_memory("No devices were found") is None
+
+
+def test_gpu_memory_without_nvidia_smi_is_unknown(monkeypatch):
+    monkeypatch.setattr(devices.shutil, "which", lambda _: None)
+    assert devices.gpu_memory_bytes() is None

@@ -116,6 +116,35 @@ def sglang_server(_sglang_engine: SGLangEngine) -> SGLangEngine:
     return _sglang_engine
 
 
+@contextlib.contextmanager
+def _slowed_generation(server: SGLangEngine, generate: Callable[[], object]):
+    """``generate()`` in a thread on ``server`` slowed to 0.05 s a forward (200 tokens: 10 s), still running after
+    3 s; yields ``(thread, box)`` (``box["result"]`` or ``box["error"]``); the server is fast again after."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = generate()
+        except BaseException as e:
+            box["error"] = e
+
+    server.call("/slow_down", {"forward_sleep_time": 0.05})
+    try:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=3.0)
+        assert thread.is_alive(), "generation finished within 3 s; the slow-down did not take"
+        yield thread, box
+    finally:
+        server.call("/slow_down", {"forward_sleep_time": None})
+
+
+@pytest.fixture
+def slowed_generation() -> Callable:
+    """``slowed_generation(server, generate)``: a context running ``generate()`` in a thread on a slowed ``server``."""
+    return _slowed_generation
+
+
 @pytest.fixture
 def plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Name of the module of test extension points (tests/tidal_rollout_plugins.py), importable by path."""

@@ -189,6 +189,23 @@ def test_bad_model_fails_fast_with_log_tail_and_leaves_no_process(tmp_path: Path
     assert engine.pid is None and not engine.is_running()
 
 
+def test_a_server_killed_by_a_bad_option_names_the_option_in_the_first_line(tmp_path: Path, tiny_model_dir, free_port):
+    engine = SGLangEngine(
+        tiny_model_dir,
+        port=free_port(),
+        log_dir=tmp_path / "logs",
+        extra_server_args=["--mem-fraction-static", "most"],
+        startup_timeout_s=300,
+    )
+    with pytest.raises(RolloutError) as info:
+        engine.start()
+    first = str(info.value).splitlines()[0]
+    assert "exited with code" in first
+    assert "cause: SGLang refused an option (--mem-fraction-static invalid float value: 'most')" in first
+    assert "fix --sglang-mem-fraction-static" in first
+    assert not engine.is_running()
+
+
 def test_startup_timeout_raises_and_kills_the_server(tiny_model_dir: Path, tmp_path: Path, free_port) -> None:
     engine = SGLangEngine(tiny_model_dir, port=free_port(), log_dir=tmp_path, startup_timeout_s=1.0)
     engine.start(wait=False)

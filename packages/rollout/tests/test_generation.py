@@ -76,6 +76,10 @@ def test_check_stop_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
     eos = json.loads((tiny_model_dir / "generation_config.json").read_text())["eos_token_id"]
     assert check_stop_tokens(tiny_model_dir) == {eos}
     assert check_stop_tokens(tiny_model_dir, [5]) == {eos, 5}
+    with pytest.raises(ValueError, match=rf"token id\(s\) \[{eos}\], which its {eos}-token vocabulary cannot produce"):
+        check_stop_tokens(tiny_model_dir, vocab_size=eos)  # a tokenizer whose ids end below the EOS
+    assert check_stop_tokens(tiny_model_dir, [1], vocab_size=eos) == {1}  # the EOS is left out (a warning)
+    assert check_stop_tokens(tiny_model_dir, stop_strings=["\n"], vocab_size=eos) == set()
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     with pytest.raises(ValueError, match="set --rollout-stop-token-ids"):
         check_stop_tokens(tmp_path)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from pathlib import Path
 
@@ -17,38 +15,15 @@ PROMPTS = [[3, 4, 5], [6, 7]]
 PARAMS = {"n": 2, "max_new_tokens": MAX_NEW, "temperature": 1.0, "ignore_eos": True}
 
 
-@contextlib.contextmanager
-def _slowed_generation(server: SGLangEngine, generate):
-    """``generate()`` in a thread on ``server`` slowed to 0.05 s a forward (200 tokens: 10 s), still running after
-    3 s; yields ``(thread, box)`` (``box["result"]`` or ``box["error"]``); the server is fast again after."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["result"] = generate()
-        except BaseException as e:
-            box["error"] = e
-
-    server.call("/slow_down", {"forward_sleep_time": 0.05})
-    try:
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        thread.join(timeout=3.0)
-        assert thread.is_alive(), "generation finished within 3 s; the slow-down did not take"
-        yield thread, box
-    finally:
-        server.call("/slow_down", {"forward_sleep_time": None})
-
-
 def test_aborted_samples_resume_with_per_token_weight_versions(
-    sglang_server: SGLangEngine, tiny_model_dir: Path
+    sglang_server: SGLangEngine, tiny_model_dir: Path, slowed_generation
 ) -> None:
     from transformers import Qwen2ForCausalLM
 
     prompts, params = PROMPTS, PARAMS
     sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
     # SGLang's test hook: every forward step sleeps, so the 200-token requests are still running when aborted.
-    with _slowed_generation(sglang_server, lambda: generate_samples(sglang_server, prompts, params)) as (thread, box):
+    with slowed_generation(sglang_server, lambda: generate_samples(sglang_server, prompts, params)) as (thread, box):
         sglang_server.abort()
         thread.join(timeout=60.0)
     assert not thread.is_alive() and "error" not in box
@@ -80,7 +55,7 @@ def test_aborted_samples_resume_with_per_token_weight_versions(
 
 
 def test_an_interruptible_update_aborts_the_generation_which_finishes_under_the_new_weights(
-    sglang_server: SGLangEngine, tiny_model_dir: Path
+    sglang_server: SGLangEngine, tiny_model_dir: Path, slowed_generation
 ) -> None:
     prompts, params = PROMPTS, PARAMS
     sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
@@ -93,7 +68,7 @@ def test_an_interruptible_update_aborts_the_generation_which_finishes_under_the_
     def generate():
         return gate.generate(lambda: generate_samples(sglang_server, prompts, params), params)
 
-    with _slowed_generation(sglang_server, generate) as (thread, box):
+    with slowed_generation(sglang_server, generate) as (thread, box):
         tick = time.monotonic()
         gate.update(load)
         assert time.monotonic() - tick < 5  # it did not wait for the 10 s generation
@@ -109,7 +84,9 @@ def test_an_interruptible_update_aborts_the_generation_which_finishes_under_the_
     assert any(s.token_weight_versions[0] == "old" for s in samples)  # cut mid-response
 
 
-def test_the_driver_side_sends_again_what_an_update_cut(sglang_server: SGLangEngine, tiny_model_dir: Path, caplog):
+def test_the_driver_side_sends_again_what_an_update_cut(
+    sglang_server: SGLangEngine, tiny_model_dir: Path, caplog, slowed_generation
+):
     # The driver-side path (partial rollout, the router) under --max-staleness: the engine's own worker aborts the
     # requests when a weight update begins (InterruptibleUpdates.begin); the driver sends the cut samples again at
     # once, and SGLang serves them before or after the update: nothing is lost or cut short either way.
@@ -124,7 +101,7 @@ def test_the_driver_side_sends_again_what_an_update_cut(sglang_server: SGLangEng
 
     with (
         caplog.at_level("INFO", logger="tidal.rollout.dispatch"),
-        _slowed_generation(sglang_server, generate) as (thread, box),
+        slowed_generation(sglang_server, generate) as (thread, box),
     ):
         gate.begin()  # what the trainer's sync does first (EngineWorker.begin_update)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,9 +63,24 @@ def test_generation_through_the_router_matches_the_engine(
     assert router.get_model_info()["model_path"] == sglang_server.model_path
 
 
-def test_router_fans_out_flush_and_abort(router: RolloutRouter) -> None:
+FLUSHED = "Cache flushed successfully!"  # what SGLang's scheduler logs for each /flush_cache it runs
+
+
+def test_router_fans_out_flush_and_abort(router: RolloutRouter, sglang_server: SGLangEngine, slowed_generation) -> None:
+    flushes = sglang_server.log_path.read_text().count(FLUSHED)
     router.flush_cache()  # forwarded to every engine by the router itself
-    router.abort()  # the router answers 404 here: RolloutRouter calls each engine instead
+    deadline = time.monotonic() + 30
+    while sglang_server.log_path.read_text().count(FLUSHED) == flushes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sglang_server.log_path.read_text().count(FLUSHED) == flushes + 1
+    # The router answers 404 to /abort_request: RolloutRouter calls each engine, which cuts its in-flight requests.
+    params = {"n": 2, "max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+    with slowed_generation(sglang_server, lambda: generate_samples(router, PROMPTS[:2], params)) as (thread, box):
+        router.abort()
+        thread.join(timeout=60.0)
+    assert not thread.is_alive() and "error" not in box
+    assert [s.finish_reason for s in box["result"]] == ["abort"] * 4
+    assert all(len(s.response_ids) < 200 for s in box["result"])
 
 
 def test_router_flags_split_from_server_flags() -> None:

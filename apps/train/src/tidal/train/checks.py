@@ -238,9 +238,30 @@ def check_modes(train, rollout, placement) -> None:
 
 
 def check_router(rollout, placement) -> None:
-    """Partial rollout and dynamic sampling send every request from the driver: to one engine, or the router."""
+    """Partial rollout and dynamic sampling send every request from the driver: to one engine, or the router.
+
+    The driver-side path (those two, or the router) does not run a custom generate function, which only each engine's
+    own worker calls: that combination is refused rather than run without it.
+    """
     engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
     driver_side = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
+    if rollout.custom_generate_function_path:
+        clash = [
+            flag
+            for flag, on in (
+                ("--partial-rollout", rollout.partial_rollout),
+                ("--dynamic-sampling-filter-path", rollout.dynamic_sampling_filter_path is not None),
+                ("the router (--use-router, the default with 2 or more engines)", rollout.router_wanted(engines)),
+            )
+            if on
+        ]
+        if clash:
+            fix = "pass --no-use-router" if not driver_side else f"drop {clash[0]}"
+            raise ValueError(
+                f"--custom-generate-function-path runs on each engine's own worker, not on the driver-side path that "
+                f"{clash[0]} takes ({engines} engine(s)), where it would be dropped: {fix}, or drop "
+                "--custom-generate-function-path"
+            )
     if driver_side and engines > 1 and rollout.use_router is False:
         what = "--partial-rollout" if rollout.partial_rollout else "--dynamic-sampling-filter-path"
         raise ValueError(
@@ -288,6 +309,23 @@ def check_load(ckpt) -> None:
         resolve_checkpoint(ckpt.load, ckpt_step=ckpt.ckpt_step)
     except CheckpointError as e:
         raise ValueError(str(e) if "--load" in str(e) else f"--load {ckpt.load}: {e}") from e
+
+
+def check_ref_load(actor, ckpt) -> None:
+    """``--ref-load`` loads the reference model of a KL term, and names a loadable checkpoint."""
+    if not ckpt.ref_load:
+        return
+    if actor.kl_loss_coef == 0 and actor.kl_coef == 0:
+        raise ValueError(
+            f"--ref-load {ckpt.ref_load} loads the reference model of a KL term, and this run has none: add "
+            "--use-kl-loss --kl-loss-coef C (or --kl-coef C), or drop --ref-load"
+        )
+    from tidal.ckpt import CheckpointError, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(ckpt.ref_load, flag="--ref-load")
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e
 
 
 def check_critic(actor, ckpt) -> None:
@@ -405,9 +443,14 @@ def check_job(
                 problems.run(batching.resolve, dp_size=dp)
     if batching is not None and rollout is not None:
         problems.run(check_token_budget, batching, rollout)
+        if train is not None and actor is not None and placement is not None:
+            from tidal.train.memory import check_memory
+
+            problems.run(check_memory, train, actor, batching, rollout, placement, hf_config)
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:
+            problems.run(check_ref_load, actor, ckpt)
             problems.run(check_critic, actor, ckpt)
         if train is not None:
             problems.run(check_keep_best_by, train, ckpt)

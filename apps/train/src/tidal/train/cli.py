@@ -41,16 +41,20 @@ def parse_job(argv: list[str]) -> JobConfig:
         ValueError: naming the flag and the fix; independent problems come together, one per line
             (:class:`tidal.train.checks.ConfigErrors`).
     """
+    from tidal.train import checks
     from tidal.train.config_file import expand_config
     from tidal.train.flags import SECTIONS, build_parser, options
-    from tidal.train.recipes import recipe_for, recipe_options
+    from tidal.train.recipes import DEFAULT_RECIPE, recipe_for, recipe_options
 
     parser = build_parser(("embedded", recipe_options("embedded")))  # --help shows the embedded recipe's values
     args, unknown = parser.parse_known_args(expand_config(argv))
     given = {k: v for k, v in vars(args).items() if v is not None}
     for key in ("config", "list_recipes"):
         given.pop(key, None)
-    values = {**recipe_options(recipe_for(given.pop("recipe", None), given)), **given}
+    problems = checks.Problems()
+    # A missing --recipe is reported with the other problems, which are checked against the default recipe.
+    recipe = problems.run(recipe_for, given.pop("recipe", None), given) or DEFAULT_RECIPE
+    values = {**recipe_options(recipe), **given}
     if values.get("rollout_external_engine_addrs"):
         # Servers run elsewhere: this job places no engine (an explicit --rollout-num-gpus N > 0 is refused).
         values.setdefault("rollout_num_gpus", 0)
@@ -58,7 +62,7 @@ def parse_job(argv: list[str]) -> JobConfig:
     for option in options():
         if option.name in values:
             sections[option.section][option.name] = values[option.name]
-    return _build_job(sections, unknown, parser)
+    return _build_job(sections, unknown, parser, problems)
 
 
 def _unknown_problems(unknown: list[str], known: list[str]) -> list[str]:
@@ -84,8 +88,8 @@ def _is_number(token: str) -> bool:
     return True
 
 
-def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser) -> JobConfig:
-    """Each package's config from its section, then the checks that span sections; every problem is collected."""
+def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, problems) -> JobConfig:
+    """Each package's config from its section, then the checks that span sections; every problem joins ``problems``."""
     from tidal.actor import ActorConfig
     from tidal.batching import BatchingConfig
     from tidal.ckpt import CkptConfig
@@ -96,7 +100,6 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser) 
     from tidal.train.run_folder import default_output_dir
     from tidal.train.shared import propagate_shared
 
-    problems = checks.Problems()
     for line in _unknown_problems(unknown, sorted(parser._option_string_actions)):
         problems.add(line)
     _pass_through(sections, unknown, problems)
@@ -148,13 +151,15 @@ def _warn_without_effect(actor: dict[str, Any]) -> None:
 def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], problems) -> None:
     """``--ray-env`` into a mapping, ``--sglang-*`` into SGLang's and the router's arguments, lists into tuples."""
     from tidal.placement import parse_ray_env
-    from tidal.rollout import sglang_router_args, sglang_server_args
+    from tidal.rollout import sglang_arg_problems, sglang_router_args, sglang_server_args
     from tidal.train.flags import section_defaults
 
     placement, rollout = sections["placement"], sections["rollout"]
     placement["ray_env"] = problems.run(parse_ray_env, placement.pop("ray_env", [])) or {}
     rollout["sglang_server_args"] = problems.run(sglang_server_args, unknown) or ()
     rollout["sglang_router_args"] = problems.run(sglang_router_args, unknown) or ()
+    for line in sglang_arg_problems(rollout["sglang_server_args"], rollout["sglang_router_args"]):
+        problems.add(line)  # SGLang's own parsers, imported only when such flags are given
     if "--dtype" not in rollout["sglang_server_args"]:
         # SGLang serves a float32 checkpoint in float16 by default; rollout and training log-probs must come
         # from the same precision, so the engines run in the actor's dtype unless --sglang-dtype says otherwise.
@@ -275,6 +280,11 @@ def _run(job: JobConfig) -> int:
 
     write_effective_config(job, job.train.output_dir)
     link_latest(Path(job.train.output_dir))
+    if not job.train.debug_rollout_only:
+        from tidal.ckpt import read_hf_config_json
+        from tidal.train.memory import write_memory_plan
+
+        write_memory_plan(job, read_hf_config_json(job.actor.hf_checkpoint), job.train.output_dir)
     result = run(job)
     logger.info(
         "done in %.1f s (RL %.1f s): held-out accuracy %s -> %s; summary %s; curves %s; checkpoint %s",

@@ -114,10 +114,21 @@ def _train(
 
 
 def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
-    """Training prompts and each held-out set by name, tokenized (chat template checked first when it is applied)."""
+    """Training prompts and each held-out set by name, tokenized.
+
+    The model's stop tokens are checked first (a response must be able to end before --rollout-max-response-len),
+    and the chat template when it is applied.
+    """
+    from tidal.rollout import check_stop_tokens
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(job.actor.hf_checkpoint)
+    check_stop_tokens(  # no EOS the tokenizer can produce and no stop: an error here, before any process starts
+        job.actor.hf_checkpoint,
+        job.rollout.rollout_stop_token_ids,
+        stop_strings=job.rollout.rollout_stop,
+        vocab_size=len(tokenizer),
+    )
     keys = {"input_key": job.train.input_key, "label_key": job.train.label_key, "seed": job.train.seed}
     if job.rollout.apply_chat_template:
         from tidal.rollout import check_chat_template

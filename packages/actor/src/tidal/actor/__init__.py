@@ -22,7 +22,14 @@ if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0"))
     sys.modules.setdefault("flashinfer", None)
 
 from tidal.actor.config import ActorConfig  # noqa: E402
-from tidal.actor.errors import ActorError  # noqa: E402
+from tidal.actor.errors import ActorError, ActorOutOfMemoryError  # noqa: E402
+from tidal.actor.memory_plan import (  # noqa: E402
+    MemoryInputs,
+    MemoryPlan,
+    ModelShape,
+    largest_fitting_tokens,
+    plan_memory,
+)
 
 if TYPE_CHECKING:
     from tidal.actor.actor import Actor
@@ -74,15 +81,21 @@ __all__ = [
     "Actor",
     "ActorConfig",
     "ActorError",
+    "ActorOutOfMemoryError",
     "Critic",
     "HFTensorBucket",
+    "MemoryInputs",
+    "MemoryPlan",
+    "ModelShape",
     "ReferenceModel",
     "build_gpt_model",
     "data_parallel_rank_and_size",
     "destroy_distributed",
     "init_distributed",
+    "largest_fitting_tokens",
     "load_hf_weights",
     "named_hf_tensors",
+    "plan_memory",
     "read_hf_config",
     "stage_export_role",
     "to_transformer_config",

@@ -25,7 +25,9 @@ from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss, load_function, policy_loss_of
 from tidal.actor.main_params import MainParams
+from tidal.actor.memory_plan import MemoryInputs, ModelShape, largest_fitting_tokens
 from tidal.actor.offload import CPUOffloadAdamW, PinnedReservation, host_copy_shapes, move_tensors
+from tidal.actor.oom import LOGPROB_FLAG, TRAIN_FLAG, run_reporting_oom
 from tidal.actor.pipeline import (
     PipelineStage,
     all_reduce_tied_embedding_grad,
@@ -35,6 +37,7 @@ from tidal.actor.pipeline import (
 )
 from tidal.actor.transfer import to_device, to_host_async
 from tidal.batching import PackedBatch
+from tidal.ckpt import read_hf_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,8 @@ class Actor:
         if cfg.loss_type == "custom_loss":
             self._loss_fn = load_function(cfg.custom_loss_function_path, flag="--custom-loss-function-path")
         self.num_steps = 0
+        self.num_skipped_steps = 0
+        """Steps skipped for a non-finite gradient norm since this Actor was built (``--no-check-for-nan-...``)."""
         self.step_log_probs: list[torch.Tensor] = []
         """The log-probs the last :meth:`train_step` computed for micro-batches given without old ones."""
         self._autocast = cfg.bf16 and self.device.type == "cuda"
@@ -210,14 +215,44 @@ class Actor:
         """
         self.model.eval()
         if self.stage.size == 1:
-            lp, _ = self._forward(batch, with_entropy=False)
+            lp, _ = self._guard_oom(lambda: self._forward(batch, with_entropy=False), [batch], logprob=True)
             return lp.float().cpu()
         # the last stage computes them through the schedule, then every stage receives them
         forward = functools.partial(self._forward, with_entropy=False)
-        out = run_schedule(self.model, [batch], forward, _keep_log_probs, forward_only=True)
+        out = self._guard_oom(
+            lambda: run_schedule(self.model, [batch], forward, _keep_log_probs, forward_only=True),
+            [batch],
+            logprob=True,
+        )
         lp = out[0] if self.stage.last else torch.empty(batch.num_tokens, dtype=torch.float32, device=self.device)
         broadcast_from_stage(lp, self.stage.size - 1)
         return lp.cpu()
+
+    def _guard_oom(self, fn, batches: Sequence[PackedBatch], *, logprob: bool):
+        """``fn()``; an out-of-memory becomes one line naming the budget the memory plan says fits."""
+        longest = max(int(mb.max_seqlen) for mb in batches)
+
+        def fitting_tokens(gpu_bytes: int) -> int:
+            inputs = MemoryInputs.from_actor_config(
+                self.cfg,
+                train_tokens=1,
+                logprob_tokens=1,
+                longest_sequence=longest,
+                tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
+                pipeline_parallel=self.stage.size,
+                context_parallel=context_parallel_size(),
+            )
+            shape = ModelShape.from_hf_config(read_hf_config_json(self.cfg.hf_checkpoint))
+            return largest_fitting_tokens(shape, inputs, gpu_bytes=gpu_bytes, logprob=logprob)
+
+        return run_reporting_oom(
+            fn,
+            what="log-prob" if logprob else "training",
+            tokens=max(mb.num_tokens for mb in batches),
+            device=self.device,
+            flag=LOGPROB_FLAG if logprob else TRAIN_FLAG,
+            fitting_tokens=fitting_tokens,
+        )
 
     def _lr(self) -> float:
         warmup = self.cfg.lr_warmup_steps
@@ -245,7 +280,8 @@ class Actor:
         Returns:
             Metrics, identical on every rank: "train/loss", "train/pg_loss", "train/pg_clipfrac",
             "train/ppo_kl", "train/entropy", "train/kl" (with KL), "train/grad_norm", "train/lr",
-            "train/num_loss_tokens", "train/skipped".
+            "train/num_loss_tokens", "train/skipped" (1.0 when this step was skipped), "train/skipped_steps" (the
+            running total of skipped steps).
         """
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
@@ -278,10 +314,18 @@ class Actor:
         forward = functools.partial(self._forward, with_entropy=True)
         if self.stage.size == 1:
             for mb in micro_batches:
-                loss_of(mb, forward(mb)).backward()
+                self._guard_oom(lambda mb=mb: loss_of(mb, forward(mb)).backward(), [mb], logprob=False)
         else:  # the loss on the last stage; metrics come from there (_metrics)
-            run_schedule(
-                self.model, micro_batches, forward, lambda mb, out: (loss_of(mb, out), _ONE, None), forward_only=False
+            self._guard_oom(
+                lambda: run_schedule(
+                    self.model,
+                    micro_batches,
+                    forward,
+                    lambda mb, out: (loss_of(mb, out), _ONE, None),
+                    forward_only=False,
+                ),
+                micro_batches,
+                logprob=False,
             )
         if self.step_log_probs and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the step_log_probs copies have landed
@@ -299,7 +343,13 @@ class Actor:
                 "--no-check-for-nan-in-loss-and-grad to skip such steps instead"
             )
         if skipped:
-            logger.warning("skipping optimizer step %d: gradient norm is %s", self.num_steps, grad_norm)
+            self.num_skipped_steps += 1
+            logger.warning(
+                "skipping optimizer step %d: gradient norm is %s (%d step(s) skipped so far)",
+                self.num_steps,
+                grad_norm,
+                self.num_skipped_steps,
+            )
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -332,7 +382,8 @@ class Actor:
             metrics = {f"{self.metric_prefix}/{k}": float(v) for k, v in zip(keys, stacked.tolist(), strict=True)}
         if self.stage.size > 1:
             metrics = broadcast_object_from_last_stage(metrics)
-        extra = {"grad_norm": grad_norm, "lr": lr, "num_loss_tokens": num_loss_tokens, "skipped": float(skipped)}
+        extra = {"grad_norm": grad_norm, "lr": lr, "num_loss_tokens": num_loss_tokens, "skipped": float(skipped),
+                 "skipped_steps": float(self.num_skipped_steps)}  # fmt: skip
         metrics |= {f"{self.metric_prefix}/{k}": v for k, v in extra.items()}
         return metrics
 

@@ -42,6 +42,9 @@ class ActorConfig:
     """With --recompute-activations: recompute only the first N layers of each pipeline stage (Megatron's block
     method), keeping the others' activations; 0 recomputes every layer. Trades memory
     (about 1/layers of the activations per layer) for a forward of each recomputed layer."""
+    gpu_memory_gib: float | None = None
+    """Memory of one trainer GPU the memory plan is checked against before the run starts (GiB); None: this
+    machine's first GPU (nvidia-smi), no check without one."""
     lr: float = 1e-6
     """Peak learning rate."""
     lr_warmup_steps: int = field(default=0, metadata={"flag": "--lr-warmup-iters"})
@@ -134,6 +137,8 @@ class ActorConfig:
         if self.cudnn_attention_min_tokens < 0:
             value = self.cudnn_attention_min_tokens
             raise ValueError(f"--cudnn-attention-min-tokens must be >= 0 (0: FlashAttention-2 only), got {value}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ValueError(f"--gpu-memory-gib must be > 0 (GiB of one trainer GPU), got {self.gpu_memory_gib}")
         if not self.hf_checkpoint:
             raise ValueError("--hf-checkpoint is required: point it at an HF model dir with config.json")
         if self.params_dtype not in _DTYPES:

@@ -55,7 +55,7 @@ class ReferenceModel:
             from tidal.ckpt import load_checkpoint
 
             state, _ = load_checkpoint(
-                load_dir, self._actor.sharded_state_dict(with_optimizer=False), ckpt_step=ckpt_step
+                load_dir, self._actor.sharded_state_dict(with_optimizer=False), ckpt_step=ckpt_step, flag="--ref-load"
             )
             self._actor.load_state_dict(state)
         for p in self._actor.model.parameters():

@@ -253,7 +253,11 @@ def _train_steps(actor, critic, packed: list[list[PackedBatch]], metrics: dict[s
 
 
 def _mean(per_step: list[dict[str, float]]) -> dict[str, float]:
-    return {key: sum(m[key] for m in per_step) / len(per_step) for key in per_step[0]}
+    """Each metric's mean over the rollout's steps; a running total (``*/skipped_steps``) its value after the last."""
+    return {
+        key: per_step[-1][key] if key.endswith("/skipped_steps") else sum(m[key] for m in per_step) / len(per_step)
+        for key in per_step[0]
+    }
 
 
 def _gae(packed: list[list[PackedBatch]], cfg, *, device) -> tuple[list[list[PackedBatch]], dict[str, float]]:

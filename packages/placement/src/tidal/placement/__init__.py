@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tidal.placement.config import PlacementConfig, parse_ray_env
-from tidal.placement.devices import LocalGpus, detect_gpus, plan_local_gpus
+from tidal.placement.devices import LocalGpus, detect_gpus, gpu_memory_bytes, plan_local_gpus
 from tidal.placement.errors import PlacementError, ResourceShortageError
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ __all__ = [
     "ResourceShortageError",
     "create_placement",
     "detect_gpus",
+    "gpu_memory_bytes",
     "parse_ray_env",
     "plan_local_gpus",
     "ray_session",

@@ -50,6 +50,33 @@ def _installed_gpus() -> int:
     return len(list(proc.iterdir())) if proc.is_dir() else 0
 
 
+def gpu_memory_bytes() -> int | None:
+    """Memory of the smallest CUDA GPU on this machine (``nvidia-smi -q -d MEMORY``); None without one."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "-q", "-d", "MEMORY"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_gpu_memory(out.stdout) if out.returncode == 0 else None
+
+
+def parse_gpu_memory(report: str) -> int | None:
+    """The smallest "FB Memory Usage" total of an ``nvidia-smi -q -d MEMORY`` report, in bytes."""
+    totals, in_fb = [], False
+    for line in report.splitlines():
+        text = line.strip()
+        if text.endswith("Memory Usage"):
+            in_fb = text.startswith("FB")
+        elif in_fb and text.startswith("Total") and text.endswith("MiB"):
+            totals.append(int(text.split(":")[1].split()[0]) * 2**20)
+            in_fb = False
+    return min(totals) if totals else None
+
+
 def detect_gpus() -> int:
     """CUDA GPUs this process may use (what Ray would see), without importing torch."""
     installed = _installed_gpus()

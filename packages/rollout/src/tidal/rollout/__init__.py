@@ -9,7 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tidal.rollout.config import WILDCARD_HOSTS, RolloutConfig, sglang_router_args, sglang_server_args
+from tidal.rollout.config import (
+    WILDCARD_HOSTS,
+    RolloutConfig,
+    sglang_arg_problems,
+    sglang_router_args,
+    sglang_server_args,
+)
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 
 if TYPE_CHECKING:
@@ -23,7 +29,13 @@ if TYPE_CHECKING:
         sample_with_dynamic_filter,
     )
     from tidal.rollout.engine import SGLangEngine
-    from tidal.rollout.generation import check_chat_template, filter_uniform_groups, generate_samples, rollout_metrics
+    from tidal.rollout.generation import (
+        check_chat_template,
+        check_stop_tokens,
+        filter_uniform_groups,
+        generate_samples,
+        rollout_metrics,
+    )
     from tidal.rollout.health import Heartbeat
     from tidal.rollout.import_path import load_callable
     from tidal.rollout.partial_rollout import InterruptibleUpdates, generate_partial_rollout
@@ -53,6 +65,7 @@ _LAZY = {
     "sample_with_dynamic_filter": "dynamic_sampling",
     "SGLangEngine": "engine",
     "check_chat_template": "generation",
+    "check_stop_tokens": "generation",
     "filter_uniform_groups": "generation",
     "generate_samples": "generation",
     "rollout_metrics": "generation",
@@ -100,6 +113,7 @@ __all__ = [
     "SGLangEngine",
     "Sample",
     "check_chat_template",
+    "check_stop_tokens",
     "destroy_weights_update_group",
     "filter_uniform_groups",
     "generate_partial_rollout",
@@ -117,6 +131,7 @@ __all__ = [
     "samples_from_records",
     "save_rollout_data",
     "score_samples",
+    "sglang_arg_problems",
     "sglang_router_args",
     "sglang_server_args",
     "update_weights_from_distributed",

@@ -62,6 +62,75 @@ def sglang_router_args(flags: Sequence[str]) -> tuple[str, ...]:
     return _split_flags(flags, router=True)
 
 
+def sglang_arg_problems(server_args: Sequence[str], router_args: Sequence[str]) -> list[str]:
+    """What SGLang's own argument parsers refuse in the pass-through flags: one line per flag, nothing started.
+
+    ``server_args`` (from :func:`sglang_server_args`) go through ``sglang.launch_server``'s parser
+    (``ServerArgs.add_cli_args``, imported here: about 4 s, as it imports torch), ``router_args`` through
+    ``sglang_router.launch_router``'s (``RouterArgs.add_cli_args``); each flag is parsed alone, so every bad one is
+    named: an unknown option (with the closest real one), a value of the wrong type, a value outside its choices,
+    a wrong number of values. Ranges that SGLang checks only while it resolves the model and the device (e.g.
+    ``--mem-fraction-static`` in (0, 1)) are not in its parsers and are left to the server.
+    """
+    problems: list[str] = []
+    if server_args:
+        from sglang.srt.server_args import ServerArgs
+
+        parser = _refusing_parser("sglang.launch_server")
+        ServerArgs.add_cli_args(parser)
+        problems += _refused(parser, server_args, SGLANG_FLAG_PREFIX, required=["--model-path", "MODEL"])
+    if router_args:
+        from sglang_router.router_args import RouterArgs
+
+        parser = _refusing_parser("sglang_router.launch_router")
+        RouterArgs.add_cli_args(parser, use_router_prefix=False)
+        problems += _refused(parser, router_args, ROUTER_FLAG_PREFIX, required=[])
+    return problems
+
+
+def _refusing_parser(prog: str):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False)
+
+    def error(message: str):
+        raise ValueError(message)
+
+    parser.error = error  # argparse reports some mistakes through error(), which would exit the process
+    return parser
+
+
+def _refused(parser, args: Sequence[str], prefix: str, *, required: list[str]) -> list[str]:
+    import argparse
+    import difflib
+
+    known = sorted(parser._option_string_actions)
+    chunks: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not chunks:
+            chunks.append([arg])
+        else:
+            chunks[-1].append(arg)
+    problems = []
+    for chunk in chunks:
+        name = chunk[0].split("=", 1)[0]
+        ours = prefix + name[2:]
+        given = " ".join([ours + chunk[0][len(name) :], *chunk[1:]])
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {prefix}{close[0][2:]}?" if close else ""
+            problems.append(f"{ours} is not an option of {parser.prog} (tidal passes {prefix}X on as --X){hint}")
+            continue
+        try:
+            _, extra = parser.parse_known_args([*required, *chunk])
+        except (argparse.ArgumentError, ValueError) as e:
+            problems.append(f"{given}: {parser.prog} refuses it ({e}); see `python -m {parser.prog} --help`")
+            continue
+        if extra:
+            problems.append(f"{given}: {parser.prog} takes no value {' '.join(extra)!r} after {name}")
+    return problems
+
+
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 """--sglang-host values that bind every interface: such a server is reached at its node's own address."""
 

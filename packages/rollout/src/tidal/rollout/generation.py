@@ -42,21 +42,52 @@ def model_stop_token_ids(model_path: str | Path) -> set[int]:
     return found
 
 
-def check_stop_tokens(model_path: str | Path, stop_token_ids: Sequence[int] = ()) -> set[int]:
+def check_stop_tokens(
+    model_path: str | Path,
+    stop_token_ids: Sequence[int] = (),
+    *,
+    stop_strings: Sequence[str] = (),
+    vocab_size: int | None = None,
+) -> set[int]:
     """Fail before any rollout when generation could only end by length.
 
+    A stop id is one the model can emit: below ``vocab_size`` (the tokenizer's, ``len(tokenizer)``) and below the
+    ``vocab_size`` of config.json. An EOS id outside that range never ends a response: with another stop id or a
+    stop string left that is a warning (responses end on those), with none it is an error.
+
     Returns:
-        Every token id that ends a response: the model's EOS ids plus ``stop_token_ids``.
+        Every token id that ends a response: the model's EOS ids plus ``stop_token_ids``, those it can emit.
 
     Raises:
-        ValueError: The checkpoint declares no EOS token and no stop token ids were given.
+        ValueError: No stop id the model can emit and no ``stop_strings``: every response would run to
+            --rollout-max-response-len.
     """
-    stops = model_stop_token_ids(model_path) | {int(t) for t in stop_token_ids}
-    if not stops:
+    declared = model_stop_token_ids(model_path) | {int(t) for t in stop_token_ids}
+    limits = [v for v in (vocab_size, _read_json(Path(model_path) / "config.json").get("vocab_size")) if v]
+    limit = min(limits) if limits else None
+    stops = {t for t in declared if limit is None or 0 <= t < limit}
+    unreachable = sorted(declared - stops)
+    if not stops and not stop_strings:
+        if unreachable:
+            raise ValueError(
+                f"the model at {model_path} ends responses only with token id(s) {unreachable}, which its "
+                f"{limit}-token vocabulary cannot produce: every response would run to --rollout-max-response-len; "
+                "set --rollout-stop-token-ids (or --rollout-stop STRING), or fix eos_token_id"
+            )
         raise ValueError(
             f"the model at {model_path} declares no eos_token_id (generation_config.json, config.json) and "
             "--rollout-stop-token-ids is empty, so every response would run to --rollout-max-response-len; "
             "set --rollout-stop-token-ids (or --rollout-stop) or add eos_token_id to generation_config.json"
+        )
+    if unreachable:
+        ends = [*(str(t) for t in sorted(stops)), *(repr(s) for s in stop_strings)]
+        logger.warning(
+            "stop token id(s) %s of %s lie outside its %d-token vocabulary and never end a response; responses end "
+            "on %s or at --rollout-max-response-len",
+            unreachable,
+            model_path,
+            limit,
+            ", ".join(ends),
         )
     return stops
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Self
 
 from tidal.rollout.client import SGLangClient
+from tidal.rollout.crash_cause import crash_cause
 from tidal.rollout.errors import RolloutError
 from tidal.rollout.transport import DEFAULT_MAX_IDLE_S, DEFAULT_RETRIES
 
@@ -31,6 +32,12 @@ _LOG_TAIL_LINES = 40
 _HEALTH_POLL_S = 0.5
 _PROGRESS_EVERY_S = 30.0
 _SHUTDOWN_GRACE_S = 15.0
+
+
+def cause_in_log(path: Path, returncode: int | None = None) -> str:
+    """``"; cause: ..."`` when the log (and exit code) name why the server died, else ``""``."""
+    cause = crash_cause(log_tail(path, 200), returncode)
+    return f"; cause: {cause}" if cause else ""
 
 
 def log_tail(path: Path, num_lines: int = _LOG_TAIL_LINES) -> str:
@@ -165,7 +172,8 @@ class ManagedServer(SGLangClient):
     def dead_error(self, what: str) -> RolloutError:
         """A one-line RolloutError: this server ``what``, with its pid and log file (whose tail is logged here)."""
         logger.error("%s at %s %s; %s", self.kind, self.url, what, log_tail(self.log_path))
-        return RolloutError(f"{self.describe()} {what}; its log: {self.log_path}")
+        code = self._process.poll() if self._process is not None else None
+        return RolloutError(f"{self.describe()} {what}{cause_in_log(self.log_path, code)}; its log: {self.log_path}")
 
     def start(self, *, wait: bool = True) -> None:
         """Launch the server; with ``wait`` also block until it is healthy (see :meth:`wait_healthy`).
@@ -238,7 +246,8 @@ class ManagedServer(SGLangClient):
                 continue
             self.shutdown()
             raise RolloutError(
-                f"{self.kind} at {self.url} exited with code {code} during start-up.\n{log_tail(self.log_path)}"
+                f"{self.kind} at {self.url} exited with code {code} during start-up"
+                f"{cause_in_log(self.log_path, code)}.\n{log_tail(self.log_path)}"
             )
 
     def shutdown(self, timeout_s: float = _SHUTDOWN_GRACE_S) -> None:

@@ -1,0 +1,374 @@
+"""The actor's memory plan: the peak GPU memory of one trainer rank, estimated before anything starts.
+
+Standard library only, so the app can plan at parse time. The estimate adds, per GPU:
+
+- **resident state**: parameters (in ``--params-dtype``), fp32 main copies and gradients (``--fp32-main-params``)
+  or gradients in the parameters' dtype, AdamW's two moments (none on the GPU with ``--optimizer-cpu-offload``),
+  a reference model's weights when a KL term needs one, a critic with its optimizer for PPO;
+- **activations** of one training micro-batch of ``tokens`` tokens kept for backward: per token and layer the
+  tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer only its input, plus one
+  layer's worth while a recomputed layer runs its backward; the final hidden states; the LM head's logits (all of
+  them with ``--no-recompute-lm-head``, one chunk otherwise); cuDNN's padded q/k/v copies when a sequence can reach
+  ``--cudnn-attention-min-tokens``;
+- **the backward's transient**: the largest set of gradients alive at once (one layer's MLP, or one LM-head chunk).
+
+The log-prob pass (``--log-probs-max-tokens-per-gpu``) keeps no activations: resident state plus the larger of one
+layer's forward and one LM-head chunk. Co-located engines take ``--sglang-mem-fraction-static`` of the card on top.
+The formula's terms are those of the CUDA path (bf16, fused kernels); bench/memory_plan_gpu.py compares it with
+the measured peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.actor.config import ActorConfig
+
+GIB = 2**30
+ALIGN = 128
+"""Token budgets the plan proposes are multiples of this (the usual --pad-to-multiple-of)."""
+ALLOCATOR_HEADROOM = 0.05
+"""Share of the card kept free for the caching allocator's fragmentation and the CUDA context."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """The dimensions of a decoder-only model that decide its memory (from an HF ``config.json``)."""
+
+    vocab_size: int
+    """Rows of the embedding and LM head."""
+    hidden_size: int
+    """Model width h."""
+    ffn_hidden_size: int
+    """MLP intermediate size F (per gate/up projection)."""
+    num_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads."""
+    head_dim: int
+    """Channels per head."""
+    tie_word_embeddings: bool
+    """The LM head shares the embedding matrix."""
+    qkv_bias: bool = False
+    """The q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys (Qwen3): the layer keeps q/k before the norm too."""
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelShape:
+        """The shape of an HF ``config.json`` dict (qwen2, qwen3, llama and the like)."""
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            ffn_hidden_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=cfg.get("model_type") == "qwen3",
+        )
+
+    @property
+    def qkv_width(self) -> int:
+        """Channels of the fused q/k/v projection's output."""
+        return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one decoder layer on one tensor-parallel rank (norms are replicated)."""
+        h, f, q = self.hidden_size, self.ffn_hidden_size, self.num_attention_heads * self.head_dim
+        sharded = h * self.qkv_width + (self.qkv_width if self.qkv_bias else 0) + q * h + 3 * h * f
+        return sharded // tp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """Parameters of the embedding (or of an untied LM head) on one rank, the vocabulary padded for TP.
+
+        The padding is ``vocab_padding.padded_vocab_size``'s: none when TP divides the vocabulary.
+        """
+        padded = self.vocab_size if self.vocab_size % tp == 0 else -(-self.vocab_size // (ALIGN * tp)) * ALIGN * tp
+        return padded // tp * self.hidden_size
+
+    def num_params(self) -> int:
+        """Parameters of the whole model."""
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * self.layer_params() + heads * self.embedding_params() + self.hidden_size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryInputs:
+    """What the plan needs beyond the model: the actor's options, the parallel layout and the token budgets."""
+
+    train_tokens: int
+    """Tokens of the largest training micro-batch on one GPU (``--max-tokens-per-gpu``, or sequences x length)."""
+    logprob_tokens: int
+    """Tokens of the largest forward-only micro-batch on one GPU (``--log-probs-max-tokens-per-gpu``)."""
+    longest_sequence: int
+    """Longest prompt + response, which decides whether cuDNN's padded copies can occur."""
+    params_dtype: str = "bfloat16"
+    """``--params-dtype``."""
+    bf16: bool = False
+    """``--bf16`` (fp32 weights under bf16 autocast: activations in bf16)."""
+    fp32_main_params: bool = True
+    """``--fp32-main-params``."""
+    optimizer_cpu_offload: bool = False
+    """``--optimizer-cpu-offload``: AdamW's moments live in host memory."""
+    recompute_activations: bool = False
+    """``--recompute-activations``."""
+    recompute_num_layers: int = 0
+    """``--recompute-num-layers`` (0: every layer of the stage)."""
+    recompute_lm_head: bool = True
+    """False with ``--no-recompute-lm-head``: every chunk's logits stay for backward."""
+    log_probs_chunk_size: int = 1024
+    """``--log-probs-chunk-size``: rows per LM-head chunk."""
+    cudnn_attention_min_tokens: int = 2048
+    """``--cudnn-attention-min-tokens`` (0: no padded copies)."""
+    fused_kernels: bool = True
+    """Triton kernels for SwiGLU, RoPE, RMSNorm and the log-softmax (the CUDA path)."""
+    tensor_parallel: int = 1
+    """``--tensor-model-parallel-size``."""
+    pipeline_parallel: int = 1
+    """``--pipeline-model-parallel-size``."""
+    context_parallel: int = 1
+    """``--context-parallel-size`` (each GPU holds 1/CP of a micro-batch's tokens)."""
+    reference_model: bool = False
+    """A reference model's weights are resident (a KL loss or KL penalty)."""
+    critic: bool = False
+    """A critic with its own optimizer shares the GPU (``--advantage-estimator ppo``)."""
+
+    @classmethod
+    def from_actor_config(cls, cfg: ActorConfig, **kwargs: object) -> MemoryInputs:
+        """The inputs of ``cfg``'s options; ``kwargs`` give the budgets, the layout and the extra models."""
+        names = (
+            "params_dtype",
+            "bf16",
+            "fp32_main_params",
+            "optimizer_cpu_offload",
+            "recompute_activations",
+            "recompute_num_layers",
+            "recompute_lm_head",
+            "log_probs_chunk_size",
+            "cudnn_attention_min_tokens",
+            "fused_kernels",
+        )
+        return cls(**{name: getattr(cfg, name) for name in names}, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryPlan:
+    """The estimate: named rows in bytes and the peaks they add up to."""
+
+    rows: tuple[tuple[str, int], ...]
+    """(what, bytes) in the order of the table; the training peak is their sum."""
+    train_peak: int
+    """Peak bytes of a training step on one GPU."""
+    logprob_peak: int
+    """Peak bytes of a forward-only (log-prob) pass on one GPU."""
+    inputs: MemoryInputs
+    """What the plan was made from."""
+    engine_bytes: int = 0
+    """Bytes the co-located engines take of the same card (0: decoupled, or no card known)."""
+    gpu_bytes: int | None = None
+    """The card's memory, when known."""
+    notes: tuple[str, ...] = field(default=())
+    """What the estimate leaves out or assumes."""
+
+    @property
+    def peak(self) -> int:
+        """The larger of the two peaks, plus the co-located engines' share."""
+        return max(self.train_peak, self.logprob_peak) + self.engine_bytes
+
+    @property
+    def limit(self) -> int | None:
+        """Bytes the actor may use: the card less the allocator's headroom (None when no card is known)."""
+        return None if self.gpu_bytes is None else int(self.gpu_bytes * (1.0 - ALLOCATOR_HEADROOM))
+
+    def fits(self) -> bool | None:
+        """Whether the peak fits the card (None when no card is known)."""
+        return None if self.limit is None else self.peak <= self.limit
+
+    def table(self) -> str:
+        """The plan as a short fixed-width table (GiB)."""
+        lines = [f"memory plan per GPU (GiB), training micro-batch {self.inputs.train_tokens} tokens:"]
+        lines += [f"  {name:<40} {size / GIB:8.2f}" for name, size in self.rows]
+        lines.append(f"  {'training peak':<40} {self.train_peak / GIB:8.2f}")
+        lines.append(f"  {f'log-prob peak ({self.inputs.logprob_tokens} tokens)':<40} {self.logprob_peak / GIB:8.2f}")
+        if self.engine_bytes:
+            lines.append(f"  {'co-located engines':<40} {self.engine_bytes / GIB:8.2f}")
+        if self.gpu_bytes is not None:
+            verdict = "fits" if self.fits() else "DOES NOT FIT"
+            lines.append(f"  {'card (less 5% headroom)':<40} {self.limit / GIB:8.2f}  {verdict}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The plan as JSON (bytes and GiB), for the run folder."""
+        return json.dumps(
+            {
+                "rows_gib": {name: round(size / GIB, 3) for name, size in self.rows},
+                "train_peak_gib": round(self.train_peak / GIB, 3),
+                "logprob_peak_gib": round(self.logprob_peak / GIB, 3),
+                "engine_gib": round(self.engine_bytes / GIB, 3),
+                "gpu_gib": None if self.gpu_bytes is None else round(self.gpu_bytes / GIB, 3),
+                "fits": self.fits(),
+                "inputs": asdict(self.inputs),
+                "notes": list(self.notes),
+            },
+            indent=2,
+        )
+
+
+def _activation_bytes(inputs: MemoryInputs) -> int:
+    return 2 if inputs.params_dtype == "bfloat16" or inputs.bf16 else 4
+
+
+def layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
+    """Bytes one layer keeps for backward per token on one GPU (no recompute).
+
+    With fused kernels (the CUDA path): the first norm's input and output (the q/k/v projection's input), the
+    rotated q/k/v (the attention's inputs; with a q/k norm also their input), the attention's output (the output
+    projection's input) and its fp32 log-sum-exp, the second norm's input and output (the MLP's input), the
+    gate/up projection's output (SwiGLU's input) and SwiGLU's output (the down projection's input); each norm's
+    fp32 inverse RMS. Unfused, SwiGLU keeps its two halves and their product too.
+    """
+    tp, e = inputs.tensor_parallel, _activation_bytes(inputs)
+    h, f = shape.hidden_size, shape.ffn_hidden_size // tp
+    qkv, attn = shape.qkv_width // tp, shape.num_attention_heads * shape.head_dim // tp
+    elements = 4 * h + qkv + (qkv if shape.qk_norm else 0) + attn + 3 * f
+    if not inputs.fused_kernels:
+        elements += 3 * f
+    return elements * e + 4 * (2 + shape.num_attention_heads // tp)
+
+
+def _layers_per_stage(shape: ModelShape, inputs: MemoryInputs) -> int:
+    return -(-shape.num_layers // inputs.pipeline_parallel)
+
+
+def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
+    tp, pp = inputs.tensor_parallel, inputs.pipeline_parallel
+    # the stage that holds the embedding (and, in one stage, the LM head): the largest
+    heads = 1 if shape.tie_word_embeddings or pp > 1 else 2
+    params = _layers_per_stage(shape, inputs) * shape.layer_params(tp) + heads * shape.embedding_params(tp)
+    params += shape.hidden_size  # the final norm
+    width = 2 if inputs.params_dtype == "bfloat16" else 4
+    rows = [(f"parameters ({inputs.params_dtype})", params * width)]
+    if inputs.fp32_main_params:
+        rows += [("fp32 main parameters", params * 4), ("fp32 main gradients", params * 4)]
+    else:
+        rows.append(("gradients", params * width))
+    moments = params * (8 if inputs.fp32_main_params or width == 4 else 4)
+    rows.append(
+        (
+            "AdamW moments (host)" if inputs.optimizer_cpu_offload else "AdamW moments",
+            0 if inputs.optimizer_cpu_offload else moments,
+        )
+    )
+    if inputs.reference_model:
+        rows.append(("reference model", params * width))
+    if inputs.critic:  # the same trunk with a value head, its gradients and optimizer
+        trunk = params - shape.embedding_params(tp) * (heads - 1)
+        rows.append(("critic (weights, gradients, AdamW)", sum(size for _, size in rows[:4]) * trunk // params))
+    return rows
+
+
+def _chunk_bytes(shape: ModelShape, inputs: MemoryInputs, rows: int) -> int:
+    vocab = shape.embedding_params(inputs.tensor_parallel) // shape.hidden_size
+    logits = rows * vocab * _activation_bytes(inputs)
+    # unfused: an fp32 log-softmax of the chunk next to its logits
+    return logits + (0 if inputs.fused_kernels else rows * vocab * 4)
+
+
+def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[tuple[str, int]]:
+    t = -(-tokens // inputs.context_parallel)
+    e, h = _activation_bytes(inputs), shape.hidden_size
+    layers = _layers_per_stage(shape, inputs)
+    recomputed = 0
+    if inputs.recompute_activations:
+        recomputed = layers if inputs.recompute_num_layers == 0 else min(inputs.recompute_num_layers, layers)
+    per_layer = layer_activation_bytes(shape, inputs)
+    rows = [(f"activations ({layers - recomputed} layers kept)", (layers - recomputed) * per_layer * t)]
+    if recomputed:
+        rows.append((f"recomputed layers' inputs ({recomputed})", recomputed * h * e * t))
+        rows.append(("one layer rebuilt in backward", per_layer * t))
+    if inputs.cudnn_attention_min_tokens and inputs.longest_sequence >= inputs.cudnn_attention_min_tokens:
+        padded = (layers - recomputed) * shape.qkv_width // inputs.tensor_parallel * e * t
+        rows.append(("cuDNN's padded q/k/v copies", padded))
+    chunk = min(inputs.log_probs_chunk_size, t)
+    kept = t if not inputs.recompute_lm_head else chunk
+    rows.append(("final hidden states and LM-head logits", t * h * e + _chunk_bytes(shape, inputs, kept)))
+    # backward: one chunk's logit gradients next to the hidden-state gradient, or one layer's MLP gradients
+    mlp_grads = t * (3 * shape.ffn_hidden_size // inputs.tensor_parallel + 2 * h) * e
+    rows.append(("gradients in flight (backward)", max(mlp_grads, _chunk_bytes(shape, inputs, chunk) + t * h * 4)))
+    return rows
+
+
+def plan_memory(
+    shape: ModelShape, inputs: MemoryInputs, *, gpu_bytes: int | None = None, engine_fraction: float = 0.0
+) -> MemoryPlan:
+    """The memory plan of one trainer GPU.
+
+    Args:
+        shape: the model's dimensions (``ModelShape.from_hf_config``).
+        inputs: the actor's options, layout and budgets.
+        gpu_bytes: the card's memory, to judge the fit (None: not known, no verdict).
+        engine_fraction: the share of the card co-located engines take (``--sglang-mem-fraction-static``; 0 when
+            the engines have GPUs of their own).
+    """
+    resident = _resident(shape, inputs)
+    static = sum(size for _, size in resident)
+    activations = _activations(shape, inputs, inputs.train_tokens)
+    t = -(-inputs.logprob_tokens // inputs.context_parallel)
+    e, h = _activation_bytes(inputs), shape.hidden_size
+    f = shape.ffn_hidden_size // inputs.tensor_parallel
+    one_layer = t * (3 * f + 3 * h) * e
+    chunk = _chunk_bytes(shape, inputs, min(inputs.log_probs_chunk_size, t))
+    logprob_peak = static + max(one_layer, chunk) + t * h * e
+    engine = int(engine_fraction * gpu_bytes) if gpu_bytes else 0
+    notes = ()
+    if inputs.pipeline_parallel > 1:
+        notes = ("pipeline: the first stage's activations of in-flight micro-batches are not counted",)
+    return MemoryPlan(
+        rows=tuple(resident + activations),
+        train_peak=static + sum(size for _, size in activations),
+        logprob_peak=logprob_peak,
+        inputs=inputs,
+        engine_bytes=engine,
+        gpu_bytes=gpu_bytes,
+        notes=notes,
+    )
+
+
+def largest_fitting_tokens(
+    shape: ModelShape, inputs: MemoryInputs, *, gpu_bytes: int, engine_fraction: float = 0.0, logprob: bool = False
+) -> int:
+    """The largest training (or, with ``logprob``, forward-only) micro-batch in tokens that fits the card.
+
+    A multiple of ``ALIGN``; 0 when not even ``ALIGN`` tokens fit (the resident state alone is too large).
+    """
+
+    def fits(tokens: int) -> bool:
+        key = "logprob_tokens" if logprob else "train_tokens"
+        plan = plan_memory(
+            shape, replace(inputs, **{key: tokens}), gpu_bytes=gpu_bytes, engine_fraction=engine_fraction
+        )
+        peak = plan.logprob_peak if logprob else plan.train_peak
+        return peak + plan.engine_bytes <= plan.limit
+
+    lo, hi = 0, ALIGN
+    while fits(hi) and hi < 2**24:
+        lo, hi = hi, hi * 2
+    while hi - lo > ALIGN:
+        mid = (lo + hi) // 2 // ALIGN * ALIGN
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def gib(size: int | float) -> str:
+    """``size`` bytes as "12.3 GiB"."""
+    return f"{size / GIB:.1f} GiB" if math.isfinite(size) else "? GiB"

@@ -1,0 +1,118 @@
+from dataclasses import replace
+
+import pytest
+import torch
+from tidal.actor import Actor, ActorConfig
+from tidal.actor.memory_plan import ALIGN, GIB, MemoryInputs, ModelShape, largest_fitting_tokens, plan_memory
+from tidal.ckpt import read_hf_config_json
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+SMALL = dict(
+    vocab_size=1000,
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+)
+QWEN3_1_7B = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
+BUDGETS = dict(train_tokens=32768, logprob_tokens=65536, longest_sequence=16384)
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "model_cls", "extra"),
+    [
+        (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+        (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32, "tie_word_embeddings": False}),
+        (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
+    ],
+    ids=["qwen2", "qwen3", "llama"],
+)
+def test_parameter_count_matches_the_hf_model(config_cls, model_cls, extra):
+    config = config_cls(**SMALL, **extra)
+    model = model_cls(config)
+    expected = sum(p.numel() for p in model.parameters())
+    assert ModelShape.from_hf_config(config.to_dict()).num_params() == expected
+
+
+def test_resident_rows_match_the_actor_built_from_the_same_folder(dist_env, qwen3_dir):
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen3_dir), lr=1e-3))
+    shape = ModelShape.from_hf_config(read_hf_config_json(qwen3_dir))
+    inputs = MemoryInputs.from_actor_config(actor.cfg, train_tokens=256, logprob_tokens=256, longest_sequence=64)
+    rows = dict(plan_memory(shape, inputs).rows)
+    params = sum(p.numel() * p.element_size() for p in actor.params)
+    assert rows["parameters (float32)"] == params
+    assert rows["gradients"] == params
+    assert rows["AdamW moments"] == 2 * params
+
+
+def test_options_move_the_peak_the_right_way():
+    shape = ModelShape.from_hf_config(QWEN3_1_7B)
+    base = MemoryInputs(**BUDGETS)
+    peak = plan_memory(shape, base).train_peak
+    assert plan_memory(shape, replace(base, train_tokens=16384)).train_peak < peak
+    assert plan_memory(shape, replace(base, recompute_activations=True)).train_peak < peak
+    partial = replace(base, recompute_activations=True, recompute_num_layers=4)
+    assert (
+        plan_memory(shape, replace(base, recompute_activations=True)).train_peak
+        < plan_memory(shape, partial).train_peak
+    )
+    assert plan_memory(shape, partial).train_peak < peak
+    assert plan_memory(shape, replace(base, recompute_lm_head=False)).train_peak > peak
+    assert plan_memory(shape, replace(base, cudnn_attention_min_tokens=0)).train_peak < peak
+    assert plan_memory(shape, replace(base, tensor_parallel=2)).train_peak < peak
+    assert plan_memory(shape, replace(base, context_parallel=2)).train_peak < peak
+    offload = plan_memory(shape, replace(base, optimizer_cpu_offload=True))
+    assert dict(offload.rows)["AdamW moments (host)"] == 0 and offload.train_peak < peak
+    assert plan_memory(shape, replace(base, reference_model=True)).train_peak > peak
+    assert plan_memory(shape, replace(base, critic=True)).train_peak > peak
+    # the forward-only pass keeps no activations: far below training at the same tokens
+    assert plan_memory(shape, base).logprob_peak < peak / 2
+
+
+def test_rows_add_up_and_the_table_names_the_verdict():
+    shape = ModelShape.from_hf_config(QWEN3_1_7B)
+    plan = plan_memory(shape, MemoryInputs(**BUDGETS), gpu_bytes=80 * GIB)
+    assert sum(size for _, size in plan.rows) == plan.train_peak
+    assert plan.fits() is False and "DOES NOT FIT" in plan.table()
+    assert plan_memory(shape, MemoryInputs(**BUDGETS)).fits() is None
+    assert plan_memory(shape, MemoryInputs(**BUDGETS), gpu_bytes=141 * GIB).fits() is True
+
+
+@pytest.mark.parametrize("logprob", [False, True])
+def test_largest_fitting_budget_is_the_bound(logprob):
+    shape = ModelShape.from_hf_config(QWEN3_1_7B)
+    inputs = MemoryInputs(**BUDGETS)
+    gpu = 80 * GIB
+    fits = largest_fitting_tokens(shape, inputs, gpu_bytes=gpu, logprob=logprob)
+    assert fits > 0 and fits % ALIGN == 0
+    key = "logprob_tokens" if logprob else "train_tokens"
+
+    def peak(tokens):
+        plan = plan_memory(shape, replace(inputs, **{key: tokens}), gpu_bytes=gpu)
+        return plan.logprob_peak if logprob else plan.train_peak
+
+    limit = plan_memory(shape, inputs, gpu_bytes=gpu).limit
+    assert peak(fits) <= limit < peak(fits + ALIGN)
+    # co-located engines taking half the card leave less
+    assert largest_fitting_tokens(shape, inputs, gpu_bytes=gpu, engine_fraction=0.5, logprob=logprob) < fits
+    # nothing fits when the weights alone exceed the card
+    assert largest_fitting_tokens(shape, inputs, gpu_bytes=8 * GIB, logprob=logprob) == 0
+
+
+def test_shape_from_config_reads_head_dim_and_groups():
+    shape = ModelShape.from_hf_config(QWEN3_1_7B)
+    assert shape.head_dim == 128 and shape.qk_norm and shape.qkv_width == (16 + 16) * 128
+    no_kv = ModelShape.from_hf_config({**QWEN3_1_7B, "model_type": "llama", "num_key_value_heads": None})
+    assert no_kv.num_key_value_heads == 16 and not no_kv.qk_norm
+    assert torch.tensor(0).numel() == 1  # torch import is the test's own, the plan needs none
