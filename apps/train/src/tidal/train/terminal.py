@@ -83,6 +83,7 @@ class RolloutBar:
             self._task = self._progress.add_task(description, total=self.num_rollout, completed=rollout_id)
         else:
             self._progress.update(self._task, description=description, completed=rollout_id)
+        self._progress.refresh()  # drawn now: a phase may end before the next timed redraw
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:
