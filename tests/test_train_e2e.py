@@ -209,3 +209,27 @@ def test_the_run_folder_holds_the_memory_plan_of_its_model(run):
     assert abs(params - shape.num_params() * width / 2**30) < 0.001
     assert abs(plan["train_peak_gib"] - sum(plan["rows_gib"].values())) < 0.01
     assert plan["inputs"]["recompute_activations"] == job.actor.recompute_activations
+
+
+def test_terminal_gets_one_plain_line_per_rollout_and_no_warning(run):
+    # Redirected (captured here), the run writes plain lines: a start-up block (run folder, model, memory plan,
+    # Ray, what is placed, weight sync, engines ready), the accuracy before RL, one line per rollout, the summary.
+    # Per-call worker lines and third-party notices are in the run folder's logs, not here.
+    _, summary, _, _, output = run
+    lines = output.splitlines()
+    assert "\x1b" not in output and "\r" not in output, output[:2000]
+    assert not [line for line in lines if "WARNING" in line or "Warning" in line], output
+    assert len([line for line in lines if " | reward " in line]) == 2, output
+    assert len(lines) <= 7 + 1 + 2 + 1, output
+    assert all(line.startswith("[tidal train] ") for line in lines), output
+    logs = Path(summary["metrics"]).parent / "logs"
+    engine_log = next(logs.glob("engine_*.log")).read_text()
+    actor_log = (logs / "actor_r0.log").read_text()
+    assert "generate: 16/16 samples" in engine_log and "generate: " not in output
+    assert "weight update from tensors" in actor_log and "weight update" not in output
+    assert "saved checkpoint" in actor_log and "saved checkpoint" not in output
+    # Notices nobody can act on are said once, at INFO, in the file of the process that met them.
+    for notice in ("GPTModel IS DEPRECATED", "No CUDA runtime is found"):
+        said = [line for line in actor_log.splitlines() if notice in line]
+        assert len(said) == 1 and " INFO tidal.notices: " in said[0], said
+    assert "rollout 2/2 | reward" in (logs / "train.log").read_text()

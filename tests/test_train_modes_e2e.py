@@ -7,26 +7,33 @@
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
   --debug-train-only on its saved rollouts (no engine), its forward-only passes on --log-probs-max-tokens-per-gpu;
 - Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130;
+- on a pseudo-terminal (--debug-rollout-only): a live rollout line that rewrites itself, gone at the end, above
+  which the start-up block and one line per rollout stay;
 - --max-staleness 1: rollout k + 1 is generated while rollout k trains, staleness <= 1 in metrics.jsonl; its
   actor is two pipeline stages (--pipeline-model-parallel-size 2), each of whose first rank broadcasts its own stage's
   tensors to both engines through its own group. Its driver alone is SIGKILLed as it trains rollout 2, just after the
   checkpoint of rollout 1, which holds the buffered rollout 2; resumed with --load, it trains on exactly those
   samples (not generated again), then on a new rollout 3, without a gap or a repeat, and leaves no process.
 
-The resumed, rollout-only and --max-staleness runs attach to the session's one SGLang server (``external_engine``,
-tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of their own (the
---max-staleness run adds ``second_external_engine``, started beside it); the first killed run launches its own, to
-show that a SIGKILL of the driver leaves no server behind.
+The resumed, rollout-only, terminal and --max-staleness runs attach to the session's one SGLang server
+(``external_engine``, tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of
+their own (the --max-staleness run adds ``second_external_engine``, started beside it); the first killed run launches
+its own, to show that a SIGKILL of the driver leaves no server behind.
 """
 
 import contextlib
+import fcntl
 import json
 import math
 import os
+import pty
 import re
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -424,3 +431,75 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path):
     assert code == 130, log[-4000:]
     assert "interrupted" in log
     assert not leftovers, leftovers
+
+
+def _train_on_a_terminal(args: list[str], *, timeout_s: float = 900.0) -> tuple[int, str]:
+    """Run `train` with a pseudo-terminal (200 columns) as stdin, stdout and stderr; ``(exit code, raw output)``."""
+    main, side = pty.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    before = _children(os.getpid())
+    _set_child_subreaper(True)
+    chunks: list[bytes] = []
+    try:
+        env = {**os.environ, "COLUMNS": "200", "LINES": "50"}  # pytest's children get COLUMNS=80, which rich obeys
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tidal.train.cli", *args],
+            stdin=side, stdout=side, stderr=side, start_new_session=True, env=env,
+        )  # fmt: skip
+        os.close(side)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if select.select([main], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(main, 65536)
+                except OSError:  # EIO: every holder of the terminal's other side has closed it
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait(timeout=120)
+        _kill_until_none_left(before)
+    finally:
+        _set_child_subreaper(False)
+        os.close(main)
+    return code, b"".join(chunks).decode("utf-8", "replace")
+
+
+_TOKEN = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])|\r|\n|[^\x1b\r\n]+")
+
+
+def _screen(raw: str) -> list[str]:
+    """The non-empty lines a terminal shows once ``raw`` is written: text, CR, LF, cursor up, erase line."""
+    lines, row, at_start = [""], 0, False
+    for m in _TOKEN.finditer(raw):
+        token, code = m.group(0), m.group(2)
+        if token == "\n":
+            row += 1
+            lines += [""] * (row + 1 - len(lines))
+        elif token == "\r":
+            at_start = True
+        elif code == "A":
+            row = max(0, row - int(m.group(1) or 1))
+        elif code == "K":
+            lines[row] = ""
+        elif code is None:
+            lines[row] = token if at_start else lines[row] + token
+            at_start = False
+    return [line.strip() for line in lines if line.strip()]
+
+
+def test_a_terminal_shows_a_live_rollout_line_then_one_line_per_rollout(tmp_path, external_engine):
+    out = tmp_path / "tty"
+    args = [*COMMON, "--num-rollout", "2", "--debug-rollout-only", "--rollout-external-engine-addrs", external_engine]
+    code, raw = _train_on_a_terminal([*args, "--output-dir", str(out)])
+    assert code == 0, raw[-6000:]
+    assert "rollout 2/2: generate" in raw and "\x1b[2K" in raw  # the live line, redrawn with its phase
+    screen = _screen(raw)
+    assert not [line for line in screen if "rollout 2/2: " in line], screen  # gone once the run ends
+    assert [line.split(" | ")[0][-11:] for line in screen if " | reward " in line] == ["rollout 1/2", "rollout 2/2"]
+    # Run folder, model, Ray, what is placed, engines ready; accuracy before RL; 2 rollouts; the summary.
+    assert len(screen) == 5 + 1 + 2 + 1, "\n".join(screen)
+    assert screen[-1].startswith("[tidal train] ") and " done in " in screen[-1], screen
+    assert not [line for line in screen if "WARNING" in line], screen

@@ -132,6 +132,8 @@ def test_the_parser_holds_exactly_the_fields_options():
     expected = {"-h", "--help", *APP_OPTIONS}
     for o in options():
         expected.add(o.flag)
+        if o.short:
+            expected.add(o.short)
         if o.kwargs.get("action") is argparse.BooleanOptionalAction:
             expected.add("--no-" + o.flag[2:])
     assert _options(build_parser()) == expected

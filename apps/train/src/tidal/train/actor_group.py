@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
+from tidal.train.logs import LogPlan
 from tidal.train.workers import ActorWorker, RolloutData
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class ActorGroup:
                     tensor_model_parallel_size=job.train.tensor_model_parallel_size,
                     context_parallel_size=job.train.context_parallel_size,
                     pipeline_model_parallel_size=job.train.pipeline_model_parallel_size,
+                    log=LogPlan.of_run(job.train.output_dir, job.train.verbose),
                 )
             )
         if self.plan.offload_train:  # runs after each constructor, while the engines start (no-op without CUDA)

@@ -212,14 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     A bad input prints one line per problem (exit 2); any later error prints one line and the file holding its
     traceback (exit 1); Ctrl-C stops every process and exits 130.
     """
-    from tidal.train.logs import setup_logging
+    from tidal.train.logs import LogPlan, forward_ray_logs, setup_logging
 
-    setup_logging("train")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["convert"]:
         from tidal.train.convert import convert_main
 
+        setup_logging("convert", LogPlan(verbose=True))  # a one-shot tool: its few INFO lines are its report
         return convert_main(argv[1:])
+    setup_logging("train", terminal_marks=True)
+    forward_ray_logs()  # before anything imports Ray
     if "--list-recipes" in argv or _recipe_arg(argv) == "list":
         from tidal.train.recipes import describe
 
@@ -260,13 +262,19 @@ def _recipe_arg(argv: list[str]) -> str | None:
 
 
 def _run(job: JobConfig) -> int:
+    from tidal.train.logs import TERMINAL, LogPlan, setup_logging
     from tidal.train.loop import run
 
     start = time.monotonic()
+    plan = LogPlan.of_run(job.train.output_dir, job.train.verbose)
+    setup_logging("train", plan, terminal_marks=True)
+    shown = "" if job.train.verbose else "; -v shows their INFO lines here too"
+    logger.info("run folder %s (each process logs in %s%s)", job.train.output_dir, plan.log_dir, shown, extra=TERMINAL)
     if job.train.hf_checkpoint is None:
         from tidal.train.embedded_model import ensure_embedded_model
 
         ensure_embedded_model()
+    logger.info("model %s", job.actor.hf_checkpoint, extra=TERMINAL)
     from tidal.train.config_file import write_effective_config
     from tidal.train.run_folder import link_latest
 
@@ -287,6 +295,7 @@ def _run(job: JobConfig) -> int:
         result.output_dir / "summary.json",
         result.output_dir / "curves.png",
         result.checkpoint_dir,
+        extra=TERMINAL,
     )
     return 0
 

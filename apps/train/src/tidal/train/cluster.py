@@ -17,8 +17,10 @@ from pathlib import Path
 from tidal.train.actor_group import ActorGroup, WeightExport
 from tidal.train.config import JobConfig
 from tidal.train.data import PromptDataset
-from tidal.train.handoff import HandOffLog, resolve_sync_plan
+from tidal.train.handoff import HandOffLog, SyncPlan, resolve_sync_plan
+from tidal.train.logs import TERMINAL, adopt_ray_logger
 from tidal.train.rollout_manager import RolloutManager
+from tidal.train.terminal import waiting
 
 logger = logging.getLogger(__name__)
 
@@ -50,21 +52,20 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
         weights = WeightExport(root=out / "weights", max_shard_bytes=job.train.update_weight_buffer_size)
         actors = ActorGroup(job, weights, plan=plan, handoff=handoff)
         rollouts.weight_source = actors.resync  # --use-fault-tolerance: a restarted engine gets the actor's weights
-    if with_engines and actors is not None:
-        logger.info("weight sync: %s; offload: actor %s, engines %s", plan.transport,
-                    "on" if plan.offload_train else "off", "on" if plan.offload_rollout else "off")  # fmt: skip
+    _announce(job, plan, with_engines=with_engines, with_actor=actors is not None)
+    adopt_ray_logger()
     with ray_session(job.placement):
         placement = create_placement(job.placement)
         try:
-            if with_engines:
-                rollouts.start(placement)
-            if actors is not None:
-                actors.start(placement)
-                actors.wait_ready()
-            rollouts.wait_ready()
-            logger.info(
-                "engines ready at %s; actor ready on %d rank(s)", rollouts.engine_urls or "(none)", len(actors or [])
-            )
+            with waiting("starting the SGLang engine(s) and the actor"):
+                if with_engines:
+                    rollouts.start(placement)
+                if actors is not None:
+                    actors.start(placement)
+                    actors.wait_ready()
+                rollouts.wait_ready()
+            urls, ranks = rollouts.engine_urls or "(none)", len(actors or [])
+            logger.info("engines ready at %s; actor ready on %d rank(s)", urls, ranks, extra=TERMINAL)
             yield Cluster(rollouts=rollouts, actors=actors)
         finally:
             if actors is not None:
@@ -75,3 +76,31 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
                 if actors is not None:
                     actors.kill()
                 placement.remove()
+
+
+def _announce(job: JobConfig, plan: SyncPlan, *, with_engines: bool, with_actor: bool) -> None:
+    """The start-up block: where Ray runs, what it places, how weights move (shown without --verbose)."""
+    from tidal.placement import detect_gpus, plan_local_gpus
+
+    cfg, train, cpu_mode = job.placement, job.train, False
+    if cfg.cluster_address:
+        logger.info("Ray: the cluster at %s", cfg.cluster_address, extra=TERMINAL)
+    else:
+        local = plan_local_gpus(cfg, detect_gpus())
+        cpu_mode = local.logical
+        logger.info("Ray: local, %d CPUs, %s", cfg.num_cpus_local, local.describe(), extra=TERMINAL)
+    sizes = (train.tensor_model_parallel_size, train.context_parallel_size, train.pipeline_model_parallel_size)
+    parallel = "tp {}, cp {}, pp {}".format(*sizes)
+    actor = f"actor on {cfg.num_actor_gpus} GPU(s) ({parallel})" if with_actor else "no actor"
+    external = job.rollout.rollout_external_engine_addrs
+    engines = f"{len(external)} external SGLang server(s)" if external else f"{cfg.num_engines} SGLang engine(s)"
+    engines = engines if with_engines else "no engine"
+    shared = with_actor and with_engines and not external
+    where = ("; co-located on the same GPUs" if cfg.colocate else "; on separate GPUs") if shared else ""
+    logger.info("%s; %s%s", actor, engines, where, extra=TERMINAL)
+    if with_engines and with_actor:
+        on = {True: "on", False: "off"}
+        offload = f"offload: actor {on[plan.offload_train]}, engines {on[plan.offload_rollout]}"
+        if cpu_mode and (plan.offload_train or plan.offload_rollout):
+            offload += " (CPU mode: the hand-off runs as on a GPU but frees no memory)"
+        logger.info("weight sync: %s; %s", plan.transport, offload, extra=TERMINAL)

@@ -105,6 +105,9 @@ class TrainConfig:
     """Log to Weights & Biases in offline mode, into the run folder's wandb/."""
     wandb_project: str = "tidal"
     """W&B project name."""
+    verbose: bool = field(default=False, metadata={"short": "-v"})
+    """Also show every process's INFO log lines on the terminal (generation progress, weight-sync timings,
+    checkpoint writes); they are always in the run folder's logs/."""
     use_fault_tolerance: bool = False
     """Restart an engine that died, give it the actor's current weights, then resend its requests."""
     reward_sanity_rollouts: int = 3

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tidal.ckpt import CheckpointError, CheckpointMismatchError, read_hf_config_json
-from tidal.train.logs import setup_logging
+from tidal.train.logs import LogPlan, setup_logging
 
 logger = logging.getLogger("tidal.train.convert")
 
@@ -221,7 +221,7 @@ def convert_main(argv: list[str], *, timeout_s: float | None = None) -> int:
         timeout_s: stop the workers and fail after this many seconds (None: no limit).
     """
     if not logging.getLogger().handlers:
-        setup_logging("convert")
+        setup_logging("convert", LogPlan(verbose=True))
     try:
         job = parse_convert(argv)
     except SystemExit as e:  # --help
@@ -307,7 +307,7 @@ def _worker_main(argv: list[str]) -> int:
     """One rank: ``python -m tidal.train.convert _worker RANK WORLD PORT JOB_JSON``."""
     rank, world, port = (int(x) for x in argv[:3])
     job = ConvertJob(**json.loads(argv[3]))
-    setup_logging(f"convert r{rank}", logging.INFO if rank == 0 else logging.WARNING)
+    setup_logging(f"convert r{rank}", LogPlan(verbose=rank == 0))  # rank 0 reports; the others only warn
     # megatron-core imports flashinfer and FA4's flash_attn.cute (sglang's, with the CUTLASS DSL) when installed,
     # only for GPU inference/MoE/attention kernels that a CPU conversion never runs: two thirds of this process's
     # import time. Every such import is guarded by `except ImportError`, which None in sys.modules raises.

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tidal.train.logs import TERMINAL
 from tidal.train.task_data import TRAIN_FILE, read_jsonl, shipped_path
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def ensure_embedded_model(cache_dir: Path | None = None, spec: EmbeddedModelSpec
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building the embedded default model into %s (once; later runs reuse it)", target)
+    logger.info("building the embedded default model into %s (once; later runs reuse it)", target, extra=TERMINAL)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         _build(staging, spec)
@@ -125,7 +126,13 @@ def _build(out: Path, spec: EmbeddedModelSpec) -> None:
         warm_start(model, tokenizer, records, spec)
     finally:
         torch.set_num_threads(threads)
-    model.save_pretrained(out)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one shard, written at once: its bar would be a redraw in a log file
+    try:
+        model.save_pretrained(out)
+    finally:
+        hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id).save_pretrained(out)
     (out / "tidal_embedded.json").write_text(json.dumps(asdict(spec), indent=2))
@@ -190,7 +197,8 @@ def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -
         if step % spec.sft_check_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, [records[i] for i in probe])
             if accuracy >= spec.sft_target_accuracy:
-                logger.info("warm start stops at step %d: greedy accuracy %.2f on training prompts", step, accuracy)
+                stop = "warm start stops at step %d: greedy accuracy %.2f on training prompts"
+                logger.info(stop, step, accuracy, extra=TERMINAL)
                 break
         now = time.monotonic()
         if now - last_log > 10 or step == spec.sft_steps:
@@ -202,6 +210,7 @@ def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -
                 loss.item(),
                 rate,
                 (spec.sft_steps - step) / rate,
+                extra=TERMINAL,
             )
             last_log = now
     model.eval()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from tidal.train.logs import setup_logging
+from tidal.train.logs import LogPlan, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,9 @@ class EngineWorker:
         tp_size: int = 1,
         interruptible: bool = False,
         flush_after_update: bool = True,
+        verbose: bool = False,
     ) -> None:
-        setup_logging(f"engine {external_url or port}")
+        setup_logging(f"engine {external_url or port}", LogPlan(log_dir=log_dir, verbose=verbose))
         from tidal.rollout import InterruptibleUpdates, SGLangClient, SGLangEngine
 
         self.fault_tolerant = fault_tolerant  # --use-fault-tolerance: restart a dead engine, resend its requests

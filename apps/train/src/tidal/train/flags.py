@@ -58,7 +58,7 @@ TITLES = {
     "actor": "actor (tidal-actor)",
 }
 
-METADATA_KEYS = frozenset({"flag", "negatable", "action", "metavar"})
+METADATA_KEYS = frozenset({"flag", "short", "negatable", "action", "metavar"})
 """What a field's metadata may say about its option (anything else is a mistake the generator refuses)."""
 
 # The app's own options: how the job is assembled, not a field of any section.
@@ -87,6 +87,8 @@ class Option:
     """The field's docstring, on one line."""
     default: Any
     """The field's default; ``dataclasses.MISSING`` for a required field."""
+    short: str | None = None
+    """A one-letter alias of the flag (``-v``), if the field's metadata names one."""
 
 
 @functools.cache
@@ -114,7 +116,8 @@ def _option(section: str, f: dataclasses.Field, tp: Any, doc: str) -> Option | N
     default = f.default
     if f.default_factory is not dataclasses.MISSING:
         default = f.default_factory()
-    return Option(section, f.name, flag, _kind(tp, default, flag, meta), " ".join(doc.split()), default)
+    text = " ".join(doc.split())
+    return Option(section, f.name, flag, _kind(tp, default, flag, meta), text, default, meta.get("short"))
 
 
 def _kind(tp: Any, default: Any, flag: str, meta: dict[str, Any]) -> dict[str, Any]:
@@ -182,8 +185,9 @@ def build_parser(recipe: tuple[str, dict[str, Any]] | None = None) -> argparse.A
     name, values = recipe or ("", {})
     for option in options():
         text = help_text(option, name, values.get(option.name, option.default))
+        flags = (option.flag, option.short) if option.short else (option.flag,)
         groups[option.section].add_argument(
-            option.flag, dest=option.name, default=None, help=text.replace("%", "%%"), **option.kwargs
+            *flags, dest=option.name, default=None, help=text.replace("%", "%%"), **option.kwargs
         )
     return parser
 

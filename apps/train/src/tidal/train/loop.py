@@ -19,12 +19,14 @@ from tidal.train.actor_group import ActorGroup
 from tidal.train.cluster import Cluster, start_cluster
 from tidal.train.config import JobConfig, eval_sets
 from tidal.train.data import PromptDataset
+from tidal.train.logs import TERMINAL
 from tidal.train.metrics import MetricsLog, rollout_line
 from tidal.train.monitors import RewardSanity, check_engine_agreement, check_prompt_chat_template
 from tidal.train.plots import write_curves
 from tidal.train.rollout_buffer import RolloutBuffer
 from tidal.train.rollout_manager import RolloutManager
 from tidal.train.summary import RunResult, floor_key, overhead_share, write_summary
+from tidal.train.terminal import RolloutBar
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +41,17 @@ def run(job: JobConfig) -> RunResult:
     out.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = _datasets(job)
     held_out = {name: data.head(job.train.num_eval_prompts) for name, data in eval_data.items()}
-    with start_cluster(job, out, train_data) as cluster, RolloutBuffer(cluster.rollouts, job.train) as buffer:
-        return _train(job, cluster, buffer, held_out, out)
+    with (
+        start_cluster(job, out, train_data) as cluster,
+        RolloutBuffer(cluster.rollouts, job.train) as buffer,
+        RolloutBar(job.train.num_rollout) as bar,
+    ):
+        return _train(job, cluster, buffer, held_out, out, bar)
 
 
-def _train(job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: dict, out: Path) -> RunResult:
+def _train(
+    job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: dict, out: Path, bar: RolloutBar
+) -> RunResult:
     rollouts, actors = cluster.rollouts, cluster.actors
     num_rollout = job.train.num_rollout
     metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
@@ -53,25 +61,30 @@ def _train(job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: di
     result.start_rollout_id, result.history = start, metrics_log.read()
     result.weights_dir = _serve_first_weights(job, rollouts, actors, version)
     if rollouts.has_engines:
+        bar.phase(start, "evaluate before RL")
         result.eval_before = rollouts.evaluate(held_out)["eval/accuracy"]
-        logger.info("held-out accuracy before RL: %.3f", result.eval_before)
+        logger.info("held-out accuracy before RL: %.3f", result.eval_before, extra=TERMINAL)
     sanity = RewardSanity(job.train.reward_sanity_rollouts)
     best = _best_so_far(job, result.history)
     loop_start = drawn = time.monotonic()
     retries_seen = 0  # the first rollout's count includes the start-up's (evaluation, weight loading)
     for rollout_id in range(start, num_rollout):
         tick, last = time.monotonic(), rollout_id == num_rollout - 1
+        bar.phase(rollout_id, "generate")
         samples, times = buffer.take(rollout_id, version)  # generated now, or ahead under --max-staleness
         sanity.observe(samples)
         train_metrics: dict[str, float] = {}
         if actors:
+            bar.phase(rollout_id, "train")
             train_metrics, times["time/actor_call"] = timed(actors.train, samples, rollout_id)
             if rollouts.has_engines and _due(rollout_id, job.train.update_weights_interval):
                 version = rollout_id + 1
+                bar.phase(rollout_id, "sync weights")
                 result.weights_dir, times["time/weight_sync"] = timed(actors.sync_weights, rollouts, version)
                 times |= actors.last_sync  # weight_sync/transport, weight_sync/mb_per_s, ...
         record = _record(rollout_id, samples, train_metrics, times)
         if rollouts.has_engines and (last or _due(rollout_id, job.train.eval_interval)):
+            bar.phase(rollout_id, "evaluate")
             evals, times["time/eval"] = timed(rollouts.evaluate, held_out)
             record |= evals
         retries = rollouts.http_retries()  # resets, refusals, timeouts, 5xx survived (generation, sync, eval)
@@ -83,13 +96,14 @@ def _train(job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: di
         result.history.append(record)
         if actors and (last or _due(rollout_id, job.ckpt.save_interval)):
             best = _mark_best(job, record, best)
+            bar.phase(rollout_id, "checkpoint")
             _save(job, buffer, actors, rollout_id, version)
         if last or "eval/accuracy" in record or time.monotonic() - drawn >= CURVES_EVERY_S:
             write_curves(out / "curves.png", result.history, eval_before=result.eval_before,
                          mismatch_threshold=job.train.mismatch_warn_threshold)  # fmt: skip
             drawn = time.monotonic()
         eta = (time.monotonic() - loop_start) / (rollout_id + 1 - start) * (num_rollout - rollout_id - 1)
-        logger.info("%s | ETA %.0f s", rollout_line(record, num_rollout), eta)
+        logger.info("%s | ETA %.0f s", rollout_line(record, num_rollout), eta, extra=TERMINAL)
     if actors and job.ckpt.async_save:
         actors.finalize_saves()
     result.wall_s = time.monotonic() - loop_start
@@ -136,7 +150,8 @@ def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, act
         version = state.weight_version
         rollouts.restore_carry(state.rollout_carry)  # partial rollout's unfinished groups: nothing is dropped
         buffer.restore(state.rollout_buffer, start)  # rollouts generated ahead and not trained on yet
-        logger.info("resumed from %s: rollout %d done; going on at rollout %d", job.ckpt.load, state.rollout_id, start)
+        resumed = "resumed from %s: rollout %d done; going on at rollout %d"
+        logger.info(resumed, job.ckpt.load, state.rollout_id, start, extra=TERMINAL)
     dropped = metrics_log.truncate(start)
     if dropped:
         logger.info("metrics.jsonl: dropped %d record(s) of rollouts >= %d (they run again)", dropped, start)

@@ -14,6 +14,7 @@ from typing import Any
 
 from tidal.actor import MemoryInputs, MemoryPlan, ModelShape, largest_fitting_tokens, plan_memory
 from tidal.placement import gpu_memory_bytes
+from tidal.train.logs import TERMINAL
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +133,8 @@ def write_memory_plan(job, hf_config: dict[str, Any], out_dir: str | Path) -> Me
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json() + "\n")
     if gpu is None:
-        logger.info(
-            "memory plan: %.2f GiB peak per trainer GPU (no GPU here to check it against; %s)", plan.peak / GIB, path
-        )
+        line = "memory plan: %.2f GiB peak per trainer GPU (no GPU here to check it against; %s)"
+        logger.info(line, plan.peak / GIB, path, extra=TERMINAL)
     else:
-        logger.info("%s\n  (%s)", plan.table(), path)
+        logger.info("%s\n  (%s)", plan.table(), path, extra=TERMINAL)
     return plan

@@ -123,7 +123,7 @@ class RolloutManager:
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
             flush = self.job.train.max_staleness == 0
             worker = EngineWorker.options(num_cpus=0).remote(
-                cfg, model, log_dir=logs, external_url=url, flush_after_update=flush
+                cfg, model, log_dir=logs, external_url=url, flush_after_update=flush, verbose=self.job.train.verbose
             )
             self._launch(worker)
         hosts = [self._engine_host(placement, e) for e in range(self.job.placement.num_engines)]
@@ -144,6 +144,7 @@ class RolloutManager:
                 tp_size=self.job.placement.rollout_num_gpus_per_engine,
                 interruptible=self._interruptible(),
                 flush_after_update=self.job.train.max_staleness == 0,
+                verbose=self.job.train.verbose,
             )
             self._launch(worker)
 

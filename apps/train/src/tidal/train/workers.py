@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from tidal.train.logs import setup_logging
+from tidal.train.logs import LogPlan, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,9 @@ class ActorWorker:
         tensor_model_parallel_size: int = 1,
         context_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        log: LogPlan | None = None,
     ) -> None:
-        setup_logging(f"actor r{rank}")
+        setup_logging(f"actor r{rank}", log)
         _limit_cpu_threads()
         from tidal.actor import Actor, init_distributed
         from tidal.ckpt import CheckpointIO

@@ -286,7 +286,8 @@ class SGLangEngine(ManagedServer):
 
         SGLang frees device memory only when `train` passes ``--sglang-enable-memory-saver`` (SGLang's memory
         saver: torch_memory_saver, CUDA only); without it the call runs the same protocol (the KV cache
-        is flushed, the weights' buffers are stashed) and frees nothing, which is logged once. The server must
+        is flushed, the weights' buffers are stashed) and frees nothing, which is logged once (a warning on a GPU,
+        an INFO line on CPU, where no memory saver exists). The server must
         be idle: abort or finish requests first. On CPU it runs for real: the sgl_kernel stand-in's
         ``CpuMemoryReleaseFinder`` keeps SGLang's trailing ``torch.cuda.synchronize()`` from killing the server.
 
@@ -301,11 +302,14 @@ class SGLangEngine(ManagedServer):
         self.call("/release_memory_occupation", payload, what="release_memory_occupation")
         if not self._warned_memory_saver and "--enable-memory-saver" not in _flag_names(self.extra_server_args):
             self._warned_memory_saver = True
-            logger.warning(
-                "%s: release_memory_occupation frees no memory without --sglang-enable-memory-saver; "
-                "weights and KV cache stay allocated",
-                self.url,
-            )
+            if self._use_cpu():  # the memory saver is CUDA-only: nothing to ask for, and nothing to free
+                logger.info("%s: on CPU, release_memory_occupation frees no memory (as expected)", self.url)
+            else:
+                logger.warning(
+                    "%s: release_memory_occupation frees no memory without --sglang-enable-memory-saver; "
+                    "weights and KV cache stay allocated",
+                    self.url,
+                )
 
     def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate what :meth:`release_memory_occupation` freed (weights come back as they were).

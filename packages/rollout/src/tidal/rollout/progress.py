@@ -1,7 +1,8 @@
 """Progress of a long generation: samples done out of the total, samples/s and ETA.
 
-A tqdm bar on stderr when it is a terminal; in any case one log line every ``log_every_s`` seconds and
-one at the end, so that a job whose output goes to a file still shows that it moves.
+One log line every ``log_every_s`` seconds and one at the end, so that a job whose output goes to a file still
+shows that it moves; a tqdm bar on stderr when asked (off by default: an app that owns the terminal, such as
+``train`` with its live rollout line, draws its own).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class GenerationProgress:
     """Counts finished samples of one generation call and reports rate and ETA."""
 
     def __init__(
-        self, total: int, *, desc: str = "generate", log_every_s: float = DEFAULT_LOG_EVERY_S, bar: bool | None = None
+        self, total: int, *, desc: str = "generate", log_every_s: float = DEFAULT_LOG_EVERY_S, bar: bool = False
     ) -> None:
         """Start the clock.
 
@@ -29,7 +30,7 @@ class GenerationProgress:
             total: Samples the call will produce.
             desc: Name of the operation in the log line and bar.
             log_every_s: Seconds between log lines (0: a line at every update).
-            bar: Show a tqdm bar on stderr; None: only when stderr is a terminal.
+            bar: Also show a tqdm bar on stderr.
         """
         self.total = total
         self.done = 0
@@ -39,7 +40,7 @@ class GenerationProgress:
         self._next_log = self._start + log_every_s
         self._bar: Any = None
         self._lock = threading.Lock()  # updates may come from worker threads
-        if bar if bar is not None else sys.stderr.isatty():
+        if bar:
             from tqdm import tqdm  # deferred: only interactive runs draw a bar
 
             self._bar = tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, leave=False, dynamic_ncols=True)
