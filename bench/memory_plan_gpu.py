@@ -17,7 +17,6 @@ Debug on CPU with a tiny model: uv run python bench/memory_plan_gpu.py --tiny --
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import socket
@@ -98,70 +97,27 @@ def census(actor, mb) -> dict:
 DEV_TYPE = "cuda" if CUDA else "cpu"
 
 
-def live_blocks(top: int = 12) -> list:
-    """The allocated blocks of the CUDA memory history, grouped by the innermost tidal/megatron frame."""
+def live_cuda_tensors(top: int = 8) -> list:
+    """The largest CUDA tensors Python still reaches (gc), with the types of what refers to them."""
     if not CUDA:
         return []
-    snap = torch.cuda.memory._snapshot()
-    groups: dict[str, int] = defaultdict(int)
-    for seg in snap["segments"]:
-        for block in seg["blocks"]:
-            if block["state"] != "active_allocated":
-                continue
-            frames = [f for f in block.get("frames", []) if "/tidal/" in f["filename"] or "/megatron/" in f["filename"]]
-            where = " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:3]) or "?"
-            groups[where] += block["size"]
-    return sorted(((b / 2**30, w) for w, b in groups.items()), reverse=True)[:top]
-
-
-def _where(frames: list) -> str:
-    ours = [f for f in frames if "/tidal/" in f["filename"] or "/megatron/" in f["filename"]]
-    return " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in ours[:3]) or "?"
-
-
-def peak_breakdown(fn, top: int = 14) -> dict:
-    """Run ``fn`` with the allocator's history on; at the moment of the most memory allocated (since the start),
-    the live blocks grouped by the innermost tidal/megatron frames that allocated them."""
-    if not CUDA:
-        fn()
-        return {}
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
-    fn()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    live: dict[int, tuple[int, str]] = {}
-    total = best = 0
-    best_live: dict[int, tuple[int, str]] = {}
-    for ev in snap["device_traces"][0]:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], _where(ev.get("frames", [])))
-            total += ev["size"]
-            if total > best:
-                best, best_live = total, dict(live)
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
-            total -= live.pop(ev["addr"])[0]
-    groups: dict[str, int] = defaultdict(int)
-    for size, where in best_live.values():
-        groups[where] += size
-    rows = sorted(((b / 2**30, w) for w, b in groups.items()), reverse=True)[:top]
-    return {"peak_over_start_gib": best / 2**30, "events": len(snap["device_traces"][0]), "groups": rows}
-
-
-def forward_holdings(actor, mb, tag: str, out: dict) -> None:
-    """Memory a training forward keeps until its backward, and which lines allocated it."""
-    if not CUDA:
-        return
-    reset_peak()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=200000)
-    actor.model.train()
-    lp, ent = actor._forward(mb, with_entropy=True)
-    kept = torch.cuda.memory_allocated() - base
-    blocks = live_blocks()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    del lp, ent
-    out[f"forward_kept_{tag}"] = {"bytes_per_token": kept / mb.num_tokens, "gib": kept / 2**30, "blocks": blocks}
-    log(f"forward keeps ({tag}): {kept / mb.num_tokens:.0f} B/token; {json.dumps(blocks)[:3000]}")
+    found = {}
+    for obj in gc.get_objects():
+        try:
+            if torch.is_tensor(obj) and obj.is_cuda and not isinstance(obj, torch.nn.Parameter):
+                found[obj.untyped_storage().data_ptr()] = obj
+        except Exception:
+            continue
+    big = sorted(found.values(), key=lambda t: -t.untyped_storage().nbytes())[:top]
+    return [
+        (
+            t.untyped_storage().nbytes() / 2**30,
+            str(t.dtype),
+            tuple(t.shape),
+            sorted({type(r).__name__ for r in gc.get_referrers(t)})[:6],
+        )
+        for t in big
+    ]
 
 
 def peak() -> int:
@@ -192,7 +148,6 @@ def run_model(name: str, args, report: dict) -> None:
         out["resident_gib"] = torch.cuda.memory_allocated() / GIB if CUDA else 0.0
         log(f"{name}: census {json.dumps(out['census']['per_token_bytes'])}")
         log(f"{name}: layer 1 saves {out['census']['layer1_saved']}")
-        forward_holdings(actor, small[0], "no_recompute", out)
 
         def estimate(tokens: int, recompute: int | None, logprob_tokens: int) -> object:
             inputs = MemoryInputs.from_actor_config(
@@ -205,11 +160,9 @@ def run_model(name: str, args, report: dict) -> None:
 
         rows = out.setdefault("rows", [])
         for recompute in [None, *args.recompute]:
+            undo_recompute(actor)
             if recompute is not None:
-                if args.oom_tokens and name == args.oom_model and "oom_test" not in out:
-                    oom_test(actor, name, cfg, args, out)
                 enable_layer_recompute(actor.model, recompute)
-                forward_holdings(actor, small[0], f"recompute_{recompute}", out)
             for tokens in args.tokens:
                 plan, inputs = estimate(tokens, recompute, tokens)
                 row = {
@@ -220,15 +173,16 @@ def run_model(name: str, args, report: dict) -> None:
                     "plan_fits": plan.fits(),
                     "rows_gib": {k: v / GIB for k, v in plan.rows},
                 }
+                if plan.fits() is False:  # an out-of-memory here would leave the card unusable for the next rows
+                    row["skipped"] = "the plan says it does not fit"
+                    rows.append(row)
+                    log(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'rows_gib'})}")
+                    continue
                 mbs = micro_batches(tokens, 2, cfg["vocab_size"], 1, fields=True)
                 reset_peak()
                 t0 = time.perf_counter()
                 try:
-                    if tokens == args.breakdown_tokens and name in args.breakdown_models:
-                        row["breakdown"] = peak_breakdown(functools.partial(actor.train_step, mbs))
-                        log(f"{name}: peak breakdown {json.dumps(row['breakdown'])[:4000]}")
-                    else:
-                        actor.train_step(mbs)
+                    actor.train_step(mbs)
                     row["measured_gib"] = peak() / GIB
                     row["ratio"] = row["estimate_gib"] / row["measured_gib"] if CUDA else None
                 except ActorOutOfMemoryError as e:
@@ -256,6 +210,9 @@ def run_model(name: str, args, report: dict) -> None:
                     rows.append(row)
                     log(f"{name}: {json.dumps(row)}")
                     dump(args, report)
+        if args.oom_tokens and name == args.oom_model:  # last: after it the card may hold the failed pass
+            undo_recompute(actor)
+            oom_test(actor, name, cfg, args, out)
         del actor
         gc.collect()
         if CUDA:
@@ -269,8 +226,6 @@ def oom_test(actor, name: str, cfg: dict, args, out: dict) -> None:
 
     mbs = micro_batches(args.oom_tokens, 1, cfg["vocab_size"], 3, fields=True)
     before = torch.cuda.memory_allocated() if CUDA else 0
-    if CUDA:
-        torch.cuda.memory._record_memory_history(max_entries=200000)
     try:
         actor.train_step(mbs)
         out["oom_test"] = {"tokens": args.oom_tokens, "error": None, "peak_gib": peak() / GIB}
@@ -281,14 +236,23 @@ def oom_test(actor, name: str, cfg: dict, args, out: dict) -> None:
         if CUDA:
             out["oom_test"]["allocated_before_gib"] = before / 2**30
             out["oom_test"]["allocated_after_gib"] = torch.cuda.memory_allocated() / 2**30
-            out["oom_test"]["left_blocks"] = live_blocks()
-            torch.cuda.memory._record_memory_history(enabled=None)
+            out["oom_test"]["live_tensors"] = live_cuda_tensors()
             log(f"{name}: after the OOM: {json.dumps(out['oom_test'])[:3000]}")
         del mbs
         ok = micro_batches(args.tokens[0], 1, cfg["vocab_size"], 4, fields=True)
-        actor.train_step(ok)
-        out["oom_test"]["step_after_ok"] = True
+        try:
+            actor.train_step(ok)
+            out["oom_test"]["step_after_ok"] = True
+        except ActorOutOfMemoryError as again:
+            out["oom_test"]["step_after_ok"] = False
+            out["oom_test"]["step_after_error"] = str(again)
     log(f"{name}: OOM test {out['oom_test']}")
+
+
+def undo_recompute(actor) -> None:
+    """Every layer back to its own forward (``enable_layer_recompute`` wraps it in an instance attribute)."""
+    for layer in actor.model.decoder.layers:
+        layer.__dict__.pop("forward", None)
 
 
 def _with_recompute(acfg, layers: int):
@@ -324,8 +288,6 @@ def main() -> None:
     p.add_argument("--logprob-tokens", type=int, nargs="*", default=[32768, 65536])
     p.add_argument("--recompute", type=int, nargs="*", default=[0], help="recompute settings after 'off' (0: all)")
     p.add_argument("--census-tokens", type=int, default=8192)
-    p.add_argument("--breakdown-tokens", type=int, default=16384, help="train budget whose peak is broken down")
-    p.add_argument("--breakdown-models", nargs="*", default=["qwen3-1.7b"])
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--oom-model", default="llama-3.2-3b")
     p.add_argument("--oom-tokens", type=int, default=0, help="a training budget too large on purpose (0: skip)")

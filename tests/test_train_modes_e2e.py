@@ -66,7 +66,8 @@ def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL,
     try:
         with log.open("w") as f:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tidal.train.cli", *args, "--output-dir", str(out)],
+                # --verbose: these tests read the workers' INFO lines (SGLang starts, broadcasts, resumes)
+                [sys.executable, "-m", "tidal.train.cli", *args, "--verbose", "--output-dir", str(out)],
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
