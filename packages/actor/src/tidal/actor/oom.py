@@ -57,7 +57,8 @@ def run_reporting_oom[T](
     """``fn()``, with a ``torch.OutOfMemoryError`` turned into an ``ActorOutOfMemoryError`` of one line.
 
     The error is raised after the handler has ended, so the failed pass's traceback (and the activations its frames
-    hold) is gone and the memory is free again when the caller sees it.
+    hold) is dropped before the caller sees it; on a GPU some of that memory has still been seen held afterwards,
+    so the caller should end the run rather than train on.
 
     Args:
         fn: the micro-batch's pass.
