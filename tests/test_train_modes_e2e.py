@@ -299,7 +299,8 @@ def test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_al
     # to both engines at once.
     from tidal.rollout import SGLangClient
 
-    records, *_, (_, log, _) = one_step_off  # the resumed run's log (the killed one's may lack Ray's last lines)
+    records, *_, (out, log, _) = one_step_off  # the resumed run's log (the killed one's may lack Ray's last lines)
+    log += "".join(f.read_text() for f in sorted((out / "logs").glob("actor_r*.log")))  # each rank's own lines
     for r in records:
         assert r["weight_sync/transport"] == "nccl"
         counts = [r[f"weight_sync/{k}num_tensors"] for k in ("pp0/", "pp1/", "")]
