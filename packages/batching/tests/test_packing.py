@@ -70,9 +70,9 @@ def test_batch_is_frozen():
     ],
 )
 def test_bad_input_raises_value_error(kwargs, match):
-    sequences = kwargs.pop("sequences")
+    rest = {k: v for k, v in kwargs.items() if k != "sequences"}  # the parameter dict is shared between runs
     with pytest.raises(ValueError, match=match):
-        pack(sequences, **kwargs)
+        pack(kwargs["sequences"], **rest)
 
 
 def test_unpack_rejects_values_of_the_wrong_length():
