@@ -23,7 +23,8 @@ from tidal.actor.advantages import (
     whiten_sums,
 )
 from tidal.actor.config import _ADVANTAGE_ESTIMATORS
-from tidal.actor.trainer import _gae, _kl_shaped, _response_len, _token_level
+from tidal.actor.sample_weights import response_len
+from tidal.actor.trainer import _gae, _kl_shaped, _token_level
 from tidal.batching import pack
 
 REWARDS = [1.0, 0.0, 0.5, 0.7, 0.0, 1.0, 1.0, 0.25, 2.0, -1.0]
@@ -175,7 +176,7 @@ def test_dapo_overlong_penalty_formula():
     got = overlong_penalty(torch.tensor(lengths), max_response_len=l_max, buffer_len=l_cache, penalty_factor=factor)
     torch.testing.assert_close(got, torch.tensor(expected))
     assert overlong_penalty(torch.tensor(lengths), max_response_len=16, buffer_len=0, penalty_factor=1.0).eq(0).all()
-    assert _response_len([0, 0, 1, 1, 0, 1]) == 4 and _response_len([0, 0]) == 0
+    assert response_len([0, 0, 1, 1, 0, 1]) == 4 and response_len([0, 0]) == 0
     with pytest.raises(ValueError, match="--overlong-buffer-len"):
         ActorConfig(hf_checkpoint="x", overlong_buffer_len=1024, max_response_len=1024)
 
