@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -74,8 +75,12 @@ def select(modules: list[Module], paths: list[str]) -> list[Module]:
     return chosen
 
 
-def run_mutmut(package_dir: Path, modules: list[Module], *, fresh: bool) -> None:
-    """``mutmut run`` in ``package_dir`` on the mutants of ``modules``, one worker, its output in mutants/run.log."""
+def run_mutmut(package_dir: Path, modules: list[Module], *, fresh: bool) -> bool:
+    """``mutmut run`` in ``package_dir`` on the mutants of ``modules``, one worker, its output in mutants/run.log.
+
+    Returns:
+        Whether mutmut finished; when not, the end of its log is printed.
+    """
     if fresh:
         shutil.rmtree(package_dir / "mutants", ignore_errors=True)
     mutmut = Path(sys.executable).parent / "mutmut"
@@ -83,11 +88,15 @@ def run_mutmut(package_dir: Path, modules: list[Module], *, fresh: bool) -> None
     (package_dir / "mutants").mkdir(exist_ok=True)
     log = package_dir / "mutants" / "run.log"
     print(f"mutmut run in {package_dir.relative_to(ROOT)} on {', '.join(m.dotted for m in modules)}", flush=True)
+    # mutmut forks each mutant's test run from a process that has run torch: with a thread pool there, the fork
+    # can deadlock in its first parallel op (a false "timeout"); one thread per process has no pool to inherit.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with log.open("w") as out:
-        rc = subprocess.run(cmd, cwd=package_dir, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        rc = subprocess.run(cmd, cwd=package_dir, env=env, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     if rc != 0:
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()[-40:]
-        raise SystemExit(f"mutmut exited {rc} in {package_dir}; the end of {log}:\n" + "\n".join(tail))
+        print(f"mutmut exited {rc} in {package_dir}; the end of {log}:\n" + "\n".join(tail))
+    return rc == 0
 
 
 def read_statuses(module: Module) -> None:
@@ -100,14 +109,18 @@ def read_statuses(module: Module) -> None:
 
 
 def report(modules: list[Module], *, diffs: bool) -> float:
-    """Print the per-module counts, the surviving mutants and the kill rate; return the rate in percent."""
-    total = killed = 0
+    """Print the per-module counts, the surviving mutants and the kill rate; return the rate in percent.
+
+    The rate is over the mutants mutmut has a verdict for; "not checked" ones (an interrupted run) are counted apart.
+    """
+    total = killed = unchecked = 0
     print(f"\n{'module':<48} {'mutants':>8} {'killed':>7} {'alive':>6}")
     for m in modules:
-        k = sum(s in KILLED for s in m.statuses.values())
-        total, killed = total + len(m.statuses), killed + k
-        print(f"{m.dotted:<48} {len(m.statuses):>8} {k:>7} {len(m.statuses) - k:>6}")
-    alive = [(m, name, s) for m in modules for name, s in m.statuses.items() if s not in KILLED]
+        checked = [s for s in m.statuses.values() if s != "not checked"]
+        k = sum(s in KILLED for s in checked)
+        total, killed, unchecked = total + len(checked), killed + k, unchecked + len(m.statuses) - len(checked)
+        print(f"{m.dotted:<48} {len(checked):>8} {k:>7} {len(checked) - k:>6}")
+    alive = [(m, name, s) for m in modules for name, s in m.statuses.items() if s not in KILLED | {"not checked"}]
     if alive:
         print("\nalive mutants (mutmut show NAME, in the package folder, prints one):")
     for m, name, status in alive:
@@ -118,6 +131,8 @@ def report(modules: list[Module], *, diffs: bool) -> float:
             print("    " + show.stdout.strip().replace("\n", "\n    "))
     rate = 100.0 * killed / total if total else 0.0
     print(f"\nkill rate: {rate:.1f}% ({killed} of {total} mutants killed, {total - killed} alive)")
+    if unchecked:
+        print(f"{unchecked} mutants not checked yet (an interrupted run): run again without --report-only")
     return rate
 
 
@@ -131,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-rate", type=float, default=0.0, help="exit 1 when the kill rate is below this percent")
     args = parser.parse_args(argv)
     modules = select(configured_modules(), args.paths)
+    finished = True
     if not args.report_only:
         for package_dir in dict.fromkeys(m.package_dir for m in modules):
-            run_mutmut(package_dir, [m for m in modules if m.package_dir == package_dir], fresh=args.fresh)
+            ok = run_mutmut(package_dir, [m for m in modules if m.package_dir == package_dir], fresh=args.fresh)
+            finished = finished and ok
     for m in modules:
         read_statuses(m)
     rate = report(modules, diffs=args.diffs)
+    if not finished:
+        return 2
     return 0 if rate >= args.min_rate else 1
 
 
