@@ -77,8 +77,14 @@ def test_bad_input_raises_value_error(kwargs, match):
 
 def test_unpack_rejects_values_of_the_wrong_length():
     batch = pack([[1, 2], [3]], pad_to_multiple_of=4)
-    with pytest.raises(ValueError, match="4 tokens"):
+    with pytest.raises(ValueError, match="4 tokens") as e:
         unpack(torch.zeros(3), batch)
+    assert str(e.value) == (
+        "unpack() got values of shape (3,) for a batch of 4 tokens; "
+        "pass the per-token outputs computed on this very batch (first dim T)"
+    )
+    with pytest.raises(ValueError, match=r"shape \(\) for a batch of 4 tokens"):
+        unpack(torch.tensor(1.0), batch)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -110,3 +116,12 @@ def test_unpack_keeps_trailing_dims():
     parts = unpack(values, batch)
     assert [p.shape for p in parts] == [(3, 2), (1, 2)]
     assert parts[1].tolist() == [[6.0, 7.0]]
+
+
+def test_sample_fields_keep_their_kind():
+    batch = pack([[1], [2, 3]], sample_fields={"reward": [1, 2.5], "count": [3, 4], "ok": [True, False]})
+    assert batch.sample_fields["reward"].dtype == torch.float32
+    assert batch.sample_fields["count"].dtype == torch.int64 and batch.sample_fields["count"].tolist() == [3, 4]
+    assert batch.sample_fields["ok"].dtype == torch.bool and batch.sample_fields["ok"].tolist() == [True, False]
+    small = pack([[1], [2]], sample_fields={"n": torch.tensor([1, 2], dtype=torch.int16)})
+    assert small.sample_fields["n"].dtype == torch.int64

@@ -177,3 +177,23 @@ def test_bad_arguments(kwargs, match):
     rest = {k: v for k, v in kwargs.items() if k != "lengths"}  # the parameter dict is shared between runs
     with pytest.raises(ValueError, match=match):
         plan_micro_batches(kwargs["lengths"], **rest)
+
+
+def test_fixed_micro_batches_follow_round_wise_lpt(rl_lengths):
+    """Each round of ``num_bins`` samples (longest first) gives its longest to the lightest micro-batch so far."""
+    lengths, dp, mbs = rl_lengths[:60], 2, 7
+    plan = plan_micro_batches(lengths, dp_size=dp, micro_batch_size=mbs)
+    ranks = assign_ranks(lengths, dp)
+    num_bins = math.ceil(ranks.shape[1] / mbs)
+    for rank in range(dp):
+        loads, members = [0] * num_bins, [[] for _ in range(num_bins)]
+        row = ranks[rank].tolist()
+        for start in range(0, len(row), num_bins):
+            chunk = row[start : start + num_bins]
+            lightest = sorted(range(num_bins), key=lambda b: (loads[b], b))[: len(chunk)]
+            for b, i in zip(lightest, chunk, strict=True):
+                loads[b] += int(lengths[i])
+                members[b].append(i)
+        expected = sorted(sorted(m) for m in members)
+        assert sorted(sorted(mb.tolist()) for mb in plan.micro_batches(rank)) == expected
+        assert sorted(plan.tokens()[rank].tolist()) == sorted(loads)
