@@ -6,6 +6,7 @@ copies into ``mutants/`` (the repository root has no single ``src/``).
 
     uv run python tools/mutation.py                      # every configured module (the full pass)
     uv run python tools/mutation.py packages/actor/src/tidal/actor/loss.py packages/batching   # only these
+    uv run python tools/mutation.py --since main         # the configured modules a change touches
     uv run python tools/mutation.py --diffs PATH         # also print each surviving mutant's diff
 
 Results are cached in each package's ``mutants/`` (mutmut re-tests only the functions whose code or tests
@@ -75,6 +76,14 @@ def select(modules: list[Module], paths: list[str]) -> list[Module]:
     return chosen
 
 
+def changed_paths(ref: str) -> list[str]:
+    """Files that differ between ``ref`` and the working tree (``git diff --name-only ref``), from the root."""
+    out = subprocess.run(["git", "diff", "--name-only", ref], cwd=ROOT, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"--since {ref}: git diff failed: {out.stderr.strip()}")
+    return [str(ROOT / line) for line in out.stdout.splitlines() if line]
+
+
 def run_mutmut(package_dir: Path, modules: list[Module], *, fresh: bool) -> bool:
     """``mutmut run`` in ``package_dir`` on the mutants of ``modules``, one worker, its output in mutants/run.log.
 
@@ -140,12 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     """Run mutmut on the chosen modules (unless --report-only) and print the results; 1 below --min-rate."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", help="module files or folders to mutate (default: every configured one)")
+    parser.add_argument("--since", metavar="REF", help="only the configured modules changed since git REF")
     parser.add_argument("--fresh", action="store_true", help="delete the packages' mutants/ caches first")
     parser.add_argument("--diffs", action="store_true", help="print each surviving mutant's diff")
     parser.add_argument("--report-only", action="store_true", help="print the last results without running mutmut")
     parser.add_argument("--min-rate", type=float, default=0.0, help="exit 1 when the kill rate is below this percent")
     args = parser.parse_args(argv)
-    modules = select(configured_modules(), args.paths)
+    modules = configured_modules()
+    if args.since:
+        changed = {Path(p) for p in changed_paths(args.since)}
+        modules = [m for m in modules if m.path in changed]
+        if not modules:
+            print(f"no module configured for mutation testing changed since {args.since}")
+            return 0
+    modules = select(modules, args.paths)
     finished = True
     if not args.report_only:
         for package_dir in dict.fromkeys(m.package_dir for m in modules):

@@ -194,6 +194,7 @@ def test_masks_and_fields_come_back_per_sample_from_micro_batches_in_any_order(o
 def test_unpack_micro_batches_refuses_mismatched_outputs():
     plan = plan_micro_batches([3, 4, 5, 6], dp_size=1, micro_batch_size=2)
     batches = pack_micro_batches(plan, 0, [[1] * 3, [2] * 4, [3] * 5, [4] * 6])
+    assert [b.num_padding_tokens for b in batches] == [0, 0]  # no alignment unless asked for
     with pytest.raises(ValueError, match=r"^got 1 value tensors for 2 batches; pass one per batch$"):
         unpack_micro_batches([batches[0].tokens], batches, num_samples=4)
     with pytest.raises(ValueError):

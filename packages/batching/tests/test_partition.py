@@ -197,3 +197,33 @@ def test_fixed_micro_batches_follow_round_wise_lpt(rl_lengths):
         expected = sorted(sorted(m) for m in members)
         assert sorted(sorted(mb.tolist()) for mb in plan.micro_batches(rank)) == expected
         assert sorted(plan.tokens()[rank].tolist()) == sorted(loads)
+
+
+def test_argument_errors_name_the_argument_and_bounds_are_inclusive():
+    with pytest.raises(ValueError, match=r"^give exactly one of max_tokens_per_gpu \(dynamic batch size\) and micro"):
+        plan_micro_batches([3], dp_size=1)
+    for name in ("context_parallel_size", "pad_to_multiple_of"):
+        with pytest.raises(ValueError, match=rf"^{name} must be >= 1, got 0$"):
+            plan_micro_batches([3], dp_size=1, micro_batch_size=1, **{name: 0})
+    with pytest.raises(ValueError, match=r"^plan_micro_batches\(\) needs at least one sample, got none$"):
+        plan_micro_batches([], dp_size=1, micro_batch_size=1)
+    for flag in ("--max-tokens-per-gpu", "--log-probs-max-tokens-per-gpu"):
+        kw = {} if flag == "--max-tokens-per-gpu" else {"flag": flag}
+        with pytest.raises(ValueError, match=rf"^{flag} must be >= 1, got 0$"):
+            plan_micro_batches([1], dp_size=1, max_tokens_per_gpu=0, **kw)
+        with pytest.raises(ValueError, match=rf"^{flag} 3 is smaller than the alignment multiple 4; raise {flag} to"):
+            plan_micro_batches([1], dp_size=1, max_tokens_per_gpu=3, pad_to_multiple_of=4, **kw)
+    # the smallest budgets are valid
+    assert plan_micro_batches([1, 1], dp_size=1, max_tokens_per_gpu=1).num_micro_batches == 2
+    assert plan_micro_batches([1, 1], dp_size=1, max_tokens_per_gpu=2, pad_to_multiple_of=2).num_micro_batches == 1
+
+
+@pytest.mark.parametrize(("multiple", "aligned"), [(1, ""), (2, " (aligned to 2)")])
+def test_too_long_sequence_mentions_the_alignment_only_when_there_is_one(multiple, aligned):
+    with pytest.raises(ValueError) as e:
+        plan_micro_batches([3, 9], dp_size=1, max_tokens_per_gpu=8, pad_to_multiple_of=multiple)
+    assert str(e.value) == (
+        f"sample 1 has 9 tokens, more than fits in one micro-batch: --max-tokens-per-gpu 8 × --context-parallel-size 1"
+        f"{aligned} = 8 tokens; raise --max-tokens-per-gpu to at least {10 if multiple == 2 else 9} or raise "
+        "--context-parallel-size"
+    )
