@@ -275,3 +275,42 @@ def test_the_missing_tracker_error_lists_the_iterations_it_saw(tmp_path, count, 
     with pytest.raises(TrackerFileMissingError) as e:
         resolve_checkpoint(tmp_path)
     assert str(e.value).startswith(f"{tmp_path} holds {listed} but no ")
+
+
+@pytest.mark.parametrize(("names", "seen"), [
+    ([], "nothing"),
+    ([f"f{i}" for i in range(8)], "f0, f1, f2, f3, f4, f5, f6, f7"),
+    ([f"f{i}" for i in range(9)], "f0, f1, f2, f3, f4, f5, f6, f7, ..."),
+])  # fmt: skip
+def test_a_directory_without_checkpoints_lists_what_it_holds(tmp_path, names, seen):
+    load_dir = tmp_path / "ckpt"
+    load_dir.mkdir()
+    for name in names:
+        (load_dir / name).write_text("")
+    with pytest.raises(CheckpointNotFoundError) as e:
+        resolve_checkpoint(load_dir)
+    assert f"holds no checkpoint (no {TRACKER_FILENAME}, no complete iter_XXXXXXX/; it contains: {seen}). " in str(
+        e.value
+    )
+
+
+def test_a_tracker_beside_no_complete_iteration_gives_no_step_to_pass(tmp_path):
+    _iteration(tmp_path, 4, complete=False)
+    (tmp_path / TRACKER_FILENAME).write_text("4\n")
+    with pytest.raises(IterationNotFoundError) as e:
+        resolve_checkpoint(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / TRACKER_FILENAME} names iteration 4 but {tmp_path / 'iter_0000004'} is incomplete (no "
+        f"metadata.json: its save did not finish); {tmp_path} holds no complete iteration."
+    )
+
+
+def test_only_a_complete_iteration_named_directory_is_taken_for_a_single_iteration(tmp_path):
+    incomplete = _iteration(tmp_path, 9, complete=False)
+    with pytest.raises(CheckpointNotFoundError, match="holds no checkpoint"):
+        resolve_checkpoint(incomplete)
+    other = tmp_path / "ckpt"
+    other.mkdir()
+    (other / "metadata.json").write_text("{}")  # complete-looking, but not named iter_XXXXXXX
+    with pytest.raises(CheckpointNotFoundError, match="holds no checkpoint"):
+        resolve_checkpoint(other)
