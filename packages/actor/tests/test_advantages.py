@@ -308,16 +308,24 @@ EDGE_REWARD = torch.tensor([1.0] * 4 + [5.0] * 2 + [-2.0] * 2 + [3.0] * 5)
 EDGE_KL = torch.arange(13, dtype=torch.float32) / 10
 
 
+def _edge_token_rewards(*, kl_coef: float) -> list[tuple[list[int], list[float]]]:
+    """Per sample: its loss-token positions and their rewards (-kl_coef * kl, plus the reward on the last one)."""
+    out = []
+    for start, end in itertools.pairwise(EDGE_CU.tolist()):
+        steps = [t for t in range(start, end) if EDGE_MASK[t]]
+        rewards = [-kl_coef * float(EDGE_KL[t]) for t in steps]
+        if steps:
+            rewards[-1] += float(EDGE_REWARD[steps[-1]])
+        out.append((steps, rewards))
+    return out
+
+
 def test_reinforce_plus_plus_returns_on_samples_with_no_one_and_split_loss_tokens():
     for gamma in (1.0, 0.5):
         got = token_advantages(EDGE_REWARD, EDGE_KL, EDGE_MASK, EDGE_CU, estimator="reinforce_plus_plus",
                                kl_coef=0.1, gamma=gamma)  # fmt: skip
         expected = torch.zeros(13)
-        for start, end in itertools.pairwise(EDGE_CU.tolist()):
-            steps = [t for t in range(start, end) if EDGE_MASK[t]]
-            rewards = [-0.1 * float(EDGE_KL[t]) for t in steps]
-            if steps:
-                rewards[-1] += float(EDGE_REWARD[steps[-1]])
+        for steps, rewards in _edge_token_rewards(kl_coef=0.1):
             for i, t in enumerate(steps):
                 expected[t] = sum(gamma ** (j - i) * rewards[j] for j in range(i, len(steps)))
         torch.testing.assert_close(got, expected)
@@ -331,11 +339,7 @@ def test_gae_on_samples_with_no_one_and_split_loss_tokens():
     adv, returns = gae_advantages(EDGE_REWARD, EDGE_KL, values, EDGE_MASK, EDGE_CU, kl_coef=0.1, gamma=0.9,
                                   lambd=0.8)  # fmt: skip
     expected = torch.zeros(13)
-    for start, end in itertools.pairwise(EDGE_CU.tolist()):
-        steps = [t for t in range(start, end) if EDGE_MASK[t]]
-        rewards = [-0.1 * float(EDGE_KL[t]) for t in steps]
-        if steps:
-            rewards[-1] += float(EDGE_REWARD[steps[-1]])
+    for steps, rewards in _edge_token_rewards(kl_coef=0.1):
         running = 0.0
         for i in reversed(range(len(steps))):
             next_value = float(values[steps[i + 1]]) if i + 1 < len(steps) else 0.0

@@ -114,6 +114,7 @@ def test_custom_advantage_function_gets_the_shaped_rewards_and_must_return_one_p
     monkeypatch.syspath_prepend(str(tmp_path))
     import my_weights
 
+    my_weights.SEEN.clear()  # a module imported by an earlier run of this test in the same process keeps its list
     cfg = _cfg(custom_advantage_function_path="my_weights:scaled", disable_grpo_std_normalization=True,
                max_response_len=6, overlong_buffer_len=4)  # fmt: skip
     w = sample_weights(cfg, loss_masks=MASKS, rewards=REWARDS, group_size=3)
