@@ -218,3 +218,26 @@ def test_plan_from_config_defaults_and_the_flag_it_names():
         plan_from_config(cfg, [3, 5, 2, 11], dp_size=1)
     fixed = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2, micro_batch_size=2)
     assert plan_from_config(fixed, [3, 5, 2, 7], dp_size=1).num_micro_batches == 2
+
+
+def test_unpack_names_the_first_eight_missing_samples():
+    plan = plan_micro_batches([3, 4], dp_size=1, micro_batch_size=2)
+    batches = pack_micro_batches(plan, 0, [[1] * 3, [2] * 4])
+    with pytest.raises(
+        BatchingError, match=r"^10 of 12 samples have no outputs \(first: \[2, 3, 4, 5, 6, 7, 8, 9\]\)$"
+    ):
+        unpack_micro_batches([b.tokens for b in batches], batches, num_samples=12)
+
+
+def test_sequence_parallel_alone_adds_no_alignment():
+    assert alignment_multiple(sequence_parallel=True) == 1 and alignment_multiple(4, sequence_parallel=True) == 4
+
+
+def test_fixed_micro_batches_plan_the_context_parallel_padded_lengths():
+    # CP 2 pads each sequence to a multiple of 4: 3 and 4 tie (stable order), unpadded 4 is the longer one
+    cfg = BatchingConfig(rollout_batch_size=1, n_samples_per_prompt=2, micro_batch_size=1, context_parallel_size=2)
+    padded = plan_from_config(cfg, [3, 4], dp_size=2)
+    assert [mb.tolist() for mb in padded.micro_batches(0)] == [[0]]
+    assert [
+        mb.tolist() for mb in plan_from_config(cfg, [3, 4], dp_size=2, context_parallel_size=1).micro_batches(0)
+    ] == [[1]]

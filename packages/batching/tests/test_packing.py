@@ -125,3 +125,5 @@ def test_sample_fields_keep_their_kind():
     assert batch.sample_fields["ok"].dtype == torch.bool and batch.sample_fields["ok"].tolist() == [True, False]
     small = pack([[1], [2]], sample_fields={"n": torch.tensor([1, 2], dtype=torch.int16)})
     assert small.sample_fields["n"].dtype == torch.int64
+    wide = pack([[1], [2]], sample_fields={"r": torch.tensor([0.5, 1.5], dtype=torch.float64)})
+    assert wide.sample_fields["r"].dtype == torch.float32
