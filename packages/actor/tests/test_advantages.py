@@ -288,6 +288,10 @@ def test_group_shapes_at_their_bounds():
     assert compute_advantages(rewards, 3).tolist() == pytest.approx(grpo_advantages(rewards, 3).tolist())  # grpo
     with pytest.raises(ValueError, match=r"^--n-samples-per-prompt must be >= 1, got 0$"):
         compute_advantages(rewards, 0)
+    with pytest.raises(ValueError, match=r"^--advantage-estimator must be one of \(.*'ppo'\), got 'ppo2'$"):
+        compute_advantages(rewards, 1, estimator="ppo2")
+    # PPO's sample term is the reward itself: GAE with the critic's values does the rest
+    assert compute_advantages(rewards, 3, estimator="ppo").tolist() == rewards.tolist()
     with pytest.raises(ValueError, match=r"multiple of group_size=2, got shape \(3,\)$"):
         compute_advantages(rewards, 2)
     with pytest.raises(ValueError, match=r"multiple of group_size=1, got shape \(1, 3\)$"):
@@ -364,7 +368,8 @@ def test_whitening_and_explained_variance_of_constant_and_single_token_batches()
     one = torch.ones(1)
     assert whiten(torch.tensor([4.0]), one, whiten_sums(torch.tensor([4.0]), one)).tolist() == [0.0]
     flat = torch.full((3,), 2.0)
-    assert whiten(flat, torch.ones(3), whiten_sums(flat, torch.ones(3))).tolist() == [0.0, 0.0, 0.0]
+    whitened = whiten(flat, torch.ones(3), whiten_sums(flat, torch.ones(3)))
+    assert whitened.dtype == torch.float32 and whitened.tolist() == [0.0, 0.0, 0.0]
     assert math.isnan(explained_variance(explained_variance_sums(torch.zeros(1), torch.tensor([3.0]), one)))
     assert math.isnan(explained_variance(explained_variance_sums(torch.zeros(3), flat, torch.ones(3))))
     assert explained_variance(explained_variance_sums(torch.zeros(2), torch.tensor([1.0, 3.0]), torch.ones(2))) == 0.0

@@ -396,6 +396,9 @@ def test_every_metric_is_its_token_mean_under_its_own_name():
     loss0, sums0 = actor_loss(lp, entropy, fields, mask, LossSettings(eps_clip=0.2, eps_clip_high=0.2),
                               num_loss_tokens=2)  # fmt: skip
     assert loss0.item() == pytest.approx(pg) and sums0["entropy"].item() == pytest.approx(ent)
+    full = LossSettings(eps_clip=0.2, eps_clip_high=0.2, entropy_coef=1.0)
+    loss1, _ = actor_loss(lp, entropy, fields, mask, full, num_loss_tokens=2)
+    assert loss1.item() == pytest.approx(pg - ent)
     # a step without loss tokens divides by one, not by zero or two
     _, one = actor_loss(lp, None, fields, torch.tensor([1.0, 0.0, 0.0]), settings, num_loss_tokens=0)
     assert one["pg_loss"].item() == pytest.approx(-1.0) and one["kl"].item() == pytest.approx(0.5)

@@ -101,7 +101,7 @@ SEEN = []
 
 def scaled(rewards, *, group_size, normalize_std):
     SEEN.append((rewards.tolist(), group_size, normalize_std))
-    return rewards * 2.0
+    return (rewards * 2.0).double()  # the trainer's tensors are float32 whatever the function returns
 
 
 def too_short(rewards, *, group_size, normalize_std):
@@ -123,6 +123,9 @@ def test_custom_advantage_function_gets_the_shaped_rewards_and_must_return_one_p
     assert seen_rewards == pytest.approx(shaped) and seen_group_size == 3 and seen_std is False
     assert w.advantages.tolist() == pytest.approx([2 * s for s in shaped])
     assert w.advantages.dtype == torch.float32
+    missing = _cfg(custom_advantage_function_path="my_weights:nowhere")
+    with pytest.raises(ValueError, match=r"^--custom-advantage-function-path 'my_weights:nowhere': cannot load it"):
+        sample_weights(missing, loss_masks=MASKS, rewards=REWARDS, group_size=3)
     bad = _cfg(custom_advantage_function_path="my_weights:too_short")
     with pytest.raises(
         ValueError, match=r"--custom-advantage-function-path 'my_weights:too_short' returned shape \(5,\)"
