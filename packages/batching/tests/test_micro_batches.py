@@ -159,6 +159,7 @@ def test_ranks_get_the_same_count_when_best_fit_packs_them_differently():
     for rank in (0, 1):
         batches = plan.micro_batches(rank)
         assert len(batches) == plan.num_micro_batches
+        assert all((np.diff(mb) > 0).all() for mb in batches)  # each micro-batch's samples in ascending order
         assert [sum(UNEVEN[i] for i in mb) for mb in batches] == tokens[rank].tolist()
         seen += [int(i) for mb in batches for i in mb]
     assert sorted(seen) == list(range(len(UNEVEN)))

@@ -127,3 +127,27 @@ def test_sample_fields_keep_their_kind():
     assert small.sample_fields["n"].dtype == torch.int64
     wide = pack([[1], [2]], sample_fields={"r": torch.tensor([0.5, 1.5], dtype=torch.float64)})
     assert wide.sample_fields["r"].dtype == torch.float32
+
+
+def test_default_loss_mask_drops_each_first_token_even_of_a_one_token_sequence():
+    assert pack([[5], [6, 7], [8, 9, 1]]).loss_mask.tolist() == [0.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        list,
+        lambda s: torch.tensor(s, dtype=torch.int32),
+        lambda s: np.asarray(s, dtype=np.int32),
+    ],
+    ids=["lists", "int32 tensors", "int32 arrays"],
+)
+def test_every_input_kind_packs_to_the_same_dtypes(kind):
+    seqs, masks, adv = [[3, 4], [5, 6, 7]], [[0, 1], [0, 1, 1]], [[0.5, 0.5], [1.5, 1.5, 1.5]]
+    batch = pack([kind(s) for s in seqs], loss_masks=[kind(m) for m in masks], token_fields={"adv": adv},
+                 sample_indices=np.asarray([[4, 9]], dtype=np.int32))  # fmt: skip
+    assert batch.tokens.dtype == torch.int64 and batch.tokens.tolist() == [3, 4, 5, 6, 7]
+    assert batch.loss_mask.dtype == torch.float32 and batch.loss_mask.tolist() == [0, 1, 0, 1, 1]
+    assert batch.token_fields["adv"].dtype == torch.float32
+    assert batch.position_ids.dtype == torch.int64 and batch.position_ids.tolist() == [0, 1, 0, 1, 2]
+    assert batch.sample_indices.dtype == torch.int64 and batch.sample_indices.tolist() == [4, 9]
