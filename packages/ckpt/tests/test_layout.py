@@ -314,3 +314,17 @@ def test_only_a_complete_iteration_named_directory_is_taken_for_a_single_iterati
     (other / "metadata.json").write_text("{}")  # complete-looking, but not named iter_XXXXXXX
     with pytest.raises(CheckpointNotFoundError, match="holds no checkpoint"):
         resolve_checkpoint(other)
+
+
+def test_a_resolved_checkpoint_is_logged_with_its_flag_and_directory(tmp_path, caplog):
+    latest = _iteration(tmp_path, 3)
+    (tmp_path / TRACKER_FILENAME).write_text("3\n")
+    with caplog.at_level("INFO", logger="tidal.ckpt.layout"):
+        resolve_checkpoint(tmp_path, flag="--ref-load")
+    assert caplog.messages == [f"resolved --ref-load {tmp_path} to iteration 3 ({latest})"]
+
+
+def test_the_best_iteration_marker_creates_its_directory(tmp_path):
+    save_dir = tmp_path / "runs" / "a" / "ckpt"
+    mark_best_iteration(save_dir, 7)
+    assert best_iteration(save_dir) == 7
