@@ -107,3 +107,35 @@ def test_bad_sizes_and_a_generator_that_loses_groups_are_refused():
     with pytest.raises(RolloutError, match="returned 1 groups for 2 prompts"):
         sample_with_dynamic_filter(loses_one, _prompts("mixed", "mixed"), rollout_batch_size=1,
                                    over_sampling_batch_size=2)  # fmt: skip
+
+
+def test_one_prompt_per_round_is_enough_and_each_round_is_logged(caplog):
+    with caplog.at_level("INFO", logger="tidal.rollout.dynamic_sampling"):
+        result = sample_with_dynamic_filter(
+            generate_groups, _prompts("easy", "mixed", "mixed"), rollout_batch_size=2, over_sampling_batch_size=1
+        )
+    assert result.metrics["rollout/dynamic_sampling/rounds"] == 3.0
+    assert caplog.messages == [
+        "dynamic sampling round 1: 0/1 groups kept, 0/2 in the batch",
+        "dynamic sampling round 2: 1/1 groups kept, 1/2 in the batch",
+        "dynamic sampling round 3: 1/1 groups kept, 2/2 in the batch",
+    ]
+
+
+def test_sixteen_rounds_by_default_and_the_message_names_every_knob():
+    endless = iter(lambda: ([1], "easy"), None)
+    with pytest.raises(RolloutError) as e:
+        sample_with_dynamic_filter(generate_groups, endless, rollout_batch_size=1, over_sampling_batch_size=2)
+    assert str(e.value) == (
+        "dynamic sampling kept 0 of 1 groups after 16 rounds (32 groups generated, 32 dropped by the filter); the "
+        "prompts are too easy or too hard for the policy: raise --dynamic-sampling-max-rounds or "
+        "--over-sampling-batch-size, or change --dynamic-sampling-filter-path"
+    )
+
+
+def test_an_unscored_group_of_one_names_its_group():
+    from tidal.rollout import reward_variance
+
+    unscored = Sample(prompt_ids=[1], response_ids=[2], response_log_probs=[-1.0], finish_reason="stop", group_index=5)
+    with pytest.raises(ValueError, match=r"^dynamic sampling needs scored samples; group 5 has one unscored$"):
+        reward_variance([unscored])

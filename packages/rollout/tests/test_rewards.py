@@ -240,6 +240,8 @@ def test_numeric_match_signs_and_bounds(text: str, label: str, expected: float) 
         (r"\boxed{50\%}", "50", 1.0),
         (r"\boxed{50%}", "50", 1.0),
         (r"\boxed{x}.", "x", 1.0),
+        (r"\boxed{x.}", "x", 1.0),  # a full stop inside the box is dropped too
+        ("\\boxed   ", "7", 0.0),  # "\boxed" and spaces: no answer
         (r"\boxed{.x}", "x", 0.0),
         (r"\boxed{{1}}", "1", 0.0),  # nested braces are kept: "{1}" is not "1"
         (r"\boxed{a}{b}", "a", 1.0),
@@ -267,7 +269,7 @@ def test_score_samples_records_each_failure_and_clears_the_error_of_a_success(ca
     assert [s.reward for s in scored] == [0.5, 0.0]
     assert scored[0].reward_error is None
     assert scored[1].reward_error == "RuntimeError('boom')"
-    assert "reward failed for sample 1 (group 3): RuntimeError('boom')" in caplog.text
+    assert caplog.messages == ["reward failed for sample 1 (group 3): RuntimeError('boom')"]
     scored = score_samples([_sample("x", "y")], lambda s: "high")
     assert scored[0].reward == 0.0 and scored[0].reward_error == "returned 'high', not a number"
 
