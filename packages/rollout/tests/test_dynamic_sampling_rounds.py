@@ -8,7 +8,7 @@ SGLang-backed runs are in test_dynamic_sampling.py).
 from __future__ import annotations
 
 import pytest
-from tidal.rollout import RolloutError, Sample, sample_with_dynamic_filter
+from tidal.rollout import RolloutError, Sample, reward_variance, sample_with_dynamic_filter
 
 GROUP = 3
 REWARDS = {"mixed": [1.0, 0.0, 1.0], "easy": [1.0, 1.0, 1.0], "hard": [0.0, 0.0, 0.0]}
@@ -134,8 +134,6 @@ def test_sixteen_rounds_by_default_and_the_message_names_every_knob():
 
 
 def test_an_unscored_group_of_one_names_its_group():
-    from tidal.rollout import reward_variance
-
     unscored = Sample(prompt_ids=[1], response_ids=[2], response_log_probs=[-1.0], finish_reason="stop", group_index=5)
     with pytest.raises(ValueError, match=r"^dynamic sampling needs scored samples; group 5 has one unscored$"):
         reward_variance([unscored])
