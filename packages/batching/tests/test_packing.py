@@ -59,12 +59,15 @@ def test_batch_is_frozen():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"sequences": []}, "at least one sequence"),
+        ({"sequences": []}, r"^pack\(\) needs at least one sequence, got none$"),
         ({"sequences": [[1], []]}, "sequence 1 is empty"),
         ({"sequences": [[1, 2]], "loss_masks": [[1]]}, r"loss_masks\[0\] has 1 values but sequence 0 has 2"),
         ({"sequences": [[1, 2]], "loss_masks": [[1, 1], [1]]}, "2 entries but there are 1 sequences"),
         ({"sequences": [[1, 2]], "token_fields": {"adv": [[1.0]]}}, "token_fields"),
-        ({"sequences": [[1, 2]], "sample_fields": {"rewards": [1.0, 2.0]}}, "one value per sequence"),
+        (
+            {"sequences": [[1, 2]], "sample_fields": {"rewards": [1.0, 2.0]}},
+            r"sample_fields\['rewards'\] must have one",
+        ),
         ({"sequences": [[1, 2]], "sample_indices": [0, 1]}, "sample_indices has 2 entries"),
         ({"sequences": [[1, 2]], "pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1"),
     ],

@@ -213,8 +213,9 @@ def test_sweep_restores_a_displaced_original_and_drops_only_leftovers(tmp_path, 
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_text(name)
     (tmp_path / ".notes.tmp").write_text("a file, not a save")
+    (tmp_path / ".a").write_text("a file sorted before every directory: the sweep goes on past it")
     tidal.ckpt.atomic.sweep_interrupted(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".cache", ".notes.tmp", "iter_0000001", "iter_0000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a", ".cache", ".notes.tmp", "iter_0000001", "iter_0000002"]
     assert (tmp_path / "iter_0000001" / "f").read_text() == ".iter_0000001.old"  # moved back whole
     assert (tmp_path / "iter_0000002" / "f").read_text() == "iter_0000002"  # the published one wins
     assert "restoring iter_0000001 displaced by an interrupted save" in caplog.text

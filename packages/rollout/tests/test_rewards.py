@@ -241,6 +241,7 @@ def test_numeric_match_signs_and_bounds(text: str, label: str, expected: float) 
         (r"\boxed{50%}", "50", 1.0),
         (r"\boxed{x}.", "x", 1.0),
         (r"\boxed{x.}", "x", 1.0),  # a full stop inside the box is dropped too
+        (r"\boxed{5X}", "5", 0.0),  # only full stops are dropped
         ("\\boxed   ", "7", 0.0),  # "\boxed" and spaces: no answer
         (r"\boxed{.x}", "x", 0.0),
         (r"\boxed{{1}}", "1", 0.0),  # nested braces are kept: "{1}" is not "1"
