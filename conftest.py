@@ -1,8 +1,20 @@
-"""Repository-wide pytest hooks: hardware markers skip themselves when the hardware is absent."""
+"""Repository-wide pytest hooks: hardware markers skip themselves when the hardware is absent.
+
+Also registers the hypothesis profile ``mutation`` (``--hypothesis-profile=mutation``, which tools/mutation.py's
+mutmut runs pass): fixed examples (the same verdict for a mutant on every run), no per-example deadline (mutmut's
+trampolines slow every call) and fewer examples per property.
+"""
 
 import importlib.util
 
 import pytest
+
+if importlib.util.find_spec("hypothesis") is not None:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "mutation", max_examples=50, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
 
 
 def _cuda_device_count() -> int:

@@ -5,6 +5,8 @@ The batch: groups of different sizes (3, 1, 4, 2), responses with a prompt, a ma
 """
 
 import dataclasses
+import itertools
+import math
 import statistics
 
 import pytest
@@ -18,12 +20,14 @@ from tidal.actor.advantages import (
     gae_advantages,
     grpo_advantages,
     overlong_penalty,
+    sequence_mean,
     token_advantages,
     whiten,
     whiten_sums,
 )
 from tidal.actor.config import _ADVANTAGE_ESTIMATORS
-from tidal.actor.trainer import _gae, _kl_shaped, _response_len, _token_level
+from tidal.actor.sample_weights import response_len
+from tidal.actor.trainer import _gae, _kl_shaped, _token_level
 from tidal.batching import pack
 
 REWARDS = [1.0, 0.0, 0.5, 0.7, 0.0, 1.0, 1.0, 0.25, 2.0, -1.0]
@@ -175,7 +179,7 @@ def test_dapo_overlong_penalty_formula():
     got = overlong_penalty(torch.tensor(lengths), max_response_len=l_max, buffer_len=l_cache, penalty_factor=factor)
     torch.testing.assert_close(got, torch.tensor(expected))
     assert overlong_penalty(torch.tensor(lengths), max_response_len=16, buffer_len=0, penalty_factor=1.0).eq(0).all()
-    assert _response_len([0, 0, 1, 1, 0, 1]) == 4 and _response_len([0, 0]) == 0
+    assert response_len([0, 0, 1, 1, 0, 1]) == 4 and response_len([0, 0]) == 0
     with pytest.raises(ValueError, match="--overlong-buffer-len"):
         ActorConfig(hf_checkpoint="x", overlong_buffer_len=1024, max_response_len=1024)
 
@@ -273,3 +277,105 @@ def test_critic_flags_need_ppo():
             ActorConfig(hf_checkpoint="x", advantage_estimator="ppo", **kwargs)
     with pytest.raises(ValueError, match="--custom-advantage-function-path"):
         ActorConfig(hf_checkpoint="x", advantage_estimator="ppo", custom_advantage_function_path="m:f")
+
+
+def test_group_shapes_at_their_bounds():
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    # one sample per prompt is a valid group: nothing to compare with, so no advantage
+    for estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        assert compute_advantages(rewards, 1, estimator=estimator).tolist() == [0.0, 0.0, 0.0]
+    assert compute_advantages(torch.tensor([]), 2).tolist() == []
+    assert compute_advantages(rewards, 3).tolist() == pytest.approx(grpo_advantages(rewards, 3).tolist())  # grpo
+    with pytest.raises(ValueError, match=r"^--n-samples-per-prompt must be >= 1, got 0$"):
+        compute_advantages(rewards, 0)
+    with pytest.raises(ValueError, match=r"^--advantage-estimator must be one of \(.*'ppo'\), got 'ppo2'$"):
+        compute_advantages(rewards, 1, estimator="ppo2")
+    # PPO's sample term is the reward itself: GAE with the critic's values does the rest
+    assert compute_advantages(rewards, 3, estimator="ppo").tolist() == rewards.tolist()
+    with pytest.raises(ValueError, match=r"multiple of group_size=2, got shape \(3,\)$"):
+        compute_advantages(rewards, 2)
+    with pytest.raises(ValueError, match=r"multiple of group_size=1, got shape \(1, 3\)$"):
+        compute_advantages(rewards[None], 1)
+    with pytest.raises(ValueError, match=r"^group_ids must have rewards' shape \(3,\), got \(2,\)$"):
+        compute_advantages(rewards, 1, group_ids=torch.tensor([0, 1]))
+
+
+def test_overlong_penalty_with_a_one_token_buffer():
+    got = overlong_penalty(torch.tensor([3, 4, 5]), max_response_len=5, buffer_len=1, penalty_factor=2.0)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -2.0]))
+
+
+# Four samples: 3 loss tokens, none (a prompt-only sample), one, and 3 split by a masked tool output.
+EDGE_MASK = torch.tensor([0, 1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 1, 1], dtype=torch.float32)
+EDGE_CU = torch.tensor([0, 4, 6, 8, 13], dtype=torch.int32)
+EDGE_REWARD = torch.tensor([1.0] * 4 + [5.0] * 2 + [-2.0] * 2 + [3.0] * 5)
+EDGE_KL = torch.arange(13, dtype=torch.float32) / 10
+
+
+def _edge_token_rewards(*, kl_coef: float) -> list[tuple[list[int], list[float]]]:
+    """Per sample: its loss-token positions and their rewards (-kl_coef * kl, plus the reward on the last one)."""
+    out = []
+    for start, end in itertools.pairwise(EDGE_CU.tolist()):
+        steps = [t for t in range(start, end) if EDGE_MASK[t]]
+        rewards = [-kl_coef * float(EDGE_KL[t]) for t in steps]
+        if steps:
+            rewards[-1] += float(EDGE_REWARD[steps[-1]])
+        out.append((steps, rewards))
+    return out
+
+
+def test_reinforce_plus_plus_returns_on_samples_with_no_one_and_split_loss_tokens():
+    for gamma in (1.0, 0.5):
+        got = token_advantages(EDGE_REWARD, EDGE_KL, EDGE_MASK, EDGE_CU, estimator="reinforce_plus_plus",
+                               kl_coef=0.1, gamma=gamma)  # fmt: skip
+        expected = torch.zeros(13)
+        for steps, rewards in _edge_token_rewards(kl_coef=0.1):
+            for i, t in enumerate(steps):
+                expected[t] = sum(gamma ** (j - i) * rewards[j] for j in range(i, len(steps)))
+        torch.testing.assert_close(got, expected)
+        assert float(got[7]) == pytest.approx(-2.0 - 0.07, abs=1e-6) and got[[1, 2, 3, 9, 11, 12]].abs().min() > 0
+    with pytest.raises(ValueError, match=r"^token_advantages handles .*reinforce_plus_plus_baseline.*got 'grpo'$"):
+        token_advantages(EDGE_REWARD, None, EDGE_MASK, EDGE_CU, estimator="grpo", kl_coef=0.0)
+
+
+def test_gae_on_samples_with_no_one_and_split_loss_tokens():
+    values = torch.linspace(-1.0, 1.0, 13)
+    adv, returns = gae_advantages(EDGE_REWARD, EDGE_KL, values, EDGE_MASK, EDGE_CU, kl_coef=0.1, gamma=0.9,
+                                  lambd=0.8)  # fmt: skip
+    expected = torch.zeros(13)
+    for steps, rewards in _edge_token_rewards(kl_coef=0.1):
+        running = 0.0
+        for i in reversed(range(len(steps))):
+            next_value = float(values[steps[i + 1]]) if i + 1 < len(steps) else 0.0
+            running = rewards[i] + 0.9 * next_value - float(values[steps[i]]) + 0.9 * 0.8 * running
+            expected[steps[i]] = running
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(returns, (expected + values) * EDGE_MASK)
+    assert adv[[9, 11, 12]].abs().min() > 0  # the samples after the empty one got their advantages
+
+
+def test_sequence_mean_keeps_the_dtype_and_a_one_token_mean():
+    values = torch.arange(13, dtype=torch.float64)
+    got = sequence_mean(values, EDGE_MASK, EDGE_CU)
+    assert got.dtype == torch.float64
+    expected = [2.0] * 4 + [0.0] * 2 + [7.0] * 2 + [(9 + 11 + 12) / 3] * 5
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^cu_seqlens covers 13 tokens, the batch has 12$"):
+        sequence_mean(values[:12], EDGE_MASK[:12], EDGE_CU)
+
+
+def test_whitening_and_explained_variance_of_constant_and_single_token_batches():
+    one = torch.ones(1)
+    assert whiten(torch.tensor([4.0]), one, whiten_sums(torch.tensor([4.0]), one)).tolist() == [0.0]
+    flat = torch.full((3,), 2.0)
+    whitened = whiten(flat, torch.ones(3), whiten_sums(flat, torch.ones(3)))
+    assert whitened.dtype == torch.float32 and whitened.tolist() == [0.0, 0.0, 0.0]
+    assert math.isnan(explained_variance(explained_variance_sums(torch.zeros(1), torch.tensor([3.0]), one)))
+    assert math.isnan(explained_variance(explained_variance_sums(torch.zeros(3), flat, torch.ones(3))))
+    assert explained_variance(explained_variance_sums(torch.zeros(2), torch.tensor([1.0, 3.0]), torch.ones(2))) == 0.0
+
+
+def test_grpo_adds_its_epsilon_to_a_tiny_std():
+    rewards = torch.tensor([0.0, 2e-6])  # std 1.41e-6: the epsilon 1e-6 is of the same size
+    expected = 1e-6 / (2**0.5 * 1e-6 + 1e-6)
+    assert grpo_advantages(rewards, 2).tolist() == pytest.approx([-expected, expected], rel=1e-3)

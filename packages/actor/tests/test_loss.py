@@ -6,10 +6,12 @@ import torch
 from tidal.actor.loss import (
     LossSettings,
     actor_loss,
+    cispo_loss,
     critic_loss,
     grpo_advantages,
     kl_penalty,
     load_function,
+    policy_loss_of,
     ppo_clip_loss,
     value_loss,
 )
@@ -327,3 +329,124 @@ def test_value_loss_clips_only_moves_away_from_the_return():
     # 1: 0.5*(0.5-1)^2 < 0.5*(0.2-1)^2: the clipped (pessimistic) branch; 2: 0.5*1 > 0.5*0.64; 3: 1.125 > 0.72
     torch.testing.assert_close(loss, torch.tensor([0.32, 0.5, 1.125]))
     torch.testing.assert_close(clipped, torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_value_clip_bounds_moves_down_as_well_as_up():
+    old, returns = torch.tensor([0.0, 0.0]), torch.tensor([-1.0, 1.0])
+    values = torch.tensor([-0.5, 0.5])  # each 0.5 towards its return: the clipped branch (+-0.2) is pessimistic
+    loss, clipped = value_loss(values, old, returns, value_clip=0.2)
+    torch.testing.assert_close(loss, torch.tensor([0.5 * 0.8**2, 0.5 * 0.8**2]))
+    torch.testing.assert_close(clipped, torch.tensor([1.0, 1.0]))
+
+
+def test_critic_loss_names_a_missing_field_and_divides_by_one_token_at_least():
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2)
+    values, mask = torch.tensor([1.0, 3.0]), torch.tensor([0.0, 1.0])
+    for missing in ("old_values", "returns"):
+        fields = {"old_values": torch.zeros(2), "returns": torch.zeros(2)}
+        del fields[missing]
+        with pytest.raises(ValueError, match=rf"needs token field '{missing}'; got \['(old_values|returns)'\]"):
+            critic_loss(values, None, fields, mask, settings, num_loss_tokens=1)
+    fields = {"old_values": torch.zeros(2), "returns": torch.zeros(2)}
+    for num_loss_tokens in (0, 0.5, 1):  # a micro-batch without loss tokens is not divided by less than one
+        loss, sums = critic_loss(values, None, fields, mask, settings, num_loss_tokens=num_loss_tokens)
+        assert loss.item() == pytest.approx(4.5) and sums["loss"].item() == pytest.approx(4.5)
+        assert sums["value_loss"].item() == pytest.approx(4.5) and sums["values_mean"].item() == pytest.approx(3.0)
+
+
+def test_cispo_weight_at_exactly_the_bound_is_not_counted_as_clipped():
+    old = torch.zeros(3)
+    lp = torch.log(torch.tensor([1.0, 1.5, 2.0]))  # ratios 1, 1.5 (the bound 1 + 0.5), 2
+    loss, clipped = cispo_loss(lp, old, torch.ones(3), eps_clip_high=0.5)
+    torch.testing.assert_close(clipped, torch.tensor([0.0, 0.0, 1.0]))
+    torch.testing.assert_close(loss, -torch.tensor([1.0, 1.5, 1.5]) * lp)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "policy_loss"),
+    [("grpo", "ppo_clip"), ("rloo", "ppo_clip"), ("ppo", "ppo_clip"), ("reinforce_plus_plus", "ppo_clip"),
+     ("gspo", "gspo"), ("cispo", "cispo")],
+)  # fmt: skip
+def test_each_estimator_trains_with_its_policy_loss(estimator, policy_loss):
+    assert policy_loss_of(estimator) == policy_loss
+
+
+def test_load_function_says_what_the_attribute_is():
+    with pytest.raises(ValueError, match=r"^--custom-loss-function-path 'math:pi': 'pi' is a float, not a function$"):
+        load_function("math:pi", flag="--custom-loss-function-path")
+    with pytest.raises(ValueError, match=r"^--x 'math:sqrt:extra': cannot load it: .*'sqrt:extra'"):
+        load_function("math:sqrt:extra", flag="--x")
+
+
+def test_every_metric_is_its_token_mean_under_its_own_name():
+    # two loss tokens of three; ratio 1 everywhere (lp == old): pg = -A, no clipping
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    mask, adv = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, -3.0, 9.0])
+    ref, entropy = torch.tensor([-1.5, -2.0, 0.0]), torch.tensor([0.4, 0.8, 5.0])
+    fields = {"old_log_probs": lp.detach().clone(), "advantages": adv, "ref_log_probs": ref}
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, kl_loss_coef=0.5, kl_loss_type="k1", entropy_coef=0.1)
+    loss, sums = actor_loss(lp, entropy, fields, mask, settings, num_loss_tokens=2)
+    pg, kl, ent = (-1.0 + 3.0) / 2, (0.5 + 0.0) / 2, (0.4 + 0.8) / 2
+    assert set(sums) == {"pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy", "loss"}
+    assert sums["pg_loss"].item() == pytest.approx(pg) and sums["kl"].item() == pytest.approx(kl)
+    assert sums["entropy"].item() == pytest.approx(ent) and sums["ppo_kl"].item() == 0.0
+    assert sums["pg_clipfrac"].item() == 0.0
+    assert loss.item() == pytest.approx(pg + 0.5 * kl - 0.1 * ent) and sums["loss"].item() == loss.item()
+    # entropy is reported without a coefficient, and then leaves the loss alone
+    loss0, sums0 = actor_loss(lp, entropy, fields, mask, LossSettings(eps_clip=0.2, eps_clip_high=0.2),
+                              num_loss_tokens=2)  # fmt: skip
+    assert loss0.item() == pytest.approx(pg) and sums0["entropy"].item() == pytest.approx(ent)
+    full = LossSettings(eps_clip=0.2, eps_clip_high=0.2, entropy_coef=1.0)
+    loss1, _ = actor_loss(lp, entropy, fields, mask, full, num_loss_tokens=2)
+    assert loss1.item() == pytest.approx(pg - ent)
+    # a step without loss tokens divides by one, not by zero or two
+    _, one = actor_loss(lp, None, fields, torch.tensor([1.0, 0.0, 0.0]), settings, num_loss_tokens=0)
+    assert one["pg_loss"].item() == pytest.approx(-1.0) and one["kl"].item() == pytest.approx(0.5)
+
+
+def test_missing_token_fields_are_named():
+    lp, mask = torch.zeros(2), torch.ones(2)
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2)
+    with pytest.raises(ValueError, match=r"^train_step needs token field 'advantages'; got \['old_log_probs'\]$"):
+        actor_loss(lp, None, {"old_log_probs": lp}, mask, settings, num_loss_tokens=2)
+    fields = {"old_log_probs": lp, "advantages": lp}
+    with pytest.raises(ValueError, match=r"^--kl-loss-coef is non-zero but the batch has no 'ref_log_probs'"):
+        actor_loss(lp, None, fields, mask, LossSettings(eps_clip=0.2, eps_clip_high=0.2, kl_loss_coef=0.1),
+                   num_loss_tokens=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--advantage-estimator gspo needs the batch's cu_seqlens"):
+        actor_loss(lp, None, fields, mask, LossSettings(eps_clip=0.2, eps_clip_high=0.2, policy_loss="gspo"),
+                   num_loss_tokens=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--use-tis needs the engine's log-probs: token field 'rollout_log_probs'"):
+        actor_loss(lp, None, fields, mask, LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_tis=True),
+                   num_loss_tokens=2)  # fmt: skip
+
+
+def test_clip_bounds_are_exclusive_and_dual_clip_spares_zero_and_positive_advantages():
+    old = torch.zeros(4)
+    lp = torch.log(torch.tensor([1.2, 1.3, 0.5, 4.0]))  # at the high bound 1.2, past it, below 0.8, far past
+    adv = torch.tensor([1.0, 1.0, -1.0, 0.5])
+    _, clipped = ppo_clip_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=0.2)
+    torch.testing.assert_close(clipped, torch.tensor([0.0, 1.0, 1.0, 1.0]))
+    # dual clip bounds -A * r for A < 0 only; A = 0 keeps its zero loss, A > 0 its clipped loss (not -A * c)
+    lp = torch.log(torch.tensor([5.0, 5.0, 5.0]))
+    adv = torch.tensor([-1.0, 0.0, 0.5])
+    loss, _ = ppo_clip_loss(lp, torch.zeros(3), adv, eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=3.0)
+    torch.testing.assert_close(loss, torch.tensor([3.0, 0.0, -0.5 * 1.2]))
+
+
+def test_dual_clip_reaches_the_loss_through_the_settings():
+    lp = torch.log(torch.tensor([5.0]))
+    fields = {"old_log_probs": torch.zeros(1), "advantages": torch.tensor([-1.0])}
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=3.0)
+    loss, _ = actor_loss(lp, None, fields, torch.ones(1), settings, num_loss_tokens=1)
+    assert loss.item() == pytest.approx(3.0)  # not -A * r = 5
+
+
+def test_tis_mask_keeps_a_weight_exactly_at_the_clip():
+    old = torch.tensor([-1.0, -1.0, -1.0])
+    rollout = old - torch.tensor([0.0, math.log(2.0), 1.0])  # weights 1, exactly 2 (the clip), e > 2
+    fields = {"old_log_probs": old, "advantages": torch.ones(3), "rollout_log_probs": rollout}
+    settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, use_tis=True, tis_clip=2.0, tis_mode="mask")
+    loss, sums = actor_loss(old.clone(), None, fields, torch.ones(3), settings, num_loss_tokens=3)
+    assert loss.item() == pytest.approx(-(1.0 + 2.0) / 3)
+    assert sums["tis_masked_frac"].item() == pytest.approx(1 / 3)

@@ -217,3 +217,24 @@ def test_a_rollout_with_nan_and_inf_rewards_skips_its_steps_and_reports_the_runn
         assert metrics["train/skipped"] == 1.0 and metrics["train/skipped_steps"] == total, metrics
     metrics = train_on_rollout(actor, batching, rewards=REWARDS, rollout_id=2, **rollout)
     assert metrics["train/skipped"] == 0.0 and metrics["train/skipped_steps"] == 4.0 and actor.num_steps == 2
+
+
+def test_the_trained_micro_batches_carry_each_samples_own_advantage_and_loss_weight(dist_env, qwen2_dir):
+    """Whatever micro-batch a sample lands in, its tokens carry its group-relative advantage and 1 / its length."""
+    from tidal.actor.sample_weights import sample_weights
+    from tidal.batching import unpack_micro_batches
+
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2))
+    seen = []
+    train_step = actor.train_step
+    actor.train_step = lambda mbs: seen.append(list(mbs)) or train_step(mbs)
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2, micro_batch_size=1)
+    train_on_rollout(actor, batching, tokens=TOKENS, loss_masks=MASKS, rewards=REWARDS, group_size=2)
+    [step] = seen
+    assert len(step) >= 2  # samples are spread over micro-batches
+    expected = sample_weights(actor.cfg, loss_masks=MASKS, rewards=REWARDS, group_size=2)
+    assert expected.advantages.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-3)
+    for name, per_sample in (("advantages", expected.advantages.tolist()), ("loss_weights", [1 / 2, 1, 1 / 3, 1])):
+        got = unpack_micro_batches([mb.token_fields[name] for mb in step], step, num_samples=len(TOKENS))
+        for values, tokens, value in zip(got, TOKENS, per_sample, strict=True):
+            torch.testing.assert_close(values, torch.full((len(tokens),), float(value)))

@@ -59,26 +59,35 @@ def test_batch_is_frozen():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"sequences": []}, "at least one sequence"),
+        ({"sequences": []}, r"^pack\(\) needs at least one sequence, got none$"),
         ({"sequences": [[1], []]}, "sequence 1 is empty"),
         ({"sequences": [[1, 2]], "loss_masks": [[1]]}, r"loss_masks\[0\] has 1 values but sequence 0 has 2"),
         ({"sequences": [[1, 2]], "loss_masks": [[1, 1], [1]]}, "2 entries but there are 1 sequences"),
         ({"sequences": [[1, 2]], "token_fields": {"adv": [[1.0]]}}, "token_fields"),
-        ({"sequences": [[1, 2]], "sample_fields": {"rewards": [1.0, 2.0]}}, "one value per sequence"),
+        (
+            {"sequences": [[1, 2]], "sample_fields": {"rewards": [1.0, 2.0]}},
+            r"sample_fields\['rewards'\] must have one",
+        ),
         ({"sequences": [[1, 2]], "sample_indices": [0, 1]}, "sample_indices has 2 entries"),
         ({"sequences": [[1, 2]], "pad_to_multiple_of": 0}, "pad_to_multiple_of must be >= 1"),
     ],
 )
 def test_bad_input_raises_value_error(kwargs, match):
-    sequences = kwargs.pop("sequences")
+    rest = {k: v for k, v in kwargs.items() if k != "sequences"}  # the parameter dict is shared between runs
     with pytest.raises(ValueError, match=match):
-        pack(sequences, **kwargs)
+        pack(kwargs["sequences"], **rest)
 
 
 def test_unpack_rejects_values_of_the_wrong_length():
     batch = pack([[1, 2], [3]], pad_to_multiple_of=4)
-    with pytest.raises(ValueError, match="4 tokens"):
+    with pytest.raises(ValueError, match="4 tokens") as e:
         unpack(torch.zeros(3), batch)
+    assert str(e.value) == (
+        "unpack() got values of shape (3,) for a batch of 4 tokens; "
+        "pass the per-token outputs computed on this very batch (first dim T)"
+    )
+    with pytest.raises(ValueError, match=r"shape \(\) for a batch of 4 tokens"):
+        unpack(torch.tensor(1.0), batch)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -110,3 +119,38 @@ def test_unpack_keeps_trailing_dims():
     parts = unpack(values, batch)
     assert [p.shape for p in parts] == [(3, 2), (1, 2)]
     assert parts[1].tolist() == [[6.0, 7.0]]
+
+
+def test_sample_fields_keep_their_kind():
+    batch = pack([[1], [2, 3]], sample_fields={"reward": [1, 2.5], "count": [3, 4], "ok": [True, False]})
+    assert batch.sample_fields["reward"].dtype == torch.float32
+    assert batch.sample_fields["count"].dtype == torch.int64 and batch.sample_fields["count"].tolist() == [3, 4]
+    assert batch.sample_fields["ok"].dtype == torch.bool and batch.sample_fields["ok"].tolist() == [True, False]
+    small = pack([[1], [2]], sample_fields={"n": torch.tensor([1, 2], dtype=torch.int16)})
+    assert small.sample_fields["n"].dtype == torch.int64
+    wide = pack([[1], [2]], sample_fields={"r": torch.tensor([0.5, 1.5], dtype=torch.float64)})
+    assert wide.sample_fields["r"].dtype == torch.float32
+
+
+def test_default_loss_mask_drops_each_first_token_even_of_a_one_token_sequence():
+    assert pack([[5], [6, 7], [8, 9, 1]]).loss_mask.tolist() == [0.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        list,
+        lambda s: torch.tensor(s, dtype=torch.int32),
+        lambda s: np.asarray(s, dtype=np.int32),
+    ],
+    ids=["lists", "int32 tensors", "int32 arrays"],
+)
+def test_every_input_kind_packs_to_the_same_dtypes(kind):
+    seqs, masks, adv = [[3, 4], [5, 6, 7]], [[0, 1], [0, 1, 1]], [[0.5, 0.5], [1.5, 1.5, 1.5]]
+    batch = pack([kind(s) for s in seqs], loss_masks=[kind(m) for m in masks], token_fields={"adv": adv},
+                 sample_indices=np.asarray([[4, 9]], dtype=np.int32))  # fmt: skip
+    assert batch.tokens.dtype == torch.int64 and batch.tokens.tolist() == [3, 4, 5, 6, 7]
+    assert batch.loss_mask.dtype == torch.float32 and batch.loss_mask.tolist() == [0, 1, 0, 1, 1]
+    assert batch.token_fields["adv"].dtype == torch.float32
+    assert batch.position_ids.dtype == torch.int64 and batch.position_ids.tolist() == [0, 1, 0, 1, 2]
+    assert batch.sample_indices.dtype == torch.int64 and batch.sample_indices.tolist() == [4, 9]

@@ -174,6 +174,56 @@ def test_context_parallel_raises_the_budget():
     ],
 )
 def test_bad_arguments(kwargs, match):
-    lengths = kwargs.pop("lengths")
+    rest = {k: v for k, v in kwargs.items() if k != "lengths"}  # the parameter dict is shared between runs
     with pytest.raises(ValueError, match=match):
-        plan_micro_batches(lengths, **kwargs)
+        plan_micro_batches(kwargs["lengths"], **rest)
+
+
+def test_fixed_micro_batches_follow_round_wise_lpt(rl_lengths):
+    """Each round of ``num_bins`` samples (longest first) gives its longest to the lightest micro-batch so far."""
+    lengths, dp, mbs = rl_lengths[:60], 2, 7
+    plan = plan_micro_batches(lengths, dp_size=dp, micro_batch_size=mbs)
+    ranks = assign_ranks(lengths, dp)
+    num_bins = math.ceil(ranks.shape[1] / mbs)
+    for rank in range(dp):
+        loads, members = [0] * num_bins, [[] for _ in range(num_bins)]
+        row = ranks[rank].tolist()
+        for start in range(0, len(row), num_bins):
+            chunk = row[start : start + num_bins]
+            lightest = sorted(range(num_bins), key=lambda b: (loads[b], b))[: len(chunk)]
+            for b, i in zip(lightest, chunk, strict=True):
+                loads[b] += int(lengths[i])
+                members[b].append(i)
+        expected = sorted(sorted(m) for m in members)
+        assert sorted(sorted(mb.tolist()) for mb in plan.micro_batches(rank)) == expected
+        assert sorted(plan.tokens()[rank].tolist()) == sorted(loads)
+
+
+def test_argument_errors_name_the_argument_and_bounds_are_inclusive():
+    with pytest.raises(ValueError, match=r"^give exactly one of max_tokens_per_gpu \(dynamic batch size\) and micro"):
+        plan_micro_batches([3], dp_size=1)
+    for name in ("context_parallel_size", "pad_to_multiple_of"):
+        with pytest.raises(ValueError, match=rf"^{name} must be >= 1, got 0$"):
+            plan_micro_batches([3], dp_size=1, micro_batch_size=1, **{name: 0})
+    with pytest.raises(ValueError, match=r"^plan_micro_batches\(\) needs at least one sample, got none$"):
+        plan_micro_batches([], dp_size=1, micro_batch_size=1)
+    for flag in ("--max-tokens-per-gpu", "--log-probs-max-tokens-per-gpu"):
+        kw = {} if flag == "--max-tokens-per-gpu" else {"flag": flag}
+        with pytest.raises(ValueError, match=rf"^{flag} must be >= 1, got 0$"):
+            plan_micro_batches([1], dp_size=1, max_tokens_per_gpu=0, **kw)
+        with pytest.raises(ValueError, match=rf"^{flag} 3 is smaller than the alignment multiple 4; raise {flag} to"):
+            plan_micro_batches([1], dp_size=1, max_tokens_per_gpu=3, pad_to_multiple_of=4, **kw)
+    # the smallest budgets are valid
+    assert plan_micro_batches([1, 1], dp_size=1, max_tokens_per_gpu=1).num_micro_batches == 2
+    assert plan_micro_batches([1, 1], dp_size=1, max_tokens_per_gpu=2, pad_to_multiple_of=2).num_micro_batches == 1
+
+
+@pytest.mark.parametrize(("multiple", "aligned"), [(1, ""), (2, " (aligned to 2)")])
+def test_too_long_sequence_mentions_the_alignment_only_when_there_is_one(multiple, aligned):
+    with pytest.raises(ValueError) as e:
+        plan_micro_batches([3, 9], dp_size=1, max_tokens_per_gpu=8, pad_to_multiple_of=multiple)
+    assert str(e.value) == (
+        f"sample 1 has 9 tokens, more than fits in one micro-batch: --max-tokens-per-gpu 8 × --context-parallel-size 1"
+        f"{aligned} = 8 tokens; raise --max-tokens-per-gpu to at least {10 if multiple == 2 else 9} or raise "
+        "--context-parallel-size"
+    )

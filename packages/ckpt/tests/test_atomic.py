@@ -160,3 +160,63 @@ def test_save_killed_part_way_leaves_a_loadable_checkpoint(tmp_path, point, surv
     assert mean == float(survivor)
     # No temp/trash directory survives the next save; the interrupted iteration is simply absent.
     assert set(names) == {"iter_0000003", TRACKER_FILENAME} | {f"iter_{i:07d}" for i in kept}, names
+
+
+# In-process checks of the file-system steps the saves above are built from (the kills run them in children).
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_publish_dir_moves_a_new_directory_into_place_and_replaces_an_old_one(tmp_path):
+    target = tmp_path / "iter_0000001"
+    first = tidal.ckpt.atomic.fresh_tmp_dir(target)
+    assert first == tmp_path / ".iter_0000001.tmp" and first.is_dir() and not any(first.iterdir())
+    (first / "sub").mkdir()
+    (first / "sub" / "a.bin").write_text("one")
+    tidal.ckpt.atomic.publish_dir(first, target)
+    assert _tree(target) == {"sub/a.bin": "one"} and not first.exists()
+
+    (tmp_path / ".iter_0000001.old").mkdir()  # a stale aside copy of an earlier crash
+    (tmp_path / ".iter_0000001.old" / "stale").write_text("x")
+    second = tidal.ckpt.atomic.fresh_tmp_dir(target)
+    (second / "b.bin").write_text("two")
+    tidal.ckpt.atomic.publish_dir(second, target)
+    assert _tree(target) == {"b.bin": "two"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001"]
+
+
+def test_fresh_tmp_dir_empties_what_a_crashed_save_left(tmp_path, caplog):
+    target = tmp_path / "out"
+    left = tmp_path / ".out.tmp"
+    (left / "deep").mkdir(parents=True)
+    (left / "deep" / "half.bin").write_text("half")
+    tmp = tidal.ckpt.atomic.fresh_tmp_dir(target)
+    assert tmp == left and tmp.is_dir() and not any(tmp.iterdir())
+    assert f"removing {left} left by an interrupted save" in caplog.text
+    nested = tidal.ckpt.atomic.fresh_tmp_dir(tmp_path / "a" / "b" / "out")  # parents are created
+    assert nested == tmp_path / "a" / "b" / ".out.tmp" and nested.is_dir()
+
+
+def test_replace_text_sets_the_content_and_leaves_no_temp_file(tmp_path):
+    path = tmp_path / "latest_checkpointed_iteration.txt"
+    tidal.ckpt.atomic.replace_text(path, "1\n")
+    tidal.ckpt.atomic.replace_text(path, "20\n")
+    assert path.read_text() == "20\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_sweep_restores_a_displaced_original_and_drops_only_leftovers(tmp_path, caplog):
+    for name in (".iter_0000001.old", ".iter_0000002.old", "iter_0000002", ".iter_0000003.tmp",
+                 ".iter_0000004.deleting", ".cache"):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text(name)
+    (tmp_path / ".notes.tmp").write_text("a file, not a save")
+    (tmp_path / ".a").write_text("a file sorted before every directory: the sweep goes on past it")
+    tidal.ckpt.atomic.sweep_interrupted(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a", ".cache", ".notes.tmp", "iter_0000001", "iter_0000002"]
+    assert (tmp_path / "iter_0000001" / "f").read_text() == ".iter_0000001.old"  # moved back whole
+    assert (tmp_path / "iter_0000002" / "f").read_text() == "iter_0000002"  # the published one wins
+    assert "restoring iter_0000001 displaced by an interrupted save" in caplog.text
+    assert f"removing {tmp_path / '.iter_0000003.tmp'} left by an interrupted save" in caplog.text

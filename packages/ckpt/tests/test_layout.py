@@ -12,6 +12,8 @@ from tidal.ckpt import (
     IterationNotFoundError,
     NotAMegatronCheckpointError,
     TrackerFileMissingError,
+    best_iteration,
+    mark_best_iteration,
     resolve_checkpoint,
 )
 
@@ -213,3 +215,116 @@ def test_keep_last_never_deletes_the_best_iteration(tmp_path):
     mark_best_iteration(tmp_path, 5)
     _prune(tmp_path, keep=2, current=5)
     assert list_iterations(tmp_path) == [4, 5]  # the former best is an old iteration like any other
+
+
+def test_step_zero_is_an_iteration_like_any_other(tmp_path):
+    first = _iteration(tmp_path, 0)
+    _iteration(tmp_path, 5)
+    (tmp_path / TRACKER_FILENAME).write_text("5\n")
+    assert resolve_checkpoint(tmp_path, ckpt_step=0) == (0, first)  # --ckpt-step 0 is a choice, not "unset"
+    (tmp_path / TRACKER_FILENAME).write_text("0\n")
+    assert resolve_checkpoint(tmp_path) == (0, first)
+    assert best_iteration(tmp_path) is None
+    mark_best_iteration(tmp_path, 0)
+    assert best_iteration(tmp_path) == 0
+
+
+@pytest.mark.parametrize("text", ["", "\n", "-1", "1.5", "1e3", "0x10", "iter_0000007", "7 8", "²"])
+def test_garbled_tracker_contents_are_refused_with_the_newest_step_to_pass(tmp_path, text):
+    _iteration(tmp_path, 3)
+    _iteration(tmp_path, 7)
+    (tmp_path / TRACKER_FILENAME).write_text(text)
+    with pytest.raises(IterationNotFoundError) as e:
+        resolve_checkpoint(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / TRACKER_FILENAME} holds {text.strip()!r}, expected an iteration number; {tmp_path} holds "
+        f"iter_0000003 and iter_0000007. Pass --ckpt-step 7 to choose one."
+    )
+
+
+def test_garbled_tracker_beside_no_complete_iteration(tmp_path):
+    _iteration(tmp_path, 7, complete=False)
+    (tmp_path / TRACKER_FILENAME).write_text("latest")
+    with pytest.raises(IterationNotFoundError, match=r"holds no complete iteration\. Pass --ckpt-step N to choose"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_a_tracker_with_spaces_and_leading_zeros_names_its_iteration(tmp_path):
+    latest = _iteration(tmp_path, 12)
+    (tmp_path / TRACKER_FILENAME).write_text("  0012 \n")
+    assert resolve_checkpoint(tmp_path) == (12, latest)
+
+
+def test_a_garbled_best_marker_names_no_best_iteration(tmp_path):
+    from tidal.ckpt.layout import BEST_FILENAME
+
+    (tmp_path / BEST_FILENAME).write_text("best\n")
+    assert best_iteration(tmp_path) is None
+    assert best_iteration(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize(("count", "listed"), [
+    (1, "iter_0000001"),
+    (2, "iter_0000001 and iter_0000002"),
+    (6, "iter_0000001, iter_0000002, iter_0000003, iter_0000004, iter_0000005 and iter_0000006"),
+    (7, "iter_0000001, iter_0000002, ..., iter_0000005, iter_0000006 and iter_0000007"),
+])  # fmt: skip
+def test_the_missing_tracker_error_lists_the_iterations_it_saw(tmp_path, count, listed):
+    for i in range(1, count + 1):
+        _iteration(tmp_path, i)
+    with pytest.raises(TrackerFileMissingError) as e:
+        resolve_checkpoint(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path} holds {listed} but no ")
+
+
+@pytest.mark.parametrize(("names", "seen"), [
+    ([], "nothing"),
+    ([f"f{i}" for i in range(8)], "f0, f1, f2, f3, f4, f5, f6, f7"),
+    ([f"f{i}" for i in range(9)], "f0, f1, f2, f3, f4, f5, f6, f7, ..."),
+])  # fmt: skip
+def test_a_directory_without_checkpoints_lists_what_it_holds(tmp_path, names, seen):
+    load_dir = tmp_path / "ckpt"
+    load_dir.mkdir()
+    for name in names:
+        (load_dir / name).write_text("")
+    with pytest.raises(CheckpointNotFoundError) as e:
+        resolve_checkpoint(load_dir)
+    assert f"holds no checkpoint (no {TRACKER_FILENAME}, no complete iter_XXXXXXX/; it contains: {seen}). " in str(
+        e.value
+    )
+
+
+def test_a_tracker_beside_no_complete_iteration_gives_no_step_to_pass(tmp_path):
+    _iteration(tmp_path, 4, complete=False)
+    (tmp_path / TRACKER_FILENAME).write_text("4\n")
+    with pytest.raises(IterationNotFoundError) as e:
+        resolve_checkpoint(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path / TRACKER_FILENAME} names iteration 4 but {tmp_path / 'iter_0000004'} is incomplete (no "
+        f"metadata.json: its save did not finish); {tmp_path} holds no complete iteration."
+    )
+
+
+def test_only_a_complete_iteration_named_directory_is_taken_for_a_single_iteration(tmp_path):
+    incomplete = _iteration(tmp_path, 9, complete=False)
+    with pytest.raises(CheckpointNotFoundError, match="holds no checkpoint"):
+        resolve_checkpoint(incomplete)
+    other = tmp_path / "ckpt"
+    other.mkdir()
+    (other / "metadata.json").write_text("{}")  # complete-looking, but not named iter_XXXXXXX
+    with pytest.raises(CheckpointNotFoundError, match="holds no checkpoint"):
+        resolve_checkpoint(other)
+
+
+def test_a_resolved_checkpoint_is_logged_with_its_flag_and_directory(tmp_path, caplog):
+    latest = _iteration(tmp_path, 3)
+    (tmp_path / TRACKER_FILENAME).write_text("3\n")
+    with caplog.at_level("INFO", logger="tidal.ckpt.layout"):
+        resolve_checkpoint(tmp_path, flag="--ref-load")
+    assert caplog.messages == [f"resolved --ref-load {tmp_path} to iteration 3 ({latest})"]
+
+
+def test_the_best_iteration_marker_creates_its_directory(tmp_path):
+    save_dir = tmp_path / "runs" / "a" / "ckpt"
+    mark_best_iteration(save_dir, 7)
+    assert best_iteration(save_dir) == 7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import textwrap
 import time
@@ -195,3 +196,85 @@ def test_score_samples_isolates_failures_and_runs_async_functions(reward_module:
     assert [s.reward for s in score_samples(samples, load_reward_fn(f"{reward_module}:async_reward"))] == [2.0] * 3
     bad = score_samples(samples[:1], lambda s: "high")
     assert bad[0].reward == 0.0 and "not a number" in bad[0].reward_error
+
+
+@pytest.mark.parametrize(
+    ("text", "label", "expected"),
+    [
+        ("-5", "5", 0.0),  # the sign is part of the answer, both ways
+        ("5", "-5", 0.0),
+        ("the answer is -3.", "-3", 1.0),
+        ("it is .5", "0.5", 1.0),  # a leading decimal point is not stripped
+        ("it is 0.5", ".5", 1.0),
+        ("1" * 400, "1" * 400, 1.0),  # the longest number compared
+        ("1" * 401, "1" * 401, 0.0),  # one digit more is no number
+        ("it is 3/0", "3", 0.0),
+    ],
+)
+def test_numeric_match_signs_and_bounds(text: str, label: str, expected: float) -> None:
+    assert numeric_match(_sample(text, label)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "label", "expected"),
+    [
+        (r"\boxed{-12}", "12", 0.0),
+        (r"\boxed{12}", "-12", 0.0),
+        (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
+        (r"\boxed{1e400}", "1e+400", 1.0),  # the largest exponent compared as a number
+        (r"\boxed{1e401}", "1e+401", 0.0),  # beyond it: compared as text, and the texts differ
+        (r"\boxed{1_000.5}", "1000.5", 1.0),
+        (r"\boxed{nan}", "nan", 1.0),  # not a number: equal as text
+        (r"\boxed{7.}", "7", 1.0),
+        (r"\boxed{.5}", "0.5", 1.0),
+        (r"\boxed 7.", "7", 1.0),  # "\boxed x" ends at the first space; a sentence's full stop is no digit
+        (r"\boxed $7$ and more words", "7", 1.0),
+        (r"\boxed{\left(3\right)}", "(3)", 1.0),
+        (r"\boxed{-\frac{3}{4}}", "-0.75", 1.0),
+        (r"\boxed{\frac{-3}{4}}", "-3/4", 1.0),
+        (r"\boxed{90^\circ}", "90", 1.0),
+        (r"\boxed{90^{\circ}}", "90", 1.0),
+        (r"\boxed{1\,000}", "1000", 1.0),
+        (r"\boxed{1\!000}", "1000", 1.0),
+        (r"\boxed{1\;000}", "1000", 1.0),
+        (r"\boxed{50\%}", "50", 1.0),
+        (r"\boxed{50%}", "50", 1.0),
+        (r"\boxed{x}.", "x", 1.0),
+        (r"\boxed{x.}", "x", 1.0),  # a full stop inside the box is dropped too
+        (r"\boxed{5X}", "5", 0.0),  # only full stops are dropped
+        ("\\boxed   ", "7", 0.0),  # "\boxed" and spaces: no answer
+        (r"\boxed{.x}", "x", 0.0),
+        (r"\boxed{{1}}", "1", 0.0),  # nested braces are kept: "{1}" is not "1"
+        (r"\boxed{a}{b}", "a", 1.0),
+    ],
+)
+def test_math_answer_signs_bounds_and_decorations(text: str, label: str, expected: float) -> None:
+    assert math_answer(_sample(text, label)) == expected
+
+
+def test_last_number_at_the_start_of_the_read_tail():
+    assert last_number("7 apples") == "7"  # a short text: a number at its very start counts
+    tail = "x" * 4095
+    assert last_number("12" + tail) is None  # "2" starts the last 4096 characters, cut from "12": no number
+    assert last_number("1 2" + tail[1:]) == "2"  # " 2...": the number starts at position 1 of the tail, whole
+
+
+def test_score_samples_records_each_failure_and_clears_the_error_of_a_success(caplog):
+    async def async_reward(sample: Sample) -> float:
+        if sample.label == "boom":
+            raise RuntimeError("boom")
+        return 0.5
+
+    failed = dataclasses.replace(_sample("x", "ok"), reward_error="an earlier failure")
+    scored = score_samples([failed, _sample("x", "boom", group=3)], async_reward)
+    assert [s.reward for s in scored] == [0.5, 0.0]
+    assert scored[0].reward_error is None
+    assert scored[1].reward_error == "RuntimeError('boom')"
+    assert caplog.messages == ["reward failed for sample 1 (group 3): RuntimeError('boom')"]
+    scored = score_samples([_sample("x", "y")], lambda s: "high")
+    assert scored[0].reward == 0.0 and scored[0].reward_error == "returned 'high', not a number"
+
+
+def test_custom_reward_path_errors_name_the_flag():
+    with pytest.raises(ValueError, match=r"--custom-rm-path 'no_such_module_xyz:f'"):
+        load_reward_fn("no_such_module_xyz:f")

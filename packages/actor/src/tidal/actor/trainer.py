@@ -23,17 +23,15 @@ from collections.abc import Callable, Sequence
 import torch
 from tidal.actor.advantages import (
     TOKEN_LEVEL_ESTIMATORS,
-    compute_advantages,
     explained_variance,
     explained_variance_sums,
     gae_advantages,
-    overlong_penalty,
     token_advantages,
     whiten,
     whiten_sums,
 )
 from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
-from tidal.actor.loss import load_function
+from tidal.actor.sample_weights import sample_weights
 from tidal.batching import (
     BatchingConfig,
     PackedBatch,
@@ -113,20 +111,11 @@ def train_on_rollout(
         "critic/returns_mean" and "train/critic_only".
     """
     cfg = actor.cfg
-    if normalize_std is None:
-        normalize_std = not cfg.disable_grpo_std_normalization
-    reward_tensor = torch.tensor(rewards, dtype=torch.float32)
-    penalty = overlong_penalty(
-        torch.tensor([_response_len(m) for m in loss_masks]),
-        max_response_len=cfg.max_response_len,
-        buffer_len=cfg.overlong_buffer_len,
-        penalty_factor=cfg.overlong_penalty_factor,
+    weights = sample_weights(
+        cfg, loss_masks=loss_masks, rewards=rewards, group_size=group_size, normalize_std=normalize_std
     )
-    advantages = _sample_advantages(cfg, reward_tensor + penalty, group_size, normalize_std)
     steps = _plan_steps(batching, [len(t) for t in tokens], dp_size=dp_size)
-    token_fields = {"advantages": [[float(advantages[i])] * len(t) for i, t in enumerate(tokens)]}
-    if not cfg.calculate_per_token_loss:  # slime's default: mean over each sample's tokens, then over samples
-        token_fields["loss_weights"] = [[1.0 / max(sum(m), 1)] * len(m) for m in loss_masks]
+    token_fields = dict(weights.token_fields)
     if cfg.kl_coef > 0 and reference is None:
         raise ValueError("--kl-coef needs a reference model: pass reference=ReferenceModel(...)")
     if (cfg.advantage_estimator == "ppo") != (critic is not None):
@@ -176,7 +165,7 @@ def train_on_rollout(
     packed = _train_steps(actor, critic, packed, metrics, rollout_id=rollout_id, reuse=reuse)
     metrics["time/log_probs"] = log_probs_time
     if cfg.overlong_buffer_len:
-        metrics["train/overlong_penalty/mean"] = float(penalty.mean())
+        metrics["train/overlong_penalty/mean"] = float(weights.penalty.mean())
     if rollout_log_probs is not None:
         metrics |= _agreement(packed, device=actor.device)
     metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
@@ -293,26 +282,6 @@ def _gae(packed: list[list[PackedBatch]], cfg, *, device) -> tuple[list[list[Pac
     if math.isfinite(ev):  # undefined when every return is the same
         metrics["critic/explained_variance"] = ev
     return out, metrics
-
-
-def _response_len(loss_mask: Sequence[int]) -> int:
-    """Tokens from the first trained token to the end (a multi-turn response's tool tokens count too)."""
-    first = next((i for i, m in enumerate(loss_mask) if m), len(loss_mask))
-    return len(loss_mask) - first
-
-
-def _sample_advantages(cfg, rewards: torch.Tensor, group_size: int, normalize_std: bool) -> torch.Tensor:
-    if cfg.custom_advantage_function_path is None:
-        return compute_advantages(rewards, group_size, estimator=cfg.advantage_estimator, normalize_std=normalize_std)
-    flag = "--custom-advantage-function-path"
-    fn = load_function(cfg.custom_advantage_function_path, flag=flag)
-    out = torch.as_tensor(fn(rewards, group_size=group_size, normalize_std=normalize_std), dtype=torch.float32)
-    if out.shape != rewards.shape:
-        raise ValueError(
-            f"{flag} {cfg.custom_advantage_function_path!r} returned shape {tuple(out.shape)}; it must return one "
-            f"advantage per sample, shape {tuple(rewards.shape)}"
-        )
-    return out
 
 
 def _token_level(packed: list[list[PackedBatch]], cfg, *, device) -> list[list[PackedBatch]]:

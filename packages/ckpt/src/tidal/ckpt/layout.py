@@ -90,7 +90,7 @@ def _check_directory(load_dir: Path, flag: str) -> None:
 def _read_tracker(load_dir: Path, available: list[int]) -> int:
     tracker = load_dir / TRACKER_FILENAME
     text = tracker.read_text(encoding="utf-8").strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True, and int() refuses it
         hint = f"--ckpt-step {available[-1]}" if available else "--ckpt-step N"
         raise IterationNotFoundError(
             f"{tracker} holds {text!r}, expected an iteration number; {load_dir} holds "

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from fractions import Fraction
@@ -38,7 +37,12 @@ class RewardFn(Protocol):
         ...
 
 
-def _parse_number(text: str) -> Fraction | float | None:
+def _parse_number(text: str) -> Fraction | None:
+    """``text`` as an exact number, or None (empty, too long, an exponent out of range, or not a number).
+
+    ``Fraction`` reads every finite number ``float`` reads (signs, decimals, exponents, underscores) and plain
+    fractions besides, so numbers compare exactly (``1/2`` equals ``0.5``; nan and infinities are no numbers).
+    """
     text = text.strip().replace(",", "").rstrip(".")
     if not text or len(text) > _MAX_NUMBER_CHARS:
         return None
@@ -48,21 +52,7 @@ def _parse_number(text: str) -> Fraction | float | None:
     try:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
-        pass
-    try:
-        value = float(text)
-    except ValueError:
         return None
-    return value if math.isfinite(value) else None
-
-
-def _same_number(a: Fraction | float, b: Fraction | float) -> bool:
-    if isinstance(a, Fraction) and isinstance(b, Fraction):
-        return a == b
-    try:
-        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
-    except OverflowError:  # a Fraction beyond float range is no float's neighbour
-        return False
 
 
 def _tail(text: str) -> str:
@@ -115,7 +105,7 @@ def normalize_math_answer(answer: str) -> str:
     for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", "^\\circ", "^{\\circ}", "\\%", "%"):
         s = s.replace(token, "")
     s = re.sub(r"\s+", "", s).rstrip(".")
-    s = re.sub(r"^\((-?[\d.]+)\)/\((-?[\d.]+)\)$", r"\1/\2", s)  # "(3)/(4)" -> "3/4"
+    s = re.sub(r"^(-?)\((-?[\d.]+)\)/\((-?[\d.]+)\)$", r"\1\2/\3", s)  # "(3)/(4)" -> "3/4", "-(1)/(2)" -> "-1/2"
     return s
 
 
@@ -129,8 +119,8 @@ def numeric_match(sample: Sample) -> float:
     predicted, expected = last_number(sample.response_text), last_number(str(sample.label))
     if predicted is None or expected is None:
         return 0.0
-    a, b = _parse_number(predicted), _parse_number(expected)
-    return float(a is not None and b is not None and _same_number(a, b))
+    a = _parse_number(predicted)
+    return float(a is not None and a == _parse_number(expected))
 
 
 def math_answer(sample: Sample) -> float:
@@ -150,7 +140,7 @@ def math_answer(sample: Sample) -> float:
     a, b = normalize_math_answer(predicted), normalize_math_answer(expected)
     na, nb = _parse_number(a), _parse_number(b)
     if na is not None and nb is not None:
-        return float(_same_number(na, nb))
+        return float(na == nb)
     return float(a == b)
 
 
