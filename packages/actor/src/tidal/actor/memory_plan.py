@@ -6,8 +6,8 @@ Standard library only, so the app can plan at parse time. The estimate adds, per
   or gradients in the parameters' dtype, AdamW's two moments (none on the GPU with ``--optimizer-cpu-offload``),
   a reference model's weights when a KL term needs one, a critic with its optimizer for PPO;
 - **activations** of one training micro-batch of ``tokens`` tokens kept for backward: per token and layer the
-  tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer the share of them measured to
-  stay held (``RECOMPUTED_LAYER_SHARE``), plus one layer's worth while a recomputed layer runs its backward;
+  tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer what was measured to stay held
+  (``RECOMPUTED_QKV_HOLD``), plus one layer's worth while a recomputed layer runs its backward;
   the final hidden states; the LM head's logits (all of
   them with ``--no-recompute-lm-head``, one chunk otherwise); cuDNN's padded q/k/v copies when a sequence can reach
   ``--cudnn-attention-min-tokens``;
@@ -32,10 +32,10 @@ if TYPE_CHECKING:
 GIB = 2**30
 ALIGN = 128
 """Token budgets the plan proposes are multiples of this (the usual --pad-to-multiple-of)."""
-RECOMPUTED_LAYER_SHARE = 0.44
-"""Share of a layer's activations that a recomputed layer still holds until its backward, as measured on the GPU
-path (torch's non-reentrant checkpoint around megatron's layer; bench/memory_plan_gpu.py): far more than the
-layer's input alone, for a cause not pinned down."""
+RECOMPUTED_QKV_HOLD = 4.25
+"""Elements per q/k/v channel and token that a recomputed layer still holds until its backward, as measured on the
+GPU path (torch's non-reentrant checkpoint around megatron's layer; bench/memory_plan_gpu.py): far more than the
+layer's input alone, and growing with the attention's width rather than the MLP's, for a cause not pinned down."""
 ALLOCATOR_HEADROOM = 0.05
 """Share of the card kept free for the caching allocator's fragmentation and the CUDA context."""
 
@@ -299,8 +299,8 @@ def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[t
     per_layer = layer_activation_bytes(shape, inputs)
     rows = [(f"activations ({layers - recomputed} layers kept)", (layers - recomputed) * per_layer * t)]
     if recomputed:
-        held = int(RECOMPUTED_LAYER_SHARE * per_layer)
-        rows.append((f"recomputed layers ({recomputed}, {RECOMPUTED_LAYER_SHARE:.0%} held)", recomputed * held * t))
+        held = int(RECOMPUTED_QKV_HOLD * shape.qkv_width // inputs.tensor_parallel) * e
+        rows.append((f"recomputed layers ({recomputed}, held)", recomputed * held * t))
         rows.append(("one layer rebuilt in backward", per_layer * t))
     if inputs.cudnn_attention_min_tokens and inputs.longest_sequence >= inputs.cudnn_attention_min_tokens:
         padded = (layers - recomputed) * shape.qkv_width // inputs.tensor_parallel * e * t
