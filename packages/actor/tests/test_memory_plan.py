@@ -76,6 +76,13 @@ def test_options_move_the_peak_the_right_way():
     assert dict(offload.rows)["AdamW moments (host)"] == 0 and offload.train_peak < peak
     assert plan_memory(shape, replace(base, reference_model=True)).train_peak > peak
     assert plan_memory(shape, replace(base, critic=True)).train_peak > peak
+    # the critic holds what the policy trains with, whatever else is resident (fp32 parameters: no main copies)
+    fp32 = replace(base, params_dtype="float32", fp32_main_params=False, critic=True)
+    critic = dict(plan_memory(shape, fp32).rows)["critic (weights, gradients, AdamW)"]
+    assert (
+        dict(plan_memory(shape, replace(fp32, reference_model=True)).rows)["critic (weights, gradients, AdamW)"]
+        == critic
+    )
     # the forward-only pass keeps no activations: far below training at the same tokens
     assert plan_memory(shape, base).logprob_peak < peak / 2
 

@@ -274,11 +274,12 @@ def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
             0 if inputs.optimizer_cpu_offload else moments,
         )
     )
+    trained = sum(size for _, size in rows)  # the policy's weights, gradients and optimizer state
     if inputs.reference_model:
         rows.append(("reference model", params * width))
     if inputs.critic:  # the same trunk with a value head, its gradients and optimizer
         trunk = params - shape.embedding_params(tp) * (heads - 1)
-        rows.append(("critic (weights, gradients, AdamW)", sum(size for _, size in rows[:4]) * trunk // params))
+        rows.append(("critic (weights, gradients, AdamW)", trained * trunk // params))
     return rows
 
 
