@@ -14,8 +14,9 @@ MEMBERS = {
     p.parent.name: p.parent for p in [*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("apps/*/pyproject.toml")]
 }
 
-# Which tidal packages each member may import (DESIGN.md): batching and ckpt use no tidal package; actor may use
-# batching and ckpt; rollout may use batching; placement knows nothing of the others; the app composes them all.
+# Which tidal packages each member may import (the top README's package table): batching and ckpt use no tidal package;
+# actor may use batching and ckpt; rollout may use batching; placement knows nothing of the others; the app composes
+# them all.
 ALLOWED = {
     "batching": set(),
     "ckpt": set(),

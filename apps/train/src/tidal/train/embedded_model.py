@@ -120,7 +120,7 @@ def _build(out: Path, spec: EmbeddedModelSpec) -> None:
     model = new_model(tokenizer, spec)
     threads = torch.get_num_threads()
     # One thread: this model is too small to gain from more, and several threads spin-waiting against other busy
-    # processes slowed the warm start 100x on a loaded 2-core box (0.1 vs 10 steps/s).
+    # processes slow the warm start by orders of magnitude on a loaded machine with few cores.
     torch.set_num_threads(1)
     try:
         warm_start(model, tokenizer, records, spec)

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 CURVES_EVERY_S = 30.0
 """curves.png is redrawn after each evaluation, on the last rollout, and at least this often: a redraw costs
-~0.4 s on the 2-core CPU box, 15% of an embedded rollout when it was drawn after every one (issue 22)."""
+a noticeable share of a short rollout (matplotlib renders on the driver), so it is not drawn after every one."""
 
 
 def run(job: JobConfig) -> RunResult:

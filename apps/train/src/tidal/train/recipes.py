@@ -38,8 +38,8 @@ def embedded() -> dict[str, Any]:
 
     # Measured in bench/rl_recipe_grid.py and reproduced on the real stack (bench/RESULTS.md): one optimizer step
     # per rollout of 64 prompts x 8 samples; sizes that suit the ~1M-parameter model on a 2-core CPU. 110 rollouts
-    # at lr 4e-4 reach +25 points of held-out accuracy by rollout 70-90 in four runs and end the run within
-    # 5 minutes on that CPU (150 at 3e-4 took 5:11-6:21; RESULTS.md, issue 22).
+    # at lr 4e-4 reach +25 points of held-out accuracy by rollout 70-90 and end the run within about 5 minutes on
+    # such a CPU (bench/RESULTS.md has the runs, and the longer, slower-rate schedules it was chosen over).
     return {
         "prompt_data": str(shipped_path(TRAIN_FILE)),
         "eval_prompt_data": (str(shipped_path(EVAL_FILE)),),

@@ -7,7 +7,7 @@ driver is gone, killed or finished (the watchdog's parent pid changes), it SIGKI
 still the same process, and whatever those forked since, until none is left; then it exits.
 
 Why a watchdog and not only parent-death signals: Ray's own fate sharing (``PR_SET_PDEATHSIG`` on its GCS and
-raylet) left its dashboard and runtime-env agents running 30 s after a SIGKILL of the driver (seen here), and a
+raylet) leaves its dashboard and runtime-env agents running for a while after a SIGKILL of the driver, and a
 child of a Ray worker (an SGLang server in its own session) outlives the worker. Linux only (``/proc``);
 elsewhere :func:`start_watchdog` does nothing.
 

@@ -210,8 +210,8 @@ def packed_causal_attention(
 
         cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
         # Grouped k/v go in as they are: FlashAttention's varlen kernel takes fewer k/v heads than q heads. torch
-        # 2.11's varlen_attn has no enable_gqa flag but passes them through (on an H200: outputs and gradients
-        # identical to repeated k/v, fwd+bwd 1.4-3.5% faster, bench/RESULTS.md issue 24); later torch asks for it.
+        # 2.11's varlen_attn has no enable_gqa flag but passes them through (outputs and gradients identical to
+        # repeated k/v and faster, bench/RESULTS.md); later torch asks for it.
         kwargs = {"enable_gqa": True} if num_heads != num_groups and _varlen_attn_supports_gqa() else {}
 
         def flash(q, k, v, cu, max_len):

@@ -4,7 +4,7 @@ The order matters: every old log-prob of the rollout is computed before its firs
 ratio of every step compares against the weights that existed when the rollout was scored. With ONE optimizer
 step per rollout (and no reference model, no token-level estimator, one pipeline stage) that separate pass is
 skipped: the step's own forward runs on those same weights, and its detached log-probs are the old ones, the same
-numbers (slime computes them again; issue 22 measured the pass at ~10% of a CPU rollout).
+numbers (slime computes them again; the pass is a sizeable share of a short rollout).
 
 The forward-only passes (old and reference log-probs, critic values) keep no activations for backward, so with
 --log-probs-max-tokens-per-gpu they run on micro-batches of their own, packed under that larger budget (slime's flag),

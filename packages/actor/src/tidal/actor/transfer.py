@@ -2,8 +2,8 @@
 
 ``tensor.to("cuda")`` from ordinary (pageable) host memory synchronizes the stream: the host stops until every
 kernel queued before it has run, and the GPU then idles while the host launches the next ones. Inside a training
-step that happened at every micro-batch's inputs and at its loss fields (bench/RESULTS.md, issue 24: 8 waits per
-micro-batch). Copied through pinned memory with ``non_blocking=True`` instead, the copy is queued like a kernel;
+step that happened at every micro-batch's inputs and at each of its loss fields. Copied through pinned memory with
+``non_blocking=True`` instead, the copy is queued like a kernel;
 PyTorch's pinned-memory cache keeps the staging block until the copy has run.
 """
 

@@ -226,8 +226,8 @@ def run_groups(
             responses (``finish_reason`` "abort").
         max_restarts: Restarts of a dead (or unanswering) engine or router allowed in this call before giving up.
         groups_per_request: Groups (of one length budget) sent together in one request: fewer, larger requests
-            when nothing needs to see groups finish one by one (a rollout of 64 groups of 8 on the 2-core CPU box:
-            one request generated ~20% faster than 64, bench/RESULTS.md).
+            when nothing needs to see groups finish one by one (each request has a fixed cost on the server;
+            bench/RESULTS.md compares the counts).
         resume_interrupted: A sample that comes back aborted although this call did not stop (another caller
             aborted the engine's requests: an interruptible weight update of asynchronous training) is sent again
             at once from where it stopped; SGLang serves it once the update is in, so its later tokens come from

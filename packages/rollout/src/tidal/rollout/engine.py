@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 # Directory holding the sitecustomize.py that stands in for sgl_kernel on machines without CUDA.
 CPU_STUB_DIR = Path(__file__).parent / "cpu_stub"
 
-# Flags SGLang needs to serve on CPU (DESIGN.md). --max-total-tokens bounds the KV pool: without it the
-# pool took 15 GB of RAM. Each is skipped when the caller passes the same flag in extra_server_args.
+# Flags SGLang needs to serve on CPU (the package README's "CPU path in one place"). --max-total-tokens bounds the KV
+# pool, which otherwise sizes itself from the host's whole RAM. Each is skipped when the caller passes the same flag in
+# extra_server_args.
 CPU_SERVER_ARGS: tuple[tuple[str, ...], ...] = (
     ("--device", "cpu"),
     ("--attention-backend", "torch_native"),
@@ -47,8 +48,8 @@ KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 
 # SGLang (sglang.srt.environ) turns both on by default: when any of its processes exits, which is also what a
 # shutdown looks like, the launcher sleeps 5 s "to let GPU activity settle" and then runs py-spy and a CUDA core
-# dump on the schedulers. Every stop and restart of a server cost those 5 s (7.0 s -> 2.0 s measured for a stop on
-# CPU). The servers tidal launches set them to 0 unless the environment sets them.
+# dump on the schedulers, so every stop and restart of a server waited those 5 s. The servers tidal launches set
+# them to 0 unless the environment sets them.
 CRASH_DIAGNOSTICS_ENV = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")
 
 
@@ -57,8 +58,8 @@ def missing_bytecode_note(env: Mapping[str, str], package: str = "sglang") -> st
 
     SGLang's ~4,700 modules are imported by the launcher and again by each process it spawns (scheduler,
     detokenizer). uv installs no ``.pyc`` files unless asked, and with ``PYTHONDONTWRITEBYTECODE`` set Python never
-    writes them, so each of those processes compiles every module it imports: measured on a 2-core box, about half of
-    a server's start-up CPU time (bench/RESULTS.md, issue 22). ``uv sync --compile-bytecode`` compiles once at install.
+    writes them, so each of those processes compiles every module it imports, a large share of a server's start-up
+    CPU time (bench/RESULTS.md measures it). ``uv sync --compile-bytecode`` compiles once at install.
     """
     if not env.get("PYTHONDONTWRITEBYTECODE"):
         return None  # the first start writes the bytecode; later starts read it

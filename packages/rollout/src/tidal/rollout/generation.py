@@ -170,8 +170,8 @@ def generate_samples(
         progress_every_s: Seconds between progress log lines.
         max_restarts: Restarts of a dead engine allowed before RolloutError.
         num_requests: Requests the prompts are split over (at most one per prompt). A few large requests cost less
-            than one per prompt: 64 prompts x 8 samples on the 2-core CPU box generated ~20% faster in one
-            request than in 64 (bench/RESULTS.md, issue 22); a few keep the progress line moving. Through a
+            than one per prompt (each request has a fixed cost on the server; bench/RESULTS.md compares the
+            counts); a few keep the progress line moving. Through a
             :class:`~tidal.rollout.router.RolloutRouter`, always one per prompt (the router places each one).
 
     Returns:
