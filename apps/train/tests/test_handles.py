@@ -48,7 +48,7 @@ def test_replayed_rollouts_come_from_disk_without_engines(tmp_path: Path):
 
 
 def test_sync_plan_defaults_follow_the_placement():
-    from tidal.train.handoff import resolve_sync_plan
+    from tidal.train.weight_sync import resolve_sync_plan
 
     def plan(*flags):
         job = parse_job(["--output-dir", "/tmp/unused-tidal-run", *flags])
@@ -66,7 +66,8 @@ def test_sync_plan_defaults_follow_the_placement():
 def test_hand_off_log_writes_one_line_per_call(tmp_path: Path):
     import json
 
-    from tidal.train.handoff import HandOffLog, probe_gap
+    from tidal.train.handoff import HandOffLog
+    from tidal.train.weight_sync import probe_gap
 
     log = HandOffLog(tmp_path / "handoff.jsonl")
     log.add("engines.release")
@@ -79,6 +80,28 @@ def test_hand_off_log_writes_one_line_per_call(tmp_path: Path):
     gap = probe_gap([[([1, 2, 3, 4], [-0.5, -1.0])]], [[0.0, -9.0, -0.4, -1.0]])
     assert abs(gap["weight_sync/probe_logprob_abs_diff/max"] - 0.1) < 1e-12
     assert abs(gap["weight_sync/probe_logprob_abs_diff/mean"] - 0.05) < 1e-12
+
+
+def test_the_engine_sides_offer_what_the_weight_sync_calls():
+    """Both engine sets the weight sync drives have every method of their protocol, with the same parameters."""
+    import inspect
+
+    from tidal.train.rollout_manager import RestartedEngines, RolloutManager
+    from tidal.train.weight_sync import EngineWeights, ServingEngines
+
+    def methods(cls):
+        return {n for n, f in vars(cls).items() if inspect.isfunction(f) and not n.startswith("_")}
+
+    for engines, protocol in ((RolloutManager, ServingEngines), (RestartedEngines, EngineWeights)):
+        wanted = methods(protocol) | (methods(EngineWeights) if protocol is ServingEngines else set())
+        for name in sorted(wanted):
+            assert hasattr(engines, name), f"{engines.__name__} lacks {name}"
+            expected = list(
+                inspect.signature(getattr(protocol if name in methods(protocol) else EngineWeights, name)).parameters
+            )
+            assert list(inspect.signature(getattr(engines, name)).parameters)[: len(expected)] == expected, name
+    # the restarted engines are only what a resync needs: no memory, update window or restart of their own
+    assert methods(RestartedEngines) == methods(EngineWeights)
 
 
 def test_a_wildcard_sglang_host_is_advertised_at_the_engines_node_address(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""The rollout buffer: the staleness bound's gate, its metrics, the masking of too-stale tokens, the checkpoint.
+"""The rollout buffer: the staleness bound's gate and the checkpoint (the masking: packages/rollout test_staleness).
 
 The buffer's producer calls the rollout manager's ``generate(rollout_id)`` from its thread; here a recorder with
 the same two methods stands for the manager, so that the order of generation and training can be asserted exactly
@@ -13,7 +13,7 @@ import time
 import pytest
 from tidal.rollout import Sample
 from tidal.train.cli import parse_job
-from tidal.train.rollout_buffer import RolloutBuffer, mask_stale_tokens, staleness_metrics
+from tidal.train.rollout_buffer import RolloutBuffer
 
 
 def _sample(versions: list[str], mask: list[int] | None = None) -> Sample:
@@ -46,29 +46,14 @@ class Recorder:
         return None
 
 
-def _train_config(*flags: str):
-    return parse_job(["--no-colocate", "--rollout-num-gpus", "1", *flags]).train
-
-
-def test_staleness_counts_loss_tokens_only_and_stale_tokens_are_masked_not_dropped():
-    samples = [_sample(["1", "3", "4"]), _sample(["2", "2"], mask=[1, 0])]
-    assert staleness_metrics(samples, 4) == {
-        "rollout/staleness_max": 3.0,
-        "rollout/staleness_mean": pytest.approx(1.5),
-        "rollout/mixed_version_samples": 1.0,  # the first: resumed under newer weights
-    }
-    kept, masked = mask_stale_tokens(samples, oldest=3)
-    assert masked == 2  # the first sample's "1" and the second's first "2"; its masked "2" was not a loss token
-    assert [list(s.response_loss_mask) for s in kept] == [[0, 1, 1], [0, 0]]
-    assert len(kept) == len(samples)  # every sample stays: its reward still counts for its group
-    assert staleness_metrics(kept, 4)["rollout/staleness_max"] == 1.0
-    assert mask_stale_tokens(samples, oldest=1) == (samples, 0)
+def _buffer(rollouts, *flags: str) -> RolloutBuffer:
+    train = parse_job(["--no-colocate", "--rollout-num-gpus", "1", *flags]).train
+    return RolloutBuffer(rollouts, max_staleness=train.max_staleness, num_rollout=train.num_rollout)
 
 
 def test_one_step_off_generates_the_next_rollout_while_training_and_never_runs_further_ahead():
     recorder = Recorder()
-    train = _train_config("--max-staleness", "1", "--num-rollout", "4")
-    with RolloutBuffer(recorder, train) as buffer:
+    with _buffer(recorder, "--max-staleness", "1", "--num-rollout", "4") as buffer:
         for rollout_id in range(4):
             _, metrics = buffer.take(rollout_id, version=rollout_id)
             deadline = time.monotonic() + 10
@@ -89,8 +74,7 @@ def test_one_step_off_generates_the_next_rollout_while_training_and_never_runs_f
 
 def test_buffered_rollouts_survive_a_checkpoint_and_are_trained_on_after_resume():
     recorder = Recorder()
-    train = _train_config("--max-staleness", "2", "--num-rollout", "5")
-    with RolloutBuffer(recorder, train) as buffer:
+    with _buffer(recorder, "--max-staleness", "2", "--num-rollout", "5") as buffer:
         buffer.take(0, version=0)
         deadline = time.monotonic() + 10
         while len([e for e in recorder.events if e[0] == "generate"]) < 3:  # 1 and 2 run ahead of version 0
@@ -101,7 +85,7 @@ def test_buffered_rollouts_survive_a_checkpoint_and_are_trained_on_after_resume(
 
     resumed_recorder = Recorder()
     resumed_recorder.version = 1
-    with RolloutBuffer(resumed_recorder, _train_config("--num-rollout", "5")) as resumed:  # even synchronously
+    with _buffer(resumed_recorder, "--num-rollout", "5") as resumed:  # even synchronously
         resumed.restore(buffered, start=1)
         samples, metrics = resumed.take(1, version=1)
         assert samples[0].weight_version == "0" and metrics["rollout/staleness_max"] == 1.0
@@ -116,6 +100,6 @@ def test_a_failed_generation_reaches_the_trainer():
         def generate(self, rollout_id: int):
             raise ValueError(f"engine gone at rollout {rollout_id}")
 
-    buffer = RolloutBuffer(Failing(), _train_config("--max-staleness", "1"))
+    buffer = _buffer(Failing(), "--max-staleness", "1")
     with buffer, pytest.raises(ValueError, match="engine gone at rollout 0"):
         buffer.take(0, version=0)

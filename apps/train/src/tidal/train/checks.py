@@ -433,7 +433,7 @@ def check_job(
         if rollout is not None:
             if placement is not None:
                 problems.run(check_modes, train, rollout, placement)
-                from tidal.train.handoff import resolve_sync_plan
+                from tidal.train.weight_sync import resolve_sync_plan
 
                 problems.run(resolve_sync_plan, train, placement, rollout)
             _warn_without_fault_tolerance(given["rollout"], train)

@@ -1,6 +1,6 @@
 """The running pieces of a job, started together and stopped together.
 
-Ray, the placement group, the rollout manager's engines and the actor group's ranks.
+Ray, the placement group, the rollout manager's engines, the actor group's ranks and the weight sync between them.
 
 A debug mode starts only half of it: ``--debug-rollout-only`` no actor; ``--debug-train-only`` and
 ``--load-debug-rollout-data`` no engine (the rollout manager then replays saved rollouts).
@@ -14,25 +14,31 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.train.actor_group import ActorGroup, WeightExport
+from tidal.train.actor_group import ActorGroup
+from tidal.train.async_plan import AsyncPlan, resolve_async_plan
 from tidal.train.config import JobConfig
 from tidal.train.data import PromptDataset
-from tidal.train.handoff import HandOffLog, SyncPlan, resolve_sync_plan
+from tidal.train.handoff import HandOffLog
 from tidal.train.logs import TERMINAL, adopt_ray_logger
 from tidal.train.rollout_manager import RolloutManager
 from tidal.train.terminal import waiting
+from tidal.train.weight_sync import SyncPlan, WeightExport, WeightSync, resolve_sync_plan
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """The two handles the training loop calls."""
+    """The handles the training loop calls."""
 
     rollouts: RolloutManager
     """Generation, evaluation and the engines' weights."""
     actors: ActorGroup | None
-    """Training, weight export and checkpoints; None under --debug-rollout-only."""
+    """Training and checkpoints; None under --debug-rollout-only."""
+    async_plan: AsyncPlan
+    """How far generation runs ahead of training (the rollout buffer's bound)."""
+    weights: WeightSync | None = None
+    """Hands the actor's weights to the engines; None without an actor."""
 
 
 @contextmanager
@@ -45,13 +51,15 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
 
     with_engines = not (job.train.debug_train_only or job.rollout.load_debug_rollout_data is not None)
     plan = resolve_sync_plan(job.train, job.placement, job.rollout)
+    async_plan = resolve_async_plan(job.train, job.rollout, job.actor)
     handoff = HandOffLog(out / "handoff.jsonl")
-    rollouts = RolloutManager(job, train_data, log_dir=out / "logs", plan=plan, handoff=handoff)
-    actors = None
+    rollouts = RolloutManager(job, train_data, log_dir=out / "logs", plan=plan, async_plan=async_plan, handoff=handoff)
+    actors = weights = None
     if not job.train.debug_rollout_only:
-        weights = WeightExport(root=out / "weights", max_shard_bytes=job.train.update_weight_buffer_size)
-        actors = ActorGroup(job, weights, plan=plan, handoff=handoff)
-        rollouts.weight_source = actors.resync  # --use-fault-tolerance: a restarted engine gets the actor's weights
+        actors = ActorGroup(job, plan=plan, off_policy_correction=async_plan.off_policy_correction, handoff=handoff)
+        export = WeightExport(root=out / "weights", max_shard_bytes=job.train.update_weight_buffer_size)
+        weights = WeightSync(plan, export, actors, handoff, pipeline_stages=job.train.pipeline_model_parallel_size)
+        rollouts.weight_source = weights.resync  # --use-fault-tolerance: a restarted engine gets the actor's weights
     _announce(job, plan, with_engines=with_engines, with_actor=actors is not None)
     adopt_ray_logger()
     with ray_session(job.placement):
@@ -66,10 +74,10 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
                 rollouts.wait_ready()
             urls, ranks = rollouts.engine_urls or "(none)", len(actors or [])
             logger.info("engines ready at %s; actor ready on %d rank(s)", urls, ranks, extra=TERMINAL)
-            yield Cluster(rollouts=rollouts, actors=actors)
+            yield Cluster(rollouts=rollouts, actors=actors, weights=weights, async_plan=async_plan)
         finally:
-            if actors is not None:
-                actors.close_weight_sync()  # while the engines still run
+            if weights is not None:
+                weights.close()  # while the engines still run
             try:
                 rollouts.shutdown()  # the router, then the engines' servers (their process groups)
             finally:

@@ -84,7 +84,7 @@ class DriverRollouts:
                 group_filter=self.group_filter,
                 mask_offpolicy=job.rollout.mask_offpolicy_in_partial_rollout,
                 # --max-staleness: a weight update aborts the engines' requests; the cut samples go out again
-                resume_interrupted=job.train.max_staleness > 0 and not self.engines.external,
+                resume_interrupted=self.engines.async_plan.resume_interrupted,
             )
 
         try:

@@ -5,7 +5,7 @@ replay saved samples; under ``--max-staleness`` K >= 1 the rollout buffer genera
 trained), train (old log-probs, advantages, steps), sync weights, evaluate, log, checkpoint.
 
 Two handles do the work: the rollout manager (engines) and the actor group (trainer ranks). This module only
-composes them, keeps time and writes the run's records.
+composes them and keeps time; ``recorder.RolloutRecorder`` writes, plots and shows each rollout's record.
 """
 
 from __future__ import annotations
@@ -20,19 +20,16 @@ from tidal.train.cluster import Cluster, start_cluster
 from tidal.train.config import JobConfig, eval_sets
 from tidal.train.data import PromptDataset
 from tidal.train.logs import TERMINAL
-from tidal.train.metrics import MetricsLog, rollout_line
-from tidal.train.monitors import RewardSanity, check_engine_agreement, check_prompt_chat_template
-from tidal.train.plots import write_curves
+from tidal.train.metrics import MetricsLog
+from tidal.train.monitors import check_prompt_chat_template
+from tidal.train.recorder import RolloutRecorder
 from tidal.train.rollout_buffer import RolloutBuffer
 from tidal.train.rollout_manager import RolloutManager
-from tidal.train.summary import RunResult, floor_key, overhead_share, write_summary
+from tidal.train.summary import RunResult, floor_key, write_summary
 from tidal.train.terminal import RolloutBar
+from tidal.train.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
-
-CURVES_EVERY_S = 30.0
-"""curves.png is redrawn after each evaluation, on the last rollout, and at least this often: a redraw costs
-a noticeable share of a short rollout (matplotlib renders on the driver), so it is not drawn after every one."""
 
 
 def run(job: JobConfig) -> RunResult:
@@ -43,7 +40,9 @@ def run(job: JobConfig) -> RunResult:
     held_out = {name: data.head(job.train.num_eval_prompts) for name, data in eval_data.items()}
     with (
         start_cluster(job, out, train_data) as cluster,
-        RolloutBuffer(cluster.rollouts, job.train) as buffer,
+        RolloutBuffer(
+            cluster.rollouts, max_staleness=cluster.async_plan.max_staleness, num_rollout=job.train.num_rollout
+        ) as buffer,
         RolloutBar(job.train.num_rollout) as bar,
     ):
         return _train(job, cluster, buffer, held_out, out, bar)
@@ -52,63 +51,48 @@ def run(job: JobConfig) -> RunResult:
 def _train(
     job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: dict, out: Path, bar: RolloutBar
 ) -> RunResult:
-    rollouts, actors = cluster.rollouts, cluster.actors
+    rollouts, actors, weights = cluster.rollouts, cluster.actors, cluster.weights
     num_rollout = job.train.num_rollout
     metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
     result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None, job_key=floor_key(job))
     result.engine_pids = rollouts.engine_pids
     start, version = _resume(job, rollouts, buffer, actors, metrics_log)
     result.start_rollout_id, result.history = start, metrics_log.read()
-    result.weights_dir = _serve_first_weights(job, rollouts, actors, version)
+    result.weights_dir = _serve_first_weights(job, rollouts, weights, version)
     if rollouts.has_engines:
         bar.phase(start, "evaluate before RL")
         result.eval_before = rollouts.evaluate(held_out)["eval/accuracy"]
         logger.info("held-out accuracy before RL: %.3f", result.eval_before, extra=TERMINAL)
-    sanity = RewardSanity(job.train.reward_sanity_rollouts)
+    recorder = RolloutRecorder(job, out, metrics_log, result, rollouts, start)
     best = _best_so_far(job, result.history)
-    loop_start = drawn = time.monotonic()
-    retries_seen = 0  # the first rollout's count includes the start-up's (evaluation, weight loading)
+    recorder.begin()
     for rollout_id in range(start, num_rollout):
-        tick, last = time.monotonic(), rollout_id == num_rollout - 1
+        started, last = time.monotonic(), rollout_id == num_rollout - 1
         bar.phase(rollout_id, "generate")
         samples, times = buffer.take(rollout_id, version)  # generated now, or ahead under --max-staleness
-        sanity.observe(samples)
-        train_metrics: dict[str, float] = {}
+        recorder.samples(samples)
+        metrics: dict[str, Any] = {}
         if actors:
             bar.phase(rollout_id, "train")
-            train_metrics, times["time/actor_call"] = timed(actors.train, samples, rollout_id)
+            metrics, times["time/actor_call"] = timed(actors.train, samples, rollout_id)
             if rollouts.has_engines and _due(rollout_id, job.train.update_weights_interval):
                 version = rollout_id + 1
                 bar.phase(rollout_id, "sync weights")
-                result.weights_dir, times["time/weight_sync"] = timed(actors.sync_weights, rollouts, version)
-                times |= actors.last_sync  # weight_sync/transport, weight_sync/mb_per_s, ...
-        record = _record(rollout_id, samples, train_metrics, times)
+                result.weights_dir, times["time/weight_sync"] = timed(weights.sync, rollouts, version)
+                metrics |= weights.last  # weight_sync/transport, weight_sync/mb_per_s, ...
         if rollouts.has_engines and (last or _due(rollout_id, job.train.eval_interval)):
             bar.phase(rollout_id, "evaluate")
             evals, times["time/eval"] = timed(rollouts.evaluate, held_out)
-            record |= evals
-        retries = rollouts.http_retries()  # resets, refusals, timeouts, 5xx survived (generation, sync, eval)
-        record["rollout/http_retries"], retries_seen = float(retries - retries_seen), retries
-        record["time/rollout"] = time.monotonic() - tick - times.get("time/eval", 0.0)
-        record["time/overhead_share"] = overhead_share(record)
-        check_engine_agreement(record, job.train.mismatch_warn_threshold)
-        metrics_log.write(record)  # before the checkpoint: a checkpoint's rollout always has its record
-        result.history.append(record)
+            metrics |= evals
+        record = recorder.record(rollout_id, samples, metrics, times, started)  # before the checkpoint
         if actors and (last or _due(rollout_id, job.ckpt.save_interval)):
             best = _mark_best(job, record, best)
             bar.phase(rollout_id, "checkpoint")
             _save(job, buffer, actors, rollout_id, version)
-        if last or "eval/accuracy" in record or time.monotonic() - drawn >= CURVES_EVERY_S:
-            write_curves(out / "curves.png", result.history, eval_before=result.eval_before,
-                         mismatch_threshold=job.train.mismatch_warn_threshold)  # fmt: skip
-            drawn = time.monotonic()
-        eta = (time.monotonic() - loop_start) / (rollout_id + 1 - start) * (num_rollout - rollout_id - 1)
-        logger.info("%s | ETA %.0f s", rollout_line(record, num_rollout), eta, extra=TERMINAL)
+        recorder.shown(record)
     if actors and job.ckpt.async_save:
         actors.finalize_saves()
-    result.wall_s = time.monotonic() - loop_start
-    result.eval_after = next((r["eval/accuracy"] for r in reversed(result.history) if "eval/accuracy" in r), None)
-    metrics_log.close()
+    recorder.finish()
     write_summary(result)
     return result
 
@@ -158,10 +142,10 @@ def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, act
     return start, version
 
 
-def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, actors: ActorGroup | None, version: int):
+def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, weights: WeightSync | None, version: int):
     """Before the first rollout the engines serve the resumed weights, or an external server the initial ones."""
-    if rollouts.has_engines and actors and version > 0:
-        return actors.sync_weights(rollouts, version)
+    if rollouts.has_engines and weights is not None and version > 0:
+        return weights.sync(rollouts, version)
     if rollouts.external:  # a server run elsewhere may hold any weights
         logger.info("loading %s into the external SGLang server(s)", job.actor.hf_checkpoint)
         rollouts.load_weights(job.actor.hf_checkpoint, 0)
@@ -198,15 +182,6 @@ def _mark_best(job: JobConfig, record: dict, best: float | None) -> float | None
     return value
 
 
-def _record(rollout_id: int, samples: list, train_metrics: dict[str, float], times: dict[str, float]) -> dict:
-    """The rollout's metrics record: sample statistics, the actor's metrics, phase times, the oldest weights used."""
-    from tidal.rollout import rollout_metrics
-
-    record: dict[str, Any] = {"rollout": rollout_id, **rollout_metrics(samples), **train_metrics, **times}
-    record["rollout/weight_version"] = min(_version(s.weight_version) for s in samples)
-    return record
-
-
 def _due(rollout_id: int, interval: int | None) -> bool:
     """Whether rollout ``rollout_id`` ends an interval of ``interval`` rollouts (never when it is 0 or None)."""
     return bool(interval) and (rollout_id + 1) % interval == 0
@@ -228,11 +203,3 @@ def _job_dict(job: JobConfig) -> dict[str, Any]:
     import dataclasses
 
     return {f.name: dataclasses.asdict(getattr(job, f.name)) for f in dataclasses.fields(job)}
-
-
-def _version(value: str | None) -> float:
-    """The engine's weight version as a number (0 for the initial weights)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return 0.0

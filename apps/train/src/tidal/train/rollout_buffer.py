@@ -22,14 +22,9 @@ A checkpoint waits for a rollout being generated to finish, then saves the buffe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tidal.train.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +34,14 @@ WAIT_LOG_EVERY_S = 30.0
 class RolloutBuffer:
     """The rollouts the loop trains on, from the rollout manager; a context manager that stops its producer."""
 
-    def __init__(self, rollouts, train: TrainConfig) -> None:
-        """Buffer ``rollouts.generate``'s results (the rollout manager's); no thread starts before :meth:`take`."""
+    def __init__(self, rollouts, *, max_staleness: int, num_rollout: int) -> None:
+        """Buffer ``rollouts.generate``'s results (the rollout manager's) for rollouts ``0 .. num_rollout - 1``.
+
+        No thread starts before :meth:`take`. ``max_staleness`` is the job's ``AsyncPlan.max_staleness``.
+        """
         self.rollouts = rollouts
-        self.max_staleness = train.max_staleness
-        self.num_rollout = train.num_rollout
+        self.max_staleness = max_staleness
+        self.num_rollout = num_rollout
         self._ready: dict[int, tuple[list, dict[str, float]]] = {}
         self._cond = threading.Condition()
         self._generating = threading.Lock()  # held while a rollout is generated: a checkpoint waits for it
@@ -85,8 +83,12 @@ class RolloutBuffer:
             samples, metrics = self._wait_for(rollout_id, version)
         metrics = {**metrics, "time/trainer_wait": time.monotonic() - tick}
         if self.max_staleness > 0:
+            from tidal.rollout import mask_stale_tokens
+
             samples, masked = mask_stale_tokens(samples, version - self.max_staleness)
             metrics["rollout/stale_tokens_masked"] = float(masked)
+        from tidal.rollout import staleness_metrics
+
         return samples, metrics | staleness_metrics(samples, version)
 
     def checkpoint_state(self) -> tuple[list | None, list | None]:
@@ -166,44 +168,3 @@ class RolloutBuffer:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
-
-
-def _token_versions(sample) -> list[float]:
-    return [_version_number(v) for v in sample.token_weight_versions]
-
-
-def _version_number(value: str | None) -> float:
-    """The engine's weight version as a number (0 for the initial weights)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def mask_stale_tokens(samples: list, oldest: int) -> tuple[list, int]:
-    """Loss mask 0 on response tokens sampled by weights older than version ``oldest``; and how many were masked."""
-    out, masked = [], 0
-    for s in samples:
-        versions = _token_versions(s)
-        if all(v >= oldest for v in versions):
-            out.append(s)
-            continue
-        mask = [1] * len(s.response_ids) if s.response_loss_mask is None else list(s.response_loss_mask)
-        masked += sum(m for m, v in zip(mask, versions, strict=True) if v < oldest)
-        mask = [m if v >= oldest else 0 for m, v in zip(mask, versions, strict=True)]
-        out.append(dataclasses.replace(s, response_loss_mask=mask))
-    return out, masked
-
-
-def staleness_metrics(samples: list, version: int) -> dict[str, Any]:
-    """``rollout/staleness_max``, ``_mean`` (``version`` minus each loss token's weight version), mixed samples."""
-    stale, mixed = [], 0
-    for s in samples:
-        mask = s.response_loss_mask or [1] * len(s.response_ids)
-        versions = _token_versions(s)
-        stale += [version - v for m, v in zip(mask, versions, strict=True) if m]
-        mixed += len(set(versions)) > 1
-    metrics = {"rollout/mixed_version_samples": float(mixed)}
-    if not stale:
-        return metrics | {"rollout/staleness_max": 0.0, "rollout/staleness_mean": 0.0}
-    return metrics | {"rollout/staleness_max": float(max(stale)), "rollout/staleness_mean": sum(stale) / len(stale)}

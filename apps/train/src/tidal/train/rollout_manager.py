@@ -30,9 +30,11 @@ from tidal.train.engine_worker import EngineWorker
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from tidal.train.async_plan import AsyncPlan
     from tidal.train.config import JobConfig
     from tidal.train.data import Prompt, PromptDataset
-    from tidal.train.handoff import HandOffLog, SyncPlan
+    from tidal.train.handoff import HandOffLog
+    from tidal.train.weight_sync import SyncPlan
 
 PROBE_PROMPTS = 4
 """Training prompts (the first ones, a fixed set) --check-weight-update-equal samples after each sync."""
@@ -78,18 +80,22 @@ class RolloutManager:
         *,
         log_dir: Path,
         plan: SyncPlan | None = None,
+        async_plan: AsyncPlan | None = None,
         handoff: HandOffLog | None = None,
     ) -> None:
         """Describe the rollout side; nothing starts until :meth:`start`.
 
         ``plan`` says whether the engines release their memory while the actor trains (--offload-rollout);
+        ``async_plan`` whether a weight update interrupts generation (None: the job's own, resolved here);
         ``handoff`` records those calls.
         """
         from tidal.rollout import resolve_reward_fn
+        from tidal.train.async_plan import resolve_async_plan
         from tidal.train.handoff import HandOffLog
 
         self.job, self.cfg, self.data, self.log_dir = job, job.rollout, train_data, log_dir
         self.offload = plan is not None and plan.offload_rollout
+        self.async_plan = async_plan or resolve_async_plan(job.train, job.rollout, job.actor)
         self.handoff = handoff or HandOffLog(None)
         self._released: list[str] = []  # memory tags the engines have released now
         self.reward_fn = resolve_reward_fn(self.cfg.custom_rm_path or self.cfg.rm_type)
@@ -121,7 +127,7 @@ class RolloutManager:
 
         model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
-            flush = self.job.train.max_staleness == 0
+            flush = self.async_plan.flush_after_update
             worker = EngineWorker.options(num_cpus=0).remote(
                 cfg, model, log_dir=logs, external_url=url, flush_after_update=flush, verbose=self.job.train.verbose
             )
@@ -142,8 +148,8 @@ class RolloutManager:
                 fault_tolerant=self.job.train.use_fault_tolerance,
                 resync_timeout_s=self._resync_timeout(),
                 tp_size=self.job.placement.rollout_num_gpus_per_engine,
-                interruptible=self._interruptible(),
-                flush_after_update=self.job.train.max_staleness == 0,
+                interruptible=self.async_plan.interruptible_updates,
+                flush_after_update=self.async_plan.flush_after_update,
                 verbose=self.job.train.verbose,
             )
             self._launch(worker)
@@ -168,25 +174,14 @@ class RolloutManager:
         train = self.job.train
         return None if train.debug_rollout_only else train.update_weight_timeout
 
-    def _interruptible(self) -> bool:
-        """Whether a weight update aborts and resumes the requests in flight: --max-staleness >= 1.
-
-        On every path the engines are launched for: the plain one (each engine resumes its samples after the update)
-        and the driver-side one (partial rollout, dynamic sampling, the router: the driver sends the cut samples
-        again). Not for a custom generate function (a multi-turn sample cannot be resumed as one continuation), and
-        never for a server run elsewhere (its workers are built without it: an abort would cut other clients'
-        requests too).
-        """
-        return self.job.train.max_staleness > 0 and not self.cfg.custom_generate_function_path
-
     def begin_update(self) -> None:
-        """A weight sync starts: interruptible engines abort their requests in flight (see :meth:`_interruptible`)."""
-        if self.engines and self._interruptible() and not self.external:
+        """A weight sync starts: interruptible engines abort their requests in flight (``AsyncPlan``)."""
+        if self.engines and self.async_plan.interruptible_updates:
             ray.get([e.begin_update.remote() for e in self.engines])
 
     def end_update(self) -> None:
         """The sync :meth:`begin_update` announced is done: the requests it cut resume under the new weights."""
-        if self.engines and self._interruptible() and not self.external:
+        if self.engines and self.async_plan.interruptible_updates:
             ray.get([e.end_update.remote() for e in self.engines])
 
     def _launch(self, worker) -> None:
@@ -416,7 +411,7 @@ class RolloutManager:
 
 
 class RestartedEngines:
-    """Some of a manager's engines (those restarted) as the weights' consumer of ``ActorGroup.resync``."""
+    """Some of a manager's engines (those restarted), as ``WeightSync.resync`` takes them (``EngineWeights``)."""
 
     def __init__(self, manager: RolloutManager, indices: list[int]) -> None:
         """The engines ``indices`` of ``manager``."""
@@ -433,22 +428,6 @@ class RestartedEngines:
     def check_weight_version(self, version: int) -> None:
         """Raise unless each of these engines reports ``version``."""
         self.manager.check_weight_version(version, only=self.indices)
-
-    def resume_memory(self, tags: list[str]) -> None:
-        """Nothing: a restarted server holds all its memory."""
-
-    def restart_dead(self) -> list[int]:
-        """Nothing: a resync that fails is not retried (the next sync or generation meets a dead server again)."""
-        return []
-
-    def begin_update(self) -> None:
-        """Nothing: a restarted server holds its requests until it has the weights."""
-
-    def end_update(self) -> None:
-        """Nothing (see :meth:`begin_update`)."""
-
-    def weights_restored(self, indices: list[int]) -> None:
-        """Nothing: :meth:`RolloutManager.resync_restarted` releases them."""
 
     def probe(self) -> list[list[tuple[list[int], list[float]]]]:
         """The probe of these engines (--check-weight-update-equal)."""

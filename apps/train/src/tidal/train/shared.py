@@ -20,9 +20,7 @@ SHARED: dict[Field, tuple[Field, ...]] = {
     ("rollout", "n_samples_per_prompt"): (("batching", "n_samples_per_prompt"),),
     ("rollout", "rollout_temperature"): (("actor", "temperature"),),
     ("rollout", "rollout_max_response_len"): (("actor", "max_response_len"),),
-    ("batching", "rollout_batch_size"): (("rollout", "rollout_batch_size"),),
     ("train", "context_parallel_size"): (("batching", "context_parallel_size"),),
-    ("train", "max_staleness"): (("actor", "max_staleness"),),
 }
 """Each shared option (the owner's field) -> the fields of the other sections that receive its value."""
 

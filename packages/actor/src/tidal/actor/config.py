@@ -116,8 +116,8 @@ class ActorConfig:
     """Mean the loss over every response token of the step; default: mean per sample, then over samples."""
     use_tis: bool | None = None
     """Importance-weight each token by the actor's old log-prob over the engine's (truncated at --tis-clip): the
-    off-policy correction of decoupled PPO, behaviour -> proximal policy. None: on exactly when the samples can be
-    older than the actor (--max-staleness >= 1), off otherwise; --no-use-tis turns it off there too."""
+    off-policy correction of decoupled PPO, behaviour -> proximal policy. None: the app decides (the train app: on
+    exactly when the samples can be older than the actor, --max-staleness >= 1); standalone, None is off."""
     tis_clip: float = 2.0
     """Upper bound of the TIS weight."""
     tis_mode: str = "truncate"
@@ -130,8 +130,6 @@ class ActorConfig:
     """Tokens per LM-head chunk when computing log-probs (bounds logits memory)."""
     temperature: float = field(default=1.0, metadata={"flag": None})
     """Rollout sampling temperature; logits are divided by it before log-softmax (``--rollout-temperature``)."""
-    max_staleness: int = field(default=0, metadata={"flag": None})
-    """Weight versions the samples may lag the actor by (``--max-staleness``); with it >= 1 ``use_tis`` defaults on."""
 
     def _check_model(self) -> None:
         if self.cudnn_attention_min_tokens < 0:
@@ -160,8 +158,8 @@ class ActorConfig:
 
     @property
     def off_policy_correction(self) -> bool:
-        """Whether the loss weights tokens by old / engine log-prob (``use_tis``, or its default from the staleness)."""
-        return self.max_staleness > 0 if self.use_tis is None else self.use_tis
+        """Whether the loss weights tokens by old / engine log-prob (``use_tis``; None: off)."""
+        return bool(self.use_tis)
 
     def __post_init__(self) -> None:
         self._check_model()

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from tidal.rollout.partial_rollout import InterruptibleUpdates, generate_partial_rollout
     from tidal.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
+    from tidal.rollout.staleness import mask_stale_tokens, staleness_metrics, version_number
     from tidal.rollout.types import Sample
     from tidal.rollout.weight_sync import (
         destroy_weights_update_group,
@@ -76,6 +77,9 @@ _LAZY = {
     "RewardFn": "rewards",
     "resolve_reward_fn": "rewards",
     "score_samples": "rewards",
+    "mask_stale_tokens": "staleness",
+    "staleness_metrics": "staleness",
+    "version_number": "staleness",
     "Sample": "types",
     "destroy_weights_update_group": "weight_sync",
     "init_weights_update_group": "weight_sync",
@@ -122,6 +126,7 @@ __all__ = [
     "load_callable",
     "load_generate_fn",
     "load_rollout_data",
+    "mask_stale_tokens",
     "resolve_group_filter",
     "resolve_reward_fn",
     "reward_variance",
@@ -134,6 +139,8 @@ __all__ = [
     "sglang_arg_problems",
     "sglang_router_args",
     "sglang_server_args",
+    "staleness_metrics",
     "update_weights_from_distributed",
     "update_weights_from_tensor",
+    "version_number",
 ]

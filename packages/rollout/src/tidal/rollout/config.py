@@ -141,8 +141,6 @@ class RolloutConfig:
 
     n_samples_per_prompt: int = 1
     """Responses sampled per prompt (one GRPO group)."""
-    rollout_batch_size: int | None = field(default=None, metadata={"flag": None})
-    """Prompts (groups) per rollout; the app copies it from --rollout-batch-size (None: not set, standalone use)."""
     rollout_max_response_len: int = 1024
     """Most new tokens per response (SGLang max_new_tokens)."""
     rollout_temperature: float = 1.0

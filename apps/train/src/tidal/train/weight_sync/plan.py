@@ -1,0 +1,70 @@
+"""The weight sync and memory hand-off a job runs, resolved once from its flags before any process starts.
+
+Both handles follow the one :class:`SyncPlan`: the actor group (transport, buckets, bound, probe, whether the actor
+leaves the GPU) and the rollout manager (whether the engines release their memory while the actor trains).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncPlan:
+    """The weight sync and memory hand-off a job runs, resolved from its flags."""
+
+    transport: str
+    """"tensor", "nccl" or "disk" (--update-weight-transport, resolved)."""
+    bucket_bytes: int
+    """Bytes per bucket or shard (--update-weight-buffer-size)."""
+    timeout_s: float
+    """Bound of one sync (--update-weight-timeout)."""
+    check_equal: bool = False
+    """Compare engine and actor log-probs on a probe after each sync (--check-weight-update-equal)."""
+    tolerance: float = 0.05
+    """Largest mean probe gap accepted (--check-weight-update-tolerance)."""
+    offload_train: bool = False
+    """The actor leaves the GPU while the engines generate."""
+    offload_rollout: bool = False
+    """The engines release their memory while the actor trains."""
+
+
+def resolve_sync_plan(train, placement, rollout) -> SyncPlan:
+    """The plan of a job's TrainConfig, PlacementConfig and RolloutConfig.
+
+    Raises:
+        ValueError: --update-weight-transport tensor without co-located engines, or --offload-rollout with
+            external engines (tidal does not manage the memory of a server it did not start).
+    """
+    external = bool(rollout.rollout_external_engine_addrs)
+    colocated = placement.colocate and not external
+    transport = train.update_weight_transport or ("tensor" if colocated else "nccl")
+    if transport == "tensor" and not colocated:
+        where = "--rollout-external-engine-addrs" if external else "--no-colocate"
+        raise ValueError(
+            f"--update-weight-transport tensor hands the engines handles to the actor's own memory, so the engines "
+            f"must share its GPUs; with {where} use --update-weight-transport nccl (or disk)"
+        )
+    offload = colocated if train.offload is None else train.offload
+    offload_train = offload if train.offload_train is None else train.offload_train
+    offload_rollout = offload if train.offload_rollout is None else train.offload_rollout
+    if offload_rollout and external:
+        raise ValueError(
+            "--offload-rollout (or --offload) releases the engines' memory, but --rollout-external-engine-addrs "
+            "servers are run elsewhere: drop --offload-rollout"
+        )
+    if (offload_train or offload_rollout) and not placement.colocate:
+        logger.warning("--offload frees GPU memory for the other side of a co-located job; with --no-colocate it "
+                       "only costs time")  # fmt: skip
+    return SyncPlan(
+        transport=transport,
+        bucket_bytes=train.update_weight_buffer_size,
+        timeout_s=train.update_weight_timeout,
+        check_equal=train.check_weight_update_equal,
+        tolerance=train.check_weight_update_tolerance,
+        offload_train=offload_train,
+        offload_rollout=offload_rollout,
+    )
