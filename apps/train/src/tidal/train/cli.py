@@ -34,23 +34,27 @@ _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interru
 def parse_job(argv: list[str]) -> JobConfig:
     """Parse ``argv`` into a validated JobConfig; nothing heavy is imported and nothing starts.
 
-    The job starts from a recipe (``--recipe``, else :func:`tidal.train.recipes.recipe_for`), then the
-    ``--config`` file, then the flags; each option lands in the section of the package that owns it.
+    One pipeline: the values of a recipe (``--recipe``, else :func:`tidal.train.recipes.recipe_for`), then of the
+    ``--config`` file, then of the flags, merged as values; each lands in the section of the package that owns it;
+    then the rules and checks of :func:`_build_job`.
 
     Raises:
         ValueError: naming the flag and the fix; independent problems come together, one per line
             (:class:`tidal.train.checks.ConfigErrors`).
     """
     from tidal.train import checks
-    from tidal.train.config_file import expand_config
+    from tidal.train.config_file import config_values, read_config_file
     from tidal.train.flags import SECTIONS, build_parser, options
     from tidal.train.recipes import DEFAULT_RECIPE, recipe_for, recipe_options
 
     parser = build_parser(("embedded", recipe_options("embedded")))  # --help shows the embedded recipe's values
-    args, unknown = parser.parse_known_args(expand_config(argv))
+    args, unknown = parser.parse_known_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
-    for key in ("config", "list_recipes"):
-        given.pop(key, None)
+    path = given.pop("config", None)
+    given.pop("list_recipes", None)
+    if path is not None:  # the file's values under the flags'; its SGLang pass-through before theirs
+        from_file, passthrough = config_values(read_config_file(path), source=path)
+        given, unknown = {**from_file, **given}, [*passthrough, *unknown]
     problems = checks.Problems()
     # A missing --recipe is reported with the other problems, which are checked against the default recipe.
     recipe = problems.run(recipe_for, given.pop("recipe", None), given) or DEFAULT_RECIPE

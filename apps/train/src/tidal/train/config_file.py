@@ -3,8 +3,8 @@
 Keys are flag names without the leading dashes, with ``-`` or ``_`` (``rollout-batch-size`` or
 ``rollout_batch_size``), or ``recipe``; ``sglang-*`` keys pass through to the SGLang server like the flags do.
 The options and their kinds are the fields the command line is generated from (:mod:`tidal.train.flags`).
-The file becomes argv tokens placed *before* the command line's, so argparse's "last one wins" gives flags the
-final say.
+Its values merge with the recipe's and the flags' as values (recipe, then file, then flags), in
+``tidal.train.cli.parse_job``.
 """
 
 from __future__ import annotations
@@ -15,18 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from tidal.train.flags import flag_kinds
-
-
-def config_path(argv: list[str]) -> str | None:
-    """The value of ``--config`` in ``argv`` (``--config F`` or ``--config=F``), if given."""
-    for i, token in enumerate(argv):
-        if token == "--config":
-            if i + 1 >= len(argv):
-                raise ValueError("--config needs a file: --config FILE.yaml or FILE.toml")
-            return argv[i + 1]
-        if token.startswith("--config="):
-            return token.split("=", 1)[1]
-    return None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -54,53 +42,58 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def config_to_argv(data: dict[str, Any], *, source: str) -> list[str]:
-    """Turn ``{option: value}`` into argv tokens; an unknown option is an error naming it and the file."""
+def config_values(data: dict[str, Any], *, source: str) -> tuple[dict[str, Any], list[str]]:
+    """``{field name: value}`` of a file's options, typed as the flags would give them, and its SGLang pass-through.
+
+    Each value is what argparse makes of the same flag (``lr: 3e-4`` -> 3e-4, ``rollout-stop: [a, b]`` -> a list),
+    so a file and the flags merge as values; a switch set to ``false`` in the file is ``False``, not "not given".
+    ``sglang-*`` / ``sglang-router-*`` keys become the argv tokens SGLang's parser reads. ``recipe`` is kept as is.
+
+    Raises:
+        ValueError: an unknown option, a value of the wrong kind, or a nested ``config``; naming the file and key.
+    """
     kinds = flag_kinds()
-    argv: list[str] = []
+    by_flag = {kind["flag"]: name for name, kind in kinds.items()}
+    values: dict[str, Any] = {}
+    passthrough: list[str] = []
     for raw_key, value in data.items():
         key = str(raw_key).lstrip("-").replace("-", "_")
+        flag = "--" + key.replace("_", "-")
         if key == "config":
             raise ValueError(f"--config {source}: a config file cannot name another config file")
-        flag = "--" + key.replace("_", "-")
         if key == "recipe":
-            argv += [flag, str(value)]
+            values["recipe"] = str(value)
             continue
         if key.startswith("sglang_") and key not in kinds:
-            argv += [flag, _scalar(value)] if value is not True else [flag]
+            passthrough += [flag, _scalar(value)] if value is not True else [flag]
             continue
-        kind = kinds.get(key) or next((k for k in kinds.values() if k["flag"] == flag), None)
-        if kind is None:
+        name = key if key in kinds else by_flag.get(flag)
+        if name is None:
             raise ValueError(f"--config {source}: unknown option {raw_key!r}; see `train --help` for the names")
-        flag = kind["flag"]
-        action = kind.get("action")
-        if action in ("store_true", "store_false"):  # `no-recompute-lm-head: true` passes the flag
-            if not isinstance(value, bool):
-                raise ValueError(f"--config {source}: {raw_key} must be true or false, got {value!r}")
-            if action == "store_false" and key in kinds:  # the field's name: `recompute-lm-head: false` negates it
-                value = not value
-            argv += [flag] if value else []
-        elif action is not None and action != "append":  # BooleanOptionalAction
-            if not isinstance(value, bool):
-                raise ValueError(f"--config {source}: {raw_key} must be true or false, got {value!r}")
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            if action == "append":
-                for item in value:
-                    argv += [flag, _scalar(item)]
-            else:
-                argv += [flag, *map(_scalar, value)]
-        else:
-            argv += [flag, _scalar(value)]
-    return argv
+        values[name] = _typed(kinds[name], value, negated=name != key, where=f"--config {source}: {raw_key}")
+    return values, passthrough
 
 
-def expand_config(argv: list[str]) -> list[str]:
-    """``argv`` with the ``--config`` file's options in front of it (``--config`` itself kept last)."""
-    path = config_path(argv)
-    if path is None:
-        return argv
-    return [*config_to_argv(read_config_file(path), source=path), *argv]
+def _typed(kind: dict[str, Any], value: Any, *, negated: bool, where: str) -> Any:
+    """``value`` as the field gets it from the flag of ``kind`` (``negated``: the key is the ``--no-`` flag's name)."""
+    action = kind.get("action")
+    if action is not None and action != "append":  # store_true, store_false, BooleanOptionalAction
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+        return not value if negated else value
+    convert = kind.get("type", str)
+
+    def one(item: Any) -> Any:
+        try:
+            return convert(_scalar(item))
+        except ValueError:
+            raise ValueError(f"{where}: invalid {convert.__name__} value {item!r}") from None
+
+    if action == "append" or kind.get("nargs") == "+":
+        return [one(item) for item in (value if isinstance(value, list) else [value])]
+    if isinstance(value, list):
+        raise ValueError(f"{where} takes one value, got a list {value!r}")
+    return one(value)
 
 
 def _scalar(value: Any) -> str:
