@@ -513,9 +513,10 @@ class Actor:
         their parameters, plus the step count). Because tensors are stored by global shape, a checkpoint
         saved at one TP/DP size loads at another.
         """
-        if self.lora:
-            raise ActorError("Megatron checkpoints of a LoRA actor are not written yet: run without --save/--load")
-        model_sd = self.model.sharded_state_dict(prefix=self.ckpt_prefix)
+        if self.lora:  # the adapters alone: the frozen base comes from --hf-checkpoint
+            model_sd = self.lora.sharded_state_dict(prefix=self.ckpt_prefix)
+        else:
+            model_sd = self.model.sharded_state_dict(prefix=self.ckpt_prefix)
         out = {"model": model_sd}
         if with_optimizer:
             self._ensure_optimizer_state()
@@ -541,9 +542,10 @@ class Actor:
             mains = {i: st.pop("main_param").clone() for i, st in optim["state"].items() if "main_param" in st}
         if "model" in state_dict:
             model = state_dict["model"]
-            if self.ckpt_prefix:  # the keys carry the prefix they were saved under
-                model = {k.removeprefix(self.ckpt_prefix): v for k, v in model.items()}
-            self.model.load_state_dict(model, strict=True)
+            if self.lora:
+                self.lora.load_sharded(model, prefix=self.ckpt_prefix)
+            else:  # the keys carry the prefix they were saved under
+                self.model.load_state_dict({k.removeprefix(self.ckpt_prefix): v for k, v in model.items()}, strict=True)
             if self.main_params:
                 self.main_params.copy_from_model()
         if optim is not None:

@@ -291,6 +291,26 @@ class LoRA:
             out[p.lora_hf_name] = t.float().cpu()
         return out
 
+    def sharded_state_dict(self, prefix: str = "") -> dict:
+        """The adapters as Megatron sharded tensors (global shapes: any TP/PP layout loads them), keyed
+        ``{prefix}lora.<HF/PEFT name>``; the frozen base is not in it (it comes from --hf-checkpoint)."""
+        from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+        out = {}
+        for p in self.parameters():
+            key = f"{prefix}lora.{p.lora_hf_name}"
+            if p.lora_split_dim is None:
+                out[key] = make_sharded_tensor_for_checkpoint(p, key)
+            else:
+                out[key] = make_tp_sharded_tensor_for_checkpoint(p, key, tp_axis=p.lora_split_dim)
+        return out
+
+    @torch.no_grad()
+    def load_sharded(self, state: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+        """Copy what ``load_checkpoint`` returned for :meth:`sharded_state_dict` into the adapters."""
+        for p in self.parameters():
+            p.copy_(state[f"{prefix}lora.{p.lora_hf_name}"])
+
     @torch.no_grad()
     def load_adapter_tensors(self, tensors: Mapping[str, torch.Tensor], *, source: str = "the adapter") -> None:
         """Set this stage's adapters from full tensors by HF/PEFT name (each rank copies its shard).
