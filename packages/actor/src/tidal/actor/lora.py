@@ -292,8 +292,10 @@ class LoRA:
         return out
 
     def sharded_state_dict(self, prefix: str = "") -> dict:
-        """The adapters as Megatron sharded tensors (global shapes: any TP/PP layout loads them), keyed
-        ``{prefix}lora.<HF/PEFT name>``; the frozen base is not in it (it comes from --hf-checkpoint)."""
+        """The adapters as Megatron sharded tensors, keyed ``{prefix}lora.<HF/PEFT name>``.
+
+        Global shapes: any TP/PP layout loads them. The frozen base is not in it (it comes from --hf-checkpoint).
+        """
         from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
         out = {}
