@@ -192,6 +192,7 @@ def test_tp2_and_pp2_match_one_process(single, qwen2_dir, tmp_path):
 
 def test_checkpoint_holds_the_adapters_alone_and_resumes_exactly(dist_env, qwen2_dir, tmp_path, rl_batch):
     from tidal.actor import Actor
+    from tidal.actor.lora_checkpoint import check_adapter_checkpoint
     from tidal.ckpt import load_checkpoint, save_checkpoint
 
     cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, lr_warmup_steps=3, lora_rank=4)
@@ -206,6 +207,17 @@ def test_checkpoint_holds_the_adapters_alone_and_resumes_exactly(dist_env, qwen2
     size = {d: sum(f.stat().st_size for f in (tmp_path / d).rglob("*") if f.is_file()) for d in ("ckpt", "full")}
     assert size["ckpt"] < size["full"] / 3, size  # adapters + their Adam moments only
 
+    # the adapter rank (or its absence) is checked before a load, from the metadata alone
+    check_adapter_checkpoint(tmp_path / "ckpt", lora_rank=4)
+    for path, rank, match in (
+        ("ckpt", 8, r"holds LoRA adapters of rank 4, and --lora-rank is 8: pass --lora-rank 4$"),
+        ("ckpt", 0, r"holds LoRA adapters of rank 4: pass --lora-rank 4$"),
+        ("full", 4, r"holds a full fine-tuning checkpoint, not LoRA adapters, and --lora-rank is 4: drop"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_adapter_checkpoint(tmp_path / path, lora_rank=rank)
+    check_adapter_checkpoint(tmp_path / "full", lora_rank=0)
+
     b = Actor(cfg)
     state, _ = load_checkpoint(tmp_path / "ckpt", b.sharded_state_dict())
     b.load_state_dict(state)
@@ -217,3 +229,26 @@ def test_checkpoint_holds_the_adapters_alone_and_resumes_exactly(dist_env, qwen2
     for pa, pb in zip(a.params, b.params, strict=True):
         torch.testing.assert_close(pa, pb, atol=0, rtol=0, msg=pa.lora_hf_name)
     torch.testing.assert_close(a.compute_log_probs(pack(SEQS)), b.compute_log_probs(pack(SEQS)), atol=0, rtol=0)
+
+
+def test_rollout_with_kl_takes_the_base_as_reference(dist_env, qwen2_dir):
+    from tidal.actor import Actor, ReferenceModel, train_on_rollout
+    from tidal.actor.lora import BaseReference
+    from tidal.batching import BatchingConfig
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (20, 14, 25, 18)]
+    masks = [[0] * 5 + [1] * (len(t) - 5) for t in tokens]
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2, micro_batch_size=2)
+    metrics = {}
+    for name in ("lora", "separate"):
+        actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, lora_rank=4, kl_loss_coef=0.5))
+        _seed_adapters(actor)  # the policy is away from the base: the KL is not zero
+        reference = (
+            BaseReference(actor) if name == "lora" else ReferenceModel(ActorConfig(hf_checkpoint=str(qwen2_dir)))
+        )
+        metrics[name] = train_on_rollout(actor, batching, tokens=tokens, loss_masks=masks, rewards=[1.0, 0.0, 0.0, 1.0],
+                                         group_size=2, reference=reference)  # fmt: skip
+    assert metrics["lora"]["train/kl"] > 1e-3
+    for key in ("train/kl", "train/loss", "train/grad_norm"):
+        assert metrics["lora"][key] == pytest.approx(metrics["separate"][key], rel=1e-5), key
