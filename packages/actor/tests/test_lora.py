@@ -1,5 +1,6 @@
 """LoRA adapters on the actor: the base at init, frozen base, merged export, the free reference, TP=2 and PP=2."""
 
+import dataclasses
 import importlib
 import json
 import shutil
@@ -252,3 +253,24 @@ def test_rollout_with_kl_takes_the_base_as_reference(dist_env, qwen2_dir):
     assert metrics["lora"]["train/kl"] > 1e-3
     for key in ("train/kl", "train/loss", "train/grad_norm"):
         assert metrics["lora"][key] == pytest.approx(metrics["separate"][key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "v_proj", "down_proj")])
+def test_memory_plan_counts_the_adapters_state_and_the_frozen_base(dist_env, qwen3_dir, targets):
+    from tidal.actor import Actor, MemoryInputs, ModelShape, plan_memory
+    from tidal.ckpt import read_hf_config_json
+
+    cfg = ActorConfig(hf_checkpoint=str(qwen3_dir), lora_rank=4, lora_target_modules=targets, use_kl_loss=True,
+                      kl_loss_coef=0.1)  # fmt: skip
+    actor = Actor(cfg)
+    shape = ModelShape.from_hf_config(read_hf_config_json(qwen3_dir))
+    budget = dict(train_tokens=256, logprob_tokens=256, longest_sequence=64, reference_model=True)
+    rows = dict(plan_memory(shape, MemoryInputs.from_actor_config(cfg, **budget)).rows)
+    adapters = sum(p.numel() * 4 for p in actor.params)
+    assert rows["LoRA adapters"] == rows["gradients"] == adapters
+    assert rows["AdamW moments"] == 2 * adapters
+    assert rows["frozen base parameters (float32)"] == sum(p.numel() * 4 for p in actor.model.parameters()) - adapters
+    assert "reference model" not in rows  # the base is the reference
+    full = plan_memory(shape, MemoryInputs.from_actor_config(dataclasses.replace(cfg, lora_rank=0), **budget))
+    assert "reference model" in dict(full.rows)
+    assert plan_memory(shape, MemoryInputs.from_actor_config(cfg, **budget)).train_peak < full.train_peak
