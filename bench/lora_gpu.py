@@ -95,6 +95,7 @@ def step_fits(shape: dict, layers: int, rank: int, args, tmp: Path) -> bool:
     from tidal.actor.errors import ActorOutOfMemoryError
 
     actor = None
+    free()
     try:
         actor = build(shape, layers, rank, args, tmp)
         actor.train_step(micro_batches(args.tokens, 2, shape["vocab_size"], 1, fields=True))
@@ -113,8 +114,10 @@ def largest(shape: dict, rank: int, args, tmp: Path, deadline: float, known: int
     while time.monotonic() < deadline and (hi is None or hi - lo > 1) and lo < args.max_layers:
         probe = min(lo * 2, args.max_layers) if hi is None else (lo + hi) // 2
         t0 = time.monotonic()
+        free()
+        held = torch.cuda.memory_allocated() / GIB if CUDA else None  # what an earlier probe left (should be ~0)
         fits = step_fits(shape, probe, rank, args, tmp)
-        probes.append({"layers": probe, "fits": fits, "seconds": round(time.monotonic() - t0, 1)})
+        probes.append({"layers": probe, "fits": fits, "seconds": round(time.monotonic() - t0, 1), "held_gib": held})
         log(f"  rank {rank}: {probe} layers {'fit' if fits else 'do not fit'}")
         lo, hi = (probe, hi) if fits else (lo, probe)
     done = (hi is not None and hi - lo <= 1) or lo >= args.max_layers
