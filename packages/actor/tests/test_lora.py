@@ -274,3 +274,20 @@ def test_memory_plan_counts_the_adapters_state_and_the_frozen_base(dist_env, qwe
     full = plan_memory(shape, MemoryInputs.from_actor_config(dataclasses.replace(cfg, lora_rank=0), **budget))
     assert "reference model" in dict(full.rows)
     assert plan_memory(shape, MemoryInputs.from_actor_config(cfg, **budget)).train_peak < full.train_peak
+
+
+def test_dropout_acts_in_training_only(dist_env, qwen2_dir):
+    from tidal.actor import Actor
+
+    actors = [Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lora_rank=4, lora_dropout=p)) for p in (0.0, 0.5)]
+    for actor in actors:
+        _seed_adapters(actor)
+    probe = pack(SEQS)
+    # the log-prob passes run in eval mode: no dropout
+    assert torch.equal(actors[0].compute_log_probs(probe), actors[1].compute_log_probs(probe))
+    adapter = actors[1].lora.adapters["decoder.layers.0.self_attention.linear_qkv.weight"]
+    x = torch.randn(5, 1, 64)
+    adapter.train()
+    assert not torch.allclose(adapter.delta(x), adapter.delta(x))
+    adapter.eval()
+    torch.testing.assert_close(adapter.delta(x), adapter.delta(x), atol=0, rtol=0)
