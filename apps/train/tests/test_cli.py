@@ -193,6 +193,13 @@ BAD = [
     (["--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "/no/ref"], "^--ref-load /no/ref does not exist"),
     (["--kl-coef", "0.01", "--ref-load", "{file}"], "^--ref-load .* is a file, not a checkpoint directory"),
     (["--kl-loss-coef", "0.01", "--ref-load", "{model}"], "^--ref-load .* and this run has none"),  # no --use-kl-loss
+    (
+        ["--lora-rank", "4", "--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "{model}"],
+        r"^--ref-load .* with --lora-rank 4: a LoRA run's reference is its base model .*drop --ref-load$",
+    ),
+    (["--lora-rank", "-1"], r"^--lora-rank must be >= 0 \(0: full fine-tuning"),
+    (["--lora-rank", "4", "--lora-target-modules", "qkv"], "^--lora-target-modules 'qkv' matches no linear module"),
+    (["--lora-rank", "4", "--advantage-estimator", "ppo"], "^--lora-rank 4 with --advantage-estimator ppo"),
 ]
 
 
@@ -552,3 +559,13 @@ def test_named_eval_sets_parse_and_name_their_keys(tmp_path):
     ]
     one = parse_job(["--output-dir", str(tmp_path / "b")])  # the embedded recipe's one PATH, named by its stem
     assert eval_metric_keys(one.train)[1] == "eval/addition_eval/mean@1"
+
+
+def test_help_lists_the_lora_options():
+    from tidal.train.flags import build_parser
+
+    text = build_parser().format_help()
+    for flag in ("--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules"):
+        assert flag in text, flag
+    args = build_parser().parse_args(["--lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"])
+    assert args.lora_rank == 8 and args.lora_target_modules == ["q_proj", "v_proj"]

@@ -311,10 +311,28 @@ def check_load(ckpt) -> None:
         raise ValueError(str(e) if "--load" in str(e) else f"--load {ckpt.load}: {e}") from e
 
 
+def check_lora_load(actor, ckpt) -> None:
+    """``--load``'s LoRA adapters have ``--lora-rank``'s rank (a full checkpoint: none), read from its metadata."""
+    if not ckpt.load or not actor.lora_rank:
+        return
+    from tidal.actor.lora_checkpoint import check_adapter_checkpoint
+    from tidal.ckpt import CheckpointError
+
+    try:
+        check_adapter_checkpoint(ckpt.load, lora_rank=actor.lora_rank, ckpt_step=ckpt.ckpt_step)
+    except CheckpointError:  # not loadable at all: check_load says why
+        return
+
+
 def check_ref_load(actor, ckpt) -> None:
     """``--ref-load`` loads the reference model of a KL term, and names a loadable checkpoint."""
     if not ckpt.ref_load:
         return
+    if actor.lora_rank:
+        raise ValueError(
+            f"--ref-load {ckpt.ref_load} with --lora-rank {actor.lora_rank}: a LoRA run's reference is its base model "
+            "(the adapters switched off), no second model is loaded; drop --ref-load"
+        )
     if actor.kl_loss_coef == 0 and actor.kl_coef == 0:
         raise ValueError(
             f"--ref-load {ckpt.ref_load} loads the reference model of a KL term, and this run has none: add "
@@ -450,6 +468,7 @@ def check_job(
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:
+            problems.run(check_lora_load, actor, ckpt)
             problems.run(check_ref_load, actor, ckpt)
             problems.run(check_critic, actor, ckpt)
         if train is not None:

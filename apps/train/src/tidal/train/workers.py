@@ -79,7 +79,11 @@ class ActorWorker(WeightSender):
         self.checkpoints = CheckpointIO.from_config(ckpt_cfg)
         self.actor = Actor(actor_cfg)
         self.reference = None
-        if actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0:  # frozen, offloaded to CPU between rollouts
+        if (actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0) and actor_cfg.lora_rank:
+            from tidal.actor.lora import BaseReference  # the base model: the actor with its adapters off
+
+            self.reference = BaseReference(self.actor)
+        elif actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0:  # frozen, offloaded to CPU between rollouts
             from tidal.actor import ReferenceModel
 
             self.reference = ReferenceModel(actor_cfg, load_dir=ckpt_cfg.ref_load)

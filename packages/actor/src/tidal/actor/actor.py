@@ -96,13 +96,19 @@ class Actor:
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage, value_head=self.value_head)
         set_cudnn_min_segment(self.model, cfg.cudnn_attention_min_tokens)
+        self.lora = None
+        """The LoRA adapters (``tidal.actor.lora.LoRA``) with ``--lora-rank`` > 0: the base is frozen."""
+        if cfg.lora_rank:
+            from tidal.actor.lora import LoRASettings, apply_lora
+
+            self.lora = apply_lora(self.model, self.spec, self.stage, LoRASettings.from_config(cfg))
         if cfg.recompute_activations:
             enable_layer_recompute(self.model, cfg.recompute_num_layers)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # with tied embeddings split over stages, the first stage's embedding and the last stage's output weight
         self._tied_index = None
         tied = self.spec.tie_word_embeddings and not self.value_head
-        if tied and self.stage.size > 1 and (self.stage.first or self.stage.last):
+        if tied and self.stage.size > 1 and (self.stage.first or self.stage.last) and not self.lora:
             tied = self.model.shared_embedding_or_output_weight()
             self._tied_index = next(i for i, p in enumerate(self.params) if p is tied)
         # With --fp32-main-params the optimizer owns fp32 copies of the (bf16) model parameters.
@@ -393,6 +399,8 @@ class Actor:
         The checkpoint path: tensors as the optimizer holds them (with ``fp32_main_params``, the fp32 main copies).
         """
         params = None
+        if self.lora:  # the merged weights; with --fp32-main-params from the model's adapters
+            return named_hf_tensors(self.model, self.spec, params=self._merged(), stage=self.stage)
         if self.main_params:
             names = [n for n, p in self.model.named_parameters() if p.requires_grad]
             params = dict(zip(names, self.main_params.main, strict=True))
@@ -417,12 +425,16 @@ class Actor:
         """
         key = (dtype, bucket_bytes, reuse_buffers, stage_only)
         if key not in self._exporters:
-            params = dict(self.model.named_parameters())
+            params = dict(self.model.named_parameters()) if not self.lora else self._merged()
             self._exporters[key] = HFExporter(
                 params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
-                stage=self.stage, stage_only=stage_only,
+                stage=self.stage, stage_only=stage_only, fixed_sources=not self.lora,
             )  # fmt: skip
         return self._exporters[key].buckets()
+
+    def _merged(self):
+        """With LoRA: the stage's parameters, each adapted weight read as W + scale * B @ A (computed on lookup)."""
+        return self.lora.merged(dict(self.model.named_parameters()))
 
     def offload(self) -> dict[str, float]:
         """Move parameters, gradients and optimizer state to host memory (co-located: the engines need the GPU).
@@ -454,7 +466,7 @@ class Actor:
         return self._move(self.device, "onload")
 
     def _offloadable(self) -> Iterator[torch.Tensor]:
-        for p in self.params:
+        for p in self.model.parameters():  # the frozen base of LoRA too
             yield p
             if p.grad is not None:
                 yield p.grad
@@ -501,7 +513,10 @@ class Actor:
         their parameters, plus the step count). Because tensors are stored by global shape, a checkpoint
         saved at one TP/DP size loads at another.
         """
-        model_sd = self.model.sharded_state_dict(prefix=self.ckpt_prefix)
+        if self.lora:  # the adapters alone: the frozen base comes from --hf-checkpoint
+            model_sd = self.lora.sharded_state_dict(prefix=self.ckpt_prefix)
+        else:
+            model_sd = self.model.sharded_state_dict(prefix=self.ckpt_prefix)
         out = {"model": model_sd}
         if with_optimizer:
             self._ensure_optimizer_state()
@@ -527,9 +542,10 @@ class Actor:
             mains = {i: st.pop("main_param").clone() for i, st in optim["state"].items() if "main_param" in st}
         if "model" in state_dict:
             model = state_dict["model"]
-            if self.ckpt_prefix:  # the keys carry the prefix they were saved under
-                model = {k.removeprefix(self.ckpt_prefix): v for k, v in model.items()}
-            self.model.load_state_dict(model, strict=True)
+            if self.lora:
+                self.lora.load_sharded(model, prefix=self.ckpt_prefix)
+            else:  # the keys carry the prefix they were saved under
+                self.model.load_state_dict({k.removeprefix(self.ckpt_prefix): v for k, v in model.items()}, strict=True)
             if self.main_params:
                 self.main_params.copy_from_model()
         if optim is not None:

@@ -9,6 +9,9 @@ _KL_TYPES = ("k1", "k2", "k3")
 _ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 _LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 _TIS_MODES = ("truncate", "mask")
+_LORA_REFUSED = (  # (what it is, given?) LoRA cannot serve yet
+    ("--advantage-estimator ppo (the critic)", lambda c: c.advantage_estimator == "ppo"),
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,6 +133,16 @@ class ActorConfig:
     """Tokens per LM-head chunk when computing log-probs (bounds logits memory)."""
     temperature: float = field(default=1.0, metadata={"flag": None})
     """Rollout sampling temperature; logits are divided by it before log-softmax (``--rollout-temperature``)."""
+    lora_rank: int = 0
+    """LoRA: train rank-r adapters on the chosen linear layers, the base weights frozen (no gradient, no optimizer
+    state); the KL reference is then the base model itself (the adapters switched off). 0: full fine-tuning."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: an adapter adds (alpha / rank) x B @ A to its layer's weight."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training (PEFT's lora_dropout), in [0, 1)."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """The linear layers that get adapters: all-linear, or HF names q_proj k_proj v_proj o_proj gate_proj up_proj
+    down_proj (space- or comma-separated), or Megatron's linear_qkv linear_proj linear_fc1 linear_fc2."""
 
     def _check_model(self) -> None:
         if self.cudnn_attention_min_tokens < 0:
@@ -146,6 +159,22 @@ class ActorConfig:
                 "--fp32-main-params needs a half-precision --params-dtype (bfloat16), got --params-dtype float32; "
                 "fp32 parameters are their own main copy: drop --fp32-main-params"
             )
+
+    def _check_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tuning, no LoRA), got {self.lora_rank}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.lora_rank:
+            return
+        if not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0 (the adapters' scale is alpha / rank), got {self.lora_alpha}")
+        from tidal.actor.lora_targets import resolve_target_modules
+
+        resolve_target_modules(self.lora_target_modules)
+        for what, given in _LORA_REFUSED:
+            if given(self):
+                raise ValueError(f"--lora-rank {self.lora_rank} with {what} is not supported yet: drop one of them")
 
     def _check_recompute(self) -> None:
         if self.recompute_num_layers < 0:
@@ -164,6 +193,7 @@ class ActorConfig:
     def __post_init__(self) -> None:
         self._check_model()
         self._check_recompute()
+        self._check_lora()
         for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay), ("--clip-grad", self.clip_grad)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")

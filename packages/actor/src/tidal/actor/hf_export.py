@@ -108,6 +108,8 @@ class HFExporter:
             next export. Otherwise every export allocates new buffers, which the consumer may keep.
         stage: this rank's pipeline stage (``params`` named as in its module); None for the whole model.
         stage_only: export ``stage``'s own tensors alone (no broadcast between stages); otherwise the whole model.
+        fixed_sources: ``params`` are the live tensors (views of them stay valid); False: ``params`` computes each
+            tensor when looked up (LoRA's merged weights), so every export looks them up again.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class HFExporter:
         reuse_buffers: bool = False,
         stage: PipelineStage | None = None,
         stage_only: bool = False,
+        fixed_sources: bool = True,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -130,7 +133,7 @@ class HFExporter:
         self.bucket_bytes = bucket_bytes
         self.shapes = expected_hf_shapes(spec)
         self._plans = None
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        if parallel_state.get_tensor_model_parallel_world_size() == 1 and fixed_sources:
             self._plans = list(self._groups())
 
     def _numel(self, name: str) -> int:

@@ -4,7 +4,9 @@ Standard library only, so the app can plan at parse time. The estimate adds, per
 
 - **resident state**: parameters (in ``--params-dtype``), fp32 main copies and gradients (``--fp32-main-params``)
   or gradients in the parameters' dtype, AdamW's two moments (none on the GPU with ``--optimizer-cpu-offload``),
-  a reference model's weights when a KL term needs one, a critic with its optimizer for PPO;
+  a reference model's weights when a KL term needs one, a critic with its optimizer for PPO; with LoRA
+  (``--lora-rank``) the base parameters alone, and main copies, gradients and moments of the adapters only (the
+  reference is the base: no second copy);
 - **activations** of one training micro-batch of ``tokens`` tokens kept for backward: per token and layer the
   tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer what was measured to stay held
   (``RECOMPUTED_QKV_HOLD``), plus one layer's worth while a recomputed layer runs its backward;
@@ -93,6 +95,15 @@ class ModelShape:
         sharded = h * self.qkv_width + (self.qkv_width if self.qkv_bias else 0) + q * h + 3 * h * f
         return sharded // tp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
 
+    def lora_layer_params(self, rank: int, modules: tuple[str, ...], tp: int = 1) -> int:
+        """Adapter parameters of one decoder layer on one TP rank (``modules``: HF names, ``lora_targets``)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        column = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "gate_proj": (h, f), "up_proj": (h, f)}
+        row = {"o_proj": (q, h), "down_proj": (f, h)}
+        total = sum(rank * (i + o // tp) for m, (i, o) in column.items() if m in modules)  # B split
+        return total + sum(rank * (i // tp + o) for m, (i, o) in row.items() if m in modules)  # A split
+
     def embedding_params(self, tp: int = 1) -> int:
         """Parameters of the embedding (or of an untied LM head) on one rank, the vocabulary padded for TP.
 
@@ -147,6 +158,10 @@ class MemoryInputs:
     """A reference model's weights are resident (a KL loss or KL penalty)."""
     critic: bool = False
     """A critic with its own optimizer shares the GPU (``--advantage-estimator ppo``)."""
+    lora_rank: int = 0
+    """``--lora-rank`` (0: full fine-tuning)."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """``--lora-target-modules``."""
 
     @classmethod
     def from_actor_config(cls, cfg: ActorConfig, **kwargs: object) -> MemoryInputs:
@@ -162,6 +177,8 @@ class MemoryInputs:
             "log_probs_chunk_size",
             "cudnn_attention_min_tokens",
             "fused_kernels",
+            "lora_rank",
+            "lora_target_modules",
         )
         return cls(**{name: getattr(cfg, name) for name in names}, **kwargs)
 
@@ -263,6 +280,13 @@ def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
     params += shape.hidden_size  # the final norm
     width = 2 if inputs.params_dtype == "bfloat16" else 4
     rows = [(f"parameters ({inputs.params_dtype})", params * width)]
+    if inputs.lora_rank:  # the base is frozen: the trained state is the adapters'
+        from tidal.actor.lora_targets import resolve_target_modules
+
+        modules = resolve_target_modules(inputs.lora_target_modules)
+        rows = [(f"frozen base parameters ({inputs.params_dtype})", params * width)]
+        params = _layers_per_stage(shape, inputs) * shape.lora_layer_params(inputs.lora_rank, modules, tp)
+        rows.append(("LoRA adapters", params * width))
     if inputs.fp32_main_params:
         rows += [("fp32 main parameters", params * 4), ("fp32 main gradients", params * 4)]
     else:
@@ -275,7 +299,7 @@ def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
         )
     )
     trained = sum(size for _, size in rows)  # the policy's weights, gradients and optimizer state
-    if inputs.reference_model:
+    if inputs.reference_model and not inputs.lora_rank:  # with LoRA the base is the reference
         rows.append(("reference model", params * width))
     if inputs.critic:  # the same trunk with a value head, its gradients and optimizer
         trunk = params - shape.embedding_params(tp) * (heads - 1)
