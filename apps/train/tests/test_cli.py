@@ -43,6 +43,10 @@ BAD = [
         ["--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
         "--context-parallel-size",
     ),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 does not divide the 1 actor GPU"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size"),
+    (["--moe-router-dtype", "bf16"], "--moe-router-dtype"),
+    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
     (["--advantage-estimator", "magic"], "--advantage-estimator"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c"),
     (["--use-kl-loss"], "--kl-loss-coef"),
@@ -552,3 +556,17 @@ def test_named_eval_sets_parse_and_name_their_keys(tmp_path):
     ]
     one = parse_job(["--output-dir", str(tmp_path / "b")])  # the embedded recipe's one PATH, named by its stem
     assert eval_metric_keys(one.train)[1] == "eval/addition_eval/mean@1"
+
+
+def test_expert_parallel_size_is_checked_against_the_model_before_start(tmp_path, paths):
+    dense = _write_model(tmp_path / "dense")
+    moe = _write_model(tmp_path / "moe")
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 6}))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4"]
+    argv += ["--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "4"]
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 4 does not divide the model's 6 experts"):
+        parse_job([*argv, "--hf-checkpoint", str(moe)])
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 4 needs a mixture-of-experts model"):
+        parse_job([*argv, "--hf-checkpoint", str(dense)])
+    ep2 = parse_job([*argv[:-1], "2", "--hf-checkpoint", str(moe)])
+    assert ep2.train.expert_model_parallel_size == 2

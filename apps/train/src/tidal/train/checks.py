@@ -152,6 +152,33 @@ def check_model_parallel(train, placement) -> int:
     return gpus // model_parallel
 
 
+def check_expert_parallel(train, placement, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """The expert-parallel size divides the GPUs of a pipeline stage and the model's experts (a dense model: 1)."""
+    ep = train.expert_model_parallel_size
+    if ep == 1:
+        return
+    per_stage = placement.num_actor_gpus // train.pipeline_model_parallel_size
+    if per_stage % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} does not divide the {per_stage} actor GPU(s) of a pipeline stage "
+            f"({placement.num_actor_gpus} actor GPU(s) / --pipeline-model-parallel-size "
+            f"{train.pipeline_model_parallel_size}); pick a divisor of {per_stage}"
+        )
+    if hf_config is None:  # the embedded model may not exist yet: the actor checks it when it builds the model
+        return
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not experts:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; {Path(hf) / 'config.json'} "
+            f"(model_type {hf_config.get('model_type')!r}) has no experts: use --expert-model-parallel-size 1"
+        )
+    if experts % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} does not divide the model's {experts} experts (num_experts in "
+            f"{Path(hf) / 'config.json'})"
+        )
+
+
 def check_pipeline(train, hf_config: dict[str, Any] | None, hf: str) -> None:
     """Pipeline stages are allowed with this CP size and divide the model's layers (when the model exists)."""
     pp = train.pipeline_model_parallel_size
@@ -438,6 +465,7 @@ def check_job(
                 problems.run(resolve_sync_plan, train, placement, rollout)
             _warn_without_fault_tolerance(given["rollout"], train)
         if placement is not None:
+            problems.run(check_expert_parallel, train, placement, hf_config, hf)
             dp = problems.run(check_model_parallel, train, placement)
             if dp is not None and batching is not None:
                 problems.run(batching.resolve, dp_size=dp)

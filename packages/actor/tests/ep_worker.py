@@ -1,0 +1,51 @@
+"""One rank of the expert-parallel test (run as a script by test_expert_parallel.py; not collected by pytest).
+
+Usage: python ep_worker.py RANK WORLD PORT EP HF_DIR OUT_FILE
+Builds the actor of a tiny Qwen3-MoE with EP experts per group, computes log-probs of a fixed packed batch, exports
+HF tensors, runs one train step (with the load-balancing loss) on this rank's share of the micro-batches, and
+torch.saves what it saw to OUT_FILE.
+"""
+
+import sys
+
+import torch
+from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
+from safetensors.torch import load_file
+from tidal.actor import Actor, ActorConfig, init_distributed
+from tidal.batching import pack
+
+_GEN = torch.Generator().manual_seed(7)
+SEQS = [torch.randint(0, 128, (n,), generator=_GEN).tolist() for n in (23, 9, 31, 14)]
+# adam_eps 1 and no clipping: the first update is lr * g / (|g| + 1), so equal weights after it mean equal gradients
+CFG = dict(lr=0.1, adam_eps=1.0, clip_grad=0.0, moe_aux_loss_coeff=0.01, log_probs_chunk_size=16)
+
+
+def run(rank: int, world: int, port: int, ep: int, hf_dir: str) -> dict:
+    init_distributed(
+        rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, expert_model_parallel_size=ep
+    )
+    actor = Actor(ActorConfig(hf_checkpoint=hf_dir, **CFG))
+    probe = pack(SEQS)
+    result = {"log_probs": actor.compute_log_probs(probe)}
+    result["local_experts"] = tuple(actor.model.decoder.layers[0].mlp.experts.weight1.shape)
+    original = load_file(f"{hf_dir}/model.safetensors")
+    exported = dict(actor.named_hf_tensors())
+    result["export_equal"] = set(exported) == set(original) and all(
+        torch.equal(t, original[n]) for n, t in exported.items()
+    )
+    buckets = [(n, t) for b in actor.hf_tensor_buckets(bucket_bytes=2**14) for n, t in b]
+    result["buckets_equal"] = [n for n, _ in buckets] == list(exported) and all(
+        torch.equal(t, exported[n].to(torch.bfloat16)) for n, t in buckets
+    )
+    advantages = [1.0, -1.0, 0.5, -0.5]
+    dp, dp_rank = world, rank  # TP = PP = CP = 1: every rank is a data-parallel rank
+    mbs = [rl_batch(actor, [s], [a]) for s, a in zip(SEQS, advantages, strict=True)]
+    result["metrics"] = actor.train_step(mbs[dp_rank::dp])
+    result["weights"] = dict(actor.named_hf_tensors())
+    result["log_probs_after"] = actor.compute_log_probs(probe)
+    return result
+
+
+if __name__ == "__main__":
+    rank, world, port, ep = (int(x) for x in sys.argv[1:5])
+    torch.save(run(rank, world, port, ep, sys.argv[5]), sys.argv[6])
