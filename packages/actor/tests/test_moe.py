@@ -196,3 +196,31 @@ def test_gradients_match_transformers(dist_env, moe_dir):
         ref = want[name]
         assert ref.abs().max() > 0, name  # every expert received tokens: its gradient is tested
         torch.testing.assert_close(g, ref, atol=1e-6 + 1e-5 * float(ref.abs().max()), rtol=1e-5, msg=name)
+
+
+def test_grouped_gemm_path_equals_the_per_expert_loop(monkeypatch):
+    """GroupedExperts' CUDA path (one grouped GEMM per projection) computes what its per-expert loop does; the
+    forward runs on the CPU too (torch's CPU grouped_mm has no backward, so the CPU path is the loop)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from tidal.actor import moe_experts
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4, moe_ffn_hidden_size=32,
+        use_cpu_initialization=True, perform_initialization=False, add_bias_linear=False,
+    )  # fmt: skip
+    experts = moe_experts.GroupedExperts(4, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.weight1.copy_(torch.randn(experts.weight1.shape, generator=gen))
+        experts.weight2.copy_(torch.randn(experts.weight2.shape, generator=gen))
+    x, probs = torch.randn(19, 64, generator=gen), torch.rand(19, generator=gen)
+    counts = torch.tensor([5, 0, 9, 5])  # an expert without tokens too
+    with torch.no_grad():
+        loop, _ = experts(x, counts, probs)
+        monkeypatch.setattr(moe_experts, "grouped_gemm_available", lambda *a: True)
+        grouped, _ = experts(x, counts, probs)
+    torch.testing.assert_close(grouped, loop, atol=1e-4, rtol=1e-5)
+    # the loop is SwiGLU per expert, scaled by the routing probability: expert 2's first token by hand
+    w1, w2 = experts.weight1[2], experts.weight2[2]
+    gate, up = (w1 @ x[5]).chunk(2)
+    torch.testing.assert_close(loop[5], w2 @ (torch.nn.functional.silu(gate) * up * probs[5]), atol=1e-4, rtol=1e-5)

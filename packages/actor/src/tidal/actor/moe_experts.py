@@ -26,10 +26,13 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint, 
 
 logger = logging.getLogger(__name__)
 
+# torch's grouped GEMM (public as torch.nn.functional.grouped_mm in recent releases, torch._grouped_mm before)
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
 
 def grouped_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`GroupedExperts` runs ``grouped_mm`` for weights on ``device`` in ``dtype``."""
-    return device.type == "cuda" and dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+    return device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm is not None
 
 
 class GroupedExperts(MegatronModule):
@@ -64,9 +67,9 @@ class GroupedExperts(MegatronModule):
         probs = probs.to(tokens.dtype).unsqueeze(-1)
         if grouped_gemm_available(tokens.device, tokens.dtype):
             offsets = tokens_per_expert.to(tokens.device, non_blocking=True).cumsum(0).to(torch.int32)
-            gate_up = F.grouped_mm(tokens, self.weight1.transpose(-2, -1), offs=offsets)
+            gate_up = _grouped_mm(tokens, self.weight1.transpose(-2, -1), offs=offsets)
             gate, up = gate_up.chunk(2, dim=-1)
-            return F.grouped_mm(F.silu(gate) * up * probs, self.weight2.transpose(-2, -1), offs=offsets), None
+            return _grouped_mm(F.silu(gate) * up * probs, self.weight2.transpose(-2, -1), offs=offsets), None
         outputs = []
         counts = tokens_per_expert.tolist()
         for e, (x, p) in enumerate(zip(tokens.split(counts), probs.split(counts), strict=True)):
