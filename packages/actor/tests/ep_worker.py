@@ -2,17 +2,19 @@
 
 Usage: python ep_worker.py RANK WORLD PORT EP HF_DIR OUT_FILE
 Builds the actor of a tiny Qwen3-MoE with EP experts per group, computes log-probs of a fixed packed batch, exports
-HF tensors, runs one train step (with the load-balancing loss) on this rank's share of the micro-batches, and
-torch.saves what it saw to OUT_FILE.
+HF tensors, runs one train step (with the load-balancing loss) on this rank's share of the micro-batches, saves a
+distributed checkpoint into OUT_FILE's folder (``ckpt``), and torch.saves what it saw to OUT_FILE.
 """
 
 import sys
+from pathlib import Path
 
 import torch
 from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
 from tidal.actor import Actor, ActorConfig, init_distributed
 from tidal.batching import pack
+from tidal.ckpt import save_checkpoint
 
 _GEN = torch.Generator().manual_seed(7)
 SEQS = [torch.randint(0, 128, (n,), generator=_GEN).tolist() for n in (23, 9, 31, 14)]
@@ -20,7 +22,7 @@ SEQS = [torch.randint(0, 128, (n,), generator=_GEN).tolist() for n in (23, 9, 31
 CFG = dict(lr=0.1, adam_eps=1.0, clip_grad=0.0, moe_aux_loss_coeff=0.01, log_probs_chunk_size=16)
 
 
-def run(rank: int, world: int, port: int, ep: int, hf_dir: str) -> dict:
+def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path | None = None) -> dict:
     init_distributed(
         rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, expert_model_parallel_size=ep
     )
@@ -43,9 +45,11 @@ def run(rank: int, world: int, port: int, ep: int, hf_dir: str) -> dict:
     result["metrics"] = actor.train_step(mbs[dp_rank::dp])
     result["weights"] = dict(actor.named_hf_tensors())
     result["log_probs_after"] = actor.compute_log_probs(probe)
+    if ckpt_dir is not None:
+        save_checkpoint(ckpt_dir, 1, actor.sharded_state_dict())
     return result
 
 
 if __name__ == "__main__":
     rank, world, port, ep = (int(x) for x in sys.argv[1:5])
-    torch.save(run(rank, world, port, ep, sys.argv[5]), sys.argv[6])
+    torch.save(run(rank, world, port, ep, sys.argv[5], Path(sys.argv[6]).parent / "ckpt"), sys.argv[6])

@@ -75,3 +75,13 @@ def test_ep2_matches_ep1_and_transformers(tmp_path, dist_env, moe_dir, hf_refere
         assert not torch.equal(single["weights"][name], before[name]), name
     # balance loss: >= 1 (its minimum, perfectly balanced) per MoE layer and micro-batch
     assert single["metrics"]["train/moe_load_balancing_loss"] >= 1.0
+    # the EP=2 distributed checkpoint (each rank's half of the experts) loads into one process (EP=1)
+    from tidal.actor import Actor, ActorConfig
+    from tidal.ckpt import load_checkpoint
+
+    actor = Actor(ActorConfig(hf_checkpoint=str(moe_dir), **ep_worker.CFG))
+    state, _ = load_checkpoint(tmp_path / "ckpt", actor.sharded_state_dict())
+    actor.load_state_dict(state)
+    assert actor.num_steps == 1
+    for name, tensor in actor.named_hf_tensors():
+        assert torch.equal(tensor, results[0]["weights"][name]), name

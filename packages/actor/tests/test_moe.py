@@ -224,3 +224,22 @@ def test_grouped_gemm_path_equals_the_per_expert_loop(monkeypatch):
     w1, w2 = experts.weight1[2], experts.weight2[2]
     gate, up = (w1 @ x[5]).chunk(2)
     torch.testing.assert_close(loop[5], w2 @ (torch.nn.functional.silu(gate) * up * probs[5]), atol=1e-4, rtol=1e-5)
+
+
+def test_checkpoint_resumes_identically(dist_env, moe_dir, tmp_path, rl_batch):
+    """Megatron's distributed checkpoint of an MoE actor (stacked experts, router, AdamW state) resumes exactly."""
+    from tidal.ckpt import load_checkpoint, save_checkpoint
+
+    cfg = ActorConfig(hf_checkpoint=str(moe_dir), lr=1e-2, moe_aux_loss_coeff=0.01)
+    a = Actor(cfg)
+    metrics = a.train_step([rl_batch(a, SEQS)])
+    assert metrics["train/moe_load_balancing_loss"] >= 1.0  # 1: perfectly balanced, per MoE layer
+    save_checkpoint(tmp_path / "ckpt", 1, a.sharded_state_dict())
+    b = Actor(cfg)
+    state, _ = load_checkpoint(tmp_path / "ckpt", b.sharded_state_dict())
+    b.load_state_dict(state)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    a.train_step([rl_batch(a, SEQS)]), b.train_step([rl_batch(b, SEQS)])
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
