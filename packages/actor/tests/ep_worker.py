@@ -7,14 +7,15 @@ distributed checkpoint into OUT_FILE's folder (``ckpt``), and torch.saves what i
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
-from tidal.actor import Actor, ActorConfig, init_distributed
+from tidal.actor import Actor, ActorConfig, MemoryInputs, ModelShape, init_distributed, plan_memory
 from tidal.batching import pack
-from tidal.ckpt import save_checkpoint
+from tidal.ckpt import read_hf_config_json, save_checkpoint
 
 _GEN = torch.Generator().manual_seed(7)
 SEQS = [torch.randint(0, 128, (n,), generator=_GEN).tolist() for n in (23, 9, 31, 14)]
@@ -30,6 +31,11 @@ def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path |
     probe = pack(SEQS)
     result = {"log_probs": actor.compute_log_probs(probe)}
     result["local_experts"] = tuple(actor.model.decoder.layers[0].mlp.experts.weight1.shape)
+    shape = ModelShape.from_hf_config(read_hf_config_json(hf_dir))
+    inputs = MemoryInputs.from_actor_config(actor.cfg, train_tokens=64, logprob_tokens=64, longest_sequence=32)
+    plan = dict(plan_memory(shape, replace(inputs, expert_parallel=ep)).rows)
+    result["plan_param_bytes"] = plan["parameters (float32)"]
+    result["param_bytes"] = sum(p.numel() * p.element_size() for p in actor.params)
     original = load_file(f"{hf_dir}/model.safetensors")
     exported = dict(actor.named_hf_tensors())
     result["export_equal"] = set(exported) == set(original) and all(

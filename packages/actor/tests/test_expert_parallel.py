@@ -55,6 +55,9 @@ def test_ep2_matches_ep1_and_transformers(tmp_path, dist_env, moe_dir, hf_refere
     _, ref = hf_reference(moe_dir, ep_worker.SEQS)
     assert single["local_experts"] == (8, 64, 64)  # 8 experts x [gate; up] (2 x 32) x hidden 64
     assert [r["local_experts"] for r in results] == [(4, 64, 64)] * 2  # half of them on each rank
+    for r in (single, *results):  # the memory plan counts this rank's share of the experts
+        assert r["plan_param_bytes"] == r["param_bytes"]
+    assert results[0]["param_bytes"] < single["param_bytes"]
     torch.testing.assert_close(single["log_probs"], torch.cat(ref), atol=1e-5, rtol=0)
     for r in results:
         assert r["export_equal"] and r["buckets_equal"]  # every expert gathered back under its HF name

@@ -245,6 +245,7 @@ class Actor:
                 tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
                 pipeline_parallel=self.stage.size,
                 context_parallel=context_parallel_size(),
+                expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
             )
             shape = ModelShape.from_hf_config(read_hf_config_json(self.cfg.hf_checkpoint))
             return largest_fitting_tokens(shape, inputs, gpu_bytes=gpu_bytes, logprob=logprob)
