@@ -570,3 +570,15 @@ def test_expert_parallel_size_is_checked_against_the_model_before_start(tmp_path
         parse_job([*argv, "--hf-checkpoint", str(dense)])
     ep2 = parse_job([*argv[:-1], "2", "--hf-checkpoint", str(moe)])
     assert ep2.train.expert_model_parallel_size == 2
+
+
+def test_moe_with_dense_layers_is_refused_when_sglang_serves_it(tmp_path, paths):
+    moe = _write_model(tmp_path / "moe")
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 4, "mlp_only_layers": [0]}
+    (moe / "config.json").write_text(json.dumps(config))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4"]
+    argv += ["--hf-checkpoint", str(moe)]
+    with pytest.raises(ValueError, match=r"dense layers \(mlp_only_layers \[0\], decoder_sparse_step 1\)"):
+        parse_job(argv)
+    (moe / "config.json").write_text(json.dumps(config | {"mlp_only_layers": []}))  # every layer MoE: served right
+    assert parse_job(argv).actor.hf_checkpoint == str(moe)

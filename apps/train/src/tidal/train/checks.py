@@ -179,6 +179,20 @@ def check_expert_parallel(train, placement, hf_config: dict[str, Any] | None, hf
         )
 
 
+def check_moe_layers_servable(train, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """A qwen3_moe with dense layers is refused when SGLang serves it: SGLang 0.5.23 makes every layer an MoE layer."""
+    if train.debug_train_only or not hf_config or hf_config.get("model_type") != "qwen3_moe":
+        return
+    dense, step = hf_config.get("mlp_only_layers") or [], int(hf_config.get("decoder_sparse_step") or 1)
+    if dense or step != 1:
+        raise ValueError(
+            f"{Path(hf) / 'config.json'} has dense layers (mlp_only_layers {dense}, decoder_sparse_step {step}), "
+            "which SGLang 0.5.23's qwen3_moe does not read (it serves every layer as MoE, so the engines would "
+            "generate from a different model than the actor trains); use a checkpoint whose every layer is MoE, or "
+            "--debug-train-only"
+        )
+
+
 def check_pipeline(train, hf_config: dict[str, Any] | None, hf: str) -> None:
     """Pipeline stages are allowed with this CP size and divide the model's layers (when the model exists)."""
     pp = train.pipeline_model_parallel_size
@@ -456,6 +470,7 @@ def check_job(
             problems.run(check_async, train, rollout, placement)
     if train is not None:
         problems.run(check_pipeline, train, hf_config, hf)
+        problems.run(check_moe_layers_servable, train, hf_config, hf)
         problems.run(check_wandb, train)
         if rollout is not None:
             if placement is not None:
