@@ -1,6 +1,6 @@
 """One rank of the expert-parallel test (run as a script by test_expert_parallel.py; not collected by pytest).
 
-Usage: python ep_worker.py RANK WORLD PORT EP HF_DIR OUT_FILE
+Usage: python ep_worker.py RANK WORLD PORT EP HF_DIR OUT_FILE [PP]
 Builds the actor of a tiny Qwen3-MoE with EP experts per group, computes log-probs of a fixed packed batch, exports
 HF tensors, runs one train step (with the load-balancing loss) on this rank's share of the micro-batches, saves a
 distributed checkpoint into OUT_FILE's folder (``ckpt``), and torch.saves what it saw to OUT_FILE.
@@ -23,17 +23,22 @@ SEQS = [torch.randint(0, 128, (n,), generator=_GEN).tolist() for n in (23, 9, 31
 CFG = dict(lr=0.1, adam_eps=1.0, clip_grad=0.0, moe_aux_loss_coeff=0.01, log_probs_chunk_size=16)
 
 
-def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path | None = None) -> dict:
+def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path | None = None, pp: int = 1) -> dict:
     init_distributed(
-        rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, expert_model_parallel_size=ep
+        rank=rank,
+        world_size=world,
+        master_addr="127.0.0.1",
+        master_port=port,
+        expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
     )
     actor = Actor(ActorConfig(hf_checkpoint=hf_dir, **CFG))
     probe = pack(SEQS)
     result = {"log_probs": actor.compute_log_probs(probe)}
-    result["local_experts"] = tuple(actor.model.decoder.layers[0].mlp.experts.weight1.shape)
+    result["local_experts"] = tuple(actor.model.decoder.layers[0].mlp.experts.weight1.shape) if pp == 1 else None
     shape = ModelShape.from_hf_config(read_hf_config_json(hf_dir))
     inputs = MemoryInputs.from_actor_config(actor.cfg, train_tokens=64, logprob_tokens=64, longest_sequence=32)
-    plan = dict(plan_memory(shape, replace(inputs, expert_parallel=ep)).rows)
+    plan = dict(plan_memory(shape, replace(inputs, expert_parallel=ep, pipeline_parallel=pp)).rows)
     result["plan_param_bytes"] = plan["parameters (float32)"]
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in actor.params)
     original = load_file(f"{hf_dir}/model.safetensors")
@@ -46,7 +51,7 @@ def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path |
         torch.equal(t, exported[n].to(torch.bfloat16)) for n, t in buckets
     )
     advantages = [1.0, -1.0, 0.5, -0.5]
-    dp, dp_rank = world, rank  # TP = PP = CP = 1: every rank is a data-parallel rank
+    dp, dp_rank = world // pp, rank % (world // pp)  # TP = CP = 1
     mbs = [rl_batch(actor, [s], [a]) for s, a in zip(SEQS, advantages, strict=True)]
     result["metrics"] = actor.train_step(mbs[dp_rank::dp])
     result["weights"] = dict(actor.named_hf_tensors())
@@ -58,4 +63,5 @@ def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path |
 
 if __name__ == "__main__":
     rank, world, port, ep = (int(x) for x in sys.argv[1:5])
-    torch.save(run(rank, world, port, ep, sys.argv[5], Path(sys.argv[6]).parent / "ckpt"), sys.argv[6])
+    pp = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+    torch.save(run(rank, world, port, ep, sys.argv[5], Path(sys.argv[6]).parent / "ckpt", pp), sys.argv[6])

@@ -29,12 +29,13 @@ def moe_dir(tmp_path_factory) -> Path:
     return save_tiny_moe(tmp_path_factory.mktemp("moe_ep"), seed=4, norm_topk_prob=True, mlp_only_layers=[1])
 
 
-def _spawn(tmp: Path, world: int, ep: int, hf_dir: Path) -> list[dict]:
+def _spawn(tmp: Path, world: int, ep: int, hf_dir: Path, pp: int = 1) -> list[dict]:
     port, procs = _free_port(), []
     for rank in range(world):
         log = open(tmp / f"rank{rank}.log", "w")  # noqa: SIM115
         cmd = [sys.executable, str(WORKER), str(rank), str(world), str(port), str(ep), str(hf_dir)]
-        procs.append((subprocess.Popen([*cmd, str(tmp / f"rank{rank}.pt")], stdout=log, stderr=subprocess.STDOUT), log))
+        cmd += [str(tmp / f"rank{rank}.pt"), str(pp)]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     try:
         for rank, (proc, log) in enumerate(procs):
             rc = proc.wait(timeout=300)
@@ -88,3 +89,19 @@ def test_ep2_matches_ep1_and_transformers(tmp_path, dist_env, moe_dir, hf_refere
     assert actor.num_steps == 1
     for name, tensor in actor.named_hf_tensors():
         assert torch.equal(tensor, results[0]["weights"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
+def test_pp2_moe_with_balance_loss_matches_pp1(tmp_path, dist_env):
+    """Two pipeline stages of a 4-layer MoE: megatron's 1F1B schedule weighs the balance loss as one process does."""
+    moe_dir = save_tiny_moe(tmp_path / "moe4", seed=6, num_hidden_layers=4, norm_topk_prob=True)
+    single = ep_worker.run(0, 1, 0, 1, str(moe_dir))
+    for r in _spawn(tmp_path, 2, 1, moe_dir, pp=2):
+        assert r["export_equal"] and r["buckets_equal"]
+        torch.testing.assert_close(r["log_probs"], single["log_probs"], atol=1e-6, rtol=0)
+        for key in ("train/loss", "train/grad_norm", "train/moe_load_balancing_loss"):
+            assert r["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5), key
+        for name, tensor in r["weights"].items():
+            torch.testing.assert_close(tensor, single["weights"][name], atol=1e-6, rtol=0, msg=name)
+        assert r["plan_param_bytes"] >= r["param_bytes"]  # the plan counts the larger stage

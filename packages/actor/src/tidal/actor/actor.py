@@ -98,6 +98,8 @@ class Actor:
         # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
         model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused, value_head=self.value_head)
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
+        if self.spec.moe is not None:
+            moe_loss.prepare_model(self.model)
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage, value_head=self.value_head)
         set_cudnn_min_segment(self.model, cfg.cudnn_attention_min_tokens)
         if cfg.recompute_activations:
@@ -372,7 +374,7 @@ class Actor:
         """Whether this step has an MoE load-balancing loss; if so, each micro-batch's weighs 1 / (the step's)."""
         if self.spec.moe is None or self.cfg.moe_aux_loss_coeff == 0:
             return False
-        moe_loss.begin_step(num_micro_batches * parallel_state.get_data_parallel_world_size(), self.device)
+        moe_loss.begin_step(self.model, num_micro_batches * parallel_state.get_data_parallel_world_size(), self.device)
         return True
 
     def _balance_loss_metrics(self, on: bool, num_micro_batches: int) -> dict[str, float]:
