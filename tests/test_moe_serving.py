@@ -1,5 +1,6 @@
-"""A Qwen3-MoE served by the real SGLang (CPU) and trained by the real Megatron actor: same log-probs, and after a
-training step and a weight hand-off through an HF checkpoint on disk, the engine serves the actor's new weights.
+"""A Qwen3-MoE served by the real SGLang (CPU) and trained by the real Megatron actor: same log-probs, and after each
+training step and a weight hand-off (an HF checkpoint on disk, then tensors in small buckets: the experts split across
+them), the engine serves the actor's new weights.
 
 SGLang 0.5.23 runs ``qwen3_moe`` on the CPU through its native MoE path (``moe_forward_native``); tidal-rollout's
 ``sgl_kernel`` import stand-in is all it needs (no fused-MoE kernel is called). Its ``qwen3_moe`` makes every layer
@@ -73,6 +74,7 @@ def test_sglang_serves_the_actors_moe_before_and_after_a_step(tmp_path):
     from tidal.batching import pack
     from tidal.ckpt import save_hf_checkpoint
     from tidal.rollout import SGLangEngine
+    from tidal.rollout.weight_sync import update_weights_from_tensor
 
     model = _tiny_moe_with_tokenizer(tmp_path / "moe")
     engine = SGLangEngine(
@@ -89,22 +91,30 @@ def test_sglang_serves_the_actors_moe_before_and_after_a_step(tmp_path):
         for (_, theirs), mine in zip(before, ours, strict=True):
             torch.testing.assert_close(torch.tensor(theirs), mine, atol=1e-4, rtol=0)
 
-        # one step that makes the first response likelier, then the weights go to the engine through disk
-        seqs = [p + ids for p, (ids, _) in zip(PROMPTS, before, strict=True)]
-        masks = [[0] * len(p) + [1] * len(ids) for p, (ids, _) in zip(PROMPTS, before, strict=True)]
-        old = [[0.0] * len(p) + lps for p, (_, lps) in zip(PROMPTS, before, strict=True)]
-        advantages = [[a] * len(s) for a, s in zip((1.0, -1.0, -1.0), seqs, strict=True)]
-        fields = {"old_log_probs": old, "advantages": advantages}
-        actor.train_step([pack(seqs, loss_masks=masks, token_fields=fields)])
+        def step(responses, advantages) -> None:
+            seqs = [p + ids for p, (ids, _) in zip(PROMPTS, responses, strict=True)]
+            masks = [[0] * len(p) + [1] * len(ids) for p, (ids, _) in zip(PROMPTS, responses, strict=True)]
+            old = [[0.0] * len(p) + lps for p, (_, lps) in zip(PROMPTS, responses, strict=True)]
+            fields = {"old_log_probs": old, "advantages": [[a] * len(s) for a, s in zip(advantages, seqs, strict=True)]}
+            actor.train_step([pack(seqs, loss_masks=masks, token_fields=fields)])
+
+        def served_equals_actor(previous):
+            now = _generate(engine.port)
+            for (_, theirs), mine in zip(now, _actor_log_probs(actor, now), strict=True):
+                torch.testing.assert_close(torch.tensor(theirs), mine, atol=1e-4, rtol=0)
+            # the engine really serves new weights: the first response or its log-probs moved
+            moved = (torch.tensor(now[0][1]) - torch.tensor(previous[0][1])).abs().max()
+            assert now[0][0] != previous[0][0] or moved > 1e-2, moved
+            return now
+
+        step(before, (1.0, -1.0, -1.0))  # the weights go to the engine through disk (--update-weight-transport disk)
         synced = save_hf_checkpoint(tmp_path / "synced", actor.named_hf_tensors(), source_dir=model)
         engine.update_weights_from_disk(synced)
-        after = _generate(engine.port)
-        ours_after = _actor_log_probs(actor, after)
-        for (_, theirs), mine in zip(after, ours_after, strict=True):
-            torch.testing.assert_close(torch.tensor(theirs), mine, atol=1e-4, rtol=0)
-        # the engine really serves new weights: the first response's log-probs moved
-        moved = (torch.tensor(after[0][1]) - torch.tensor(before[0][1])).abs().max()
-        assert after[0][0] != before[0][0] or moved > 1e-2, moved
+        after = served_equals_actor(before)
+        step(after, (-1.0, 1.0, 1.0))  # then as tensors in 64 KiB buckets (--update-weight-transport tensor)
+        metrics = update_weights_from_tensor(engine, actor.named_hf_tensors(), bucket_bytes=2**16)
+        assert metrics["weight_sync/num_buckets"] > 3
+        served_equals_actor(after)
     finally:
         engine.shutdown()
         destroy_distributed()
