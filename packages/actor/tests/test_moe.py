@@ -243,3 +243,15 @@ def test_checkpoint_resumes_identically(dist_env, moe_dir, tmp_path, rl_batch):
     a.train_step([rl_batch(a, SEQS)]), b.train_step([rl_batch(b, SEQS)])
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb), name
+
+
+def test_recompute_gives_the_same_step(dist_env, moe_dir, rl_batch):
+    """Layer recompute re-runs the router and the all-to-all dispatch in backward: the same step, the same metric."""
+    cfg = dict(hf_checkpoint=str(moe_dir), lr=0.1, adam_eps=1.0, clip_grad=0.0, moe_aux_loss_coeff=0.01)
+    plain, again = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg, recompute_activations=True))
+    m1 = plain.train_step([rl_batch(plain, SEQS)])
+    m2 = again.train_step([rl_batch(again, SEQS)])
+    for key in ("train/loss", "train/grad_norm", "train/moe_load_balancing_loss"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-6), key
+    for (name, a), b in zip(plain.model.named_parameters(), again.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0, msg=name)
