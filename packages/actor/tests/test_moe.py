@@ -255,3 +255,24 @@ def test_recompute_gives_the_same_step(dist_env, moe_dir, rl_batch):
         assert m1[key] == pytest.approx(m2[key], rel=1e-6), key
     for (name, a), b in zip(plain.model.named_parameters(), again.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=0, msg=name)
+
+
+def test_expert_load_metric_counts_transformers_routing(dist_env, moe_plain_dir, rl_batch):
+    """train/moe_expert_load_max: the busiest expert's token share over the even share, from the same routing as
+    transformers' router on the step's tokens (the weights before the step)."""
+    from transformers import AutoModelForCausalLM
+
+    actor = Actor(ActorConfig(hf_checkpoint=str(moe_plain_dir), lr=1e-2))
+    metrics = actor.train_step([rl_batch(actor, SEQS)])
+    hf = AutoModelForCausalLM.from_pretrained(moe_plain_dir, dtype=torch.float32).eval()
+    counts = torch.zeros(TINY_MOE["num_hidden_layers"], TINY_MOE["num_experts"])
+    with torch.no_grad():
+        for seq in SEQS:
+            logits = hf(torch.tensor([seq]), output_router_logits=True).router_logits
+            for layer, router in enumerate(logits):
+                top = router.topk(TINY_MOE["num_experts_per_tok"], dim=-1).indices.flatten()
+                counts[layer] += torch.bincount(top, minlength=TINY_MOE["num_experts"]).float()
+    want = float((counts.max(dim=1).values / counts.mean(dim=1)).mean())
+    assert metrics["train/moe_expert_load_max"] == pytest.approx(want, rel=1e-6)
+    assert want > 1.0
+    assert "train/moe_load_balancing_loss" not in metrics  # no balance loss without --moe-aux-loss-coeff

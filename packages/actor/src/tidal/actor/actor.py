@@ -98,8 +98,10 @@ class Actor:
         # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
         model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused, value_head=self.value_head)
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
+        self._expert_load = None
         if self.spec.moe is not None:
             moe_loss.prepare_model(self.model)
+            self._expert_load = moe_loss.ExpertLoad(self.model)
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage, value_head=self.value_head)
         set_cudnn_min_segment(self.model, cfg.cudnn_attention_min_tokens)
         if cfg.recompute_activations:
@@ -372,21 +374,26 @@ class Actor:
 
     def _begin_balance_loss(self, num_micro_batches: int) -> bool:
         """Whether this step has an MoE load-balancing loss; if so, each micro-batch's weighs 1 / (the step's)."""
+        if self._expert_load is not None:
+            self._expert_load.reset()
         if self.spec.moe is None or self.cfg.moe_aux_loss_coeff == 0:
             return False
         moe_loss.begin_step(self.model, num_micro_batches * parallel_state.get_data_parallel_world_size(), self.device)
         return True
 
     def _balance_loss_metrics(self, on: bool, num_micro_batches: int) -> dict[str, float]:
-        if not on:
+        if self._expert_load is None:
             return {}
+        load = {f"{self.metric_prefix}/moe_expert_load_max": self._expert_load.metric(self.device)}
+        if not on:
+            return load
         value = moe_loss.step_metric(
             num_moe_layers=self.spec.moe.num_moe_layers,
             num_micro_batches=num_micro_batches,
             recomputed=self._recomputed_layers(),
             device=self.device,
         )
-        return {f"{self.metric_prefix}/moe_load_balancing_loss": value}
+        return load | {f"{self.metric_prefix}/moe_load_balancing_loss": value}
 
     def _recomputed_layers(self) -> list[int]:
         """Global indices of this stage's layers whose forward runs again in backward (--recompute-activations)."""
