@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
-from tidal.actor import Actor, ActorConfig, MemoryInputs, ModelShape, init_distributed, plan_memory
+from tidal.actor import (
+    Actor,
+    ActorConfig,
+    MemoryInputs,
+    ModelShape,
+    init_distributed,
+    plan_memory,
+    stage_export_role,
+)
 from tidal.batching import pack
 from tidal.ckpt import read_hf_config_json, save_checkpoint
 
@@ -50,6 +58,10 @@ def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path |
     result["buckets_equal"] = [n for n, _ in buckets] == list(exported) and all(
         torch.equal(t, exported[n].to(torch.bfloat16)) for n, t in buckets
     )
+    stage, exports, sends = stage_export_role()  # a per-stage export: the exporting ranks iterate together
+    if pp > 1 and exports:
+        own = [(n, t.clone()) for b in actor.hf_tensor_buckets(bucket_bytes=2**14, stage_only=True) for n, t in b]
+        result["stage_export"] = (stage, sends, {n: torch.equal(t, exported[n].to(torch.bfloat16)) for n, t in own})
     advantages = [1.0, -1.0, 0.5, -0.5]
     dp, dp_rank = world // pp, rank % (world // pp)  # TP = CP = 1
     mbs = [rl_batch(actor, [s], [a]) for s, a in zip(SEQS, advantages, strict=True)]

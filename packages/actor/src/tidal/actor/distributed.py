@@ -147,11 +147,16 @@ def stage_export_role() -> tuple[int, bool, bool]:
 
     ``Actor.hf_tensor_buckets(stage_only=True)`` is collective over a TP group: ``exports`` is True on the ranks of
     the TP group of the stage's first rank (DP rank 0, CP rank 0), which iterate it together; ``sends`` on that first
-    rank alone (TP rank 0 too), which hands the stage's tensors on. The other replicas of the stage do nothing.
+    rank alone (TP rank 0 too), which hands the stage's tensors on. The other replicas of the stage do nothing. With
+    expert parallelism the export also gathers the experts over the first rank's expert-parallel group (ranks of other
+    DP ranks), so ``exports`` is True on that whole group (expert-data-parallel rank 0).
     """
     first = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
     sends = first and parallel_state.get_tensor_model_parallel_rank() == 0
-    return parallel_state.get_pipeline_model_parallel_rank(), first, sends
+    exports = first
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        exports = parallel_state.get_expert_data_parallel_rank() == 0
+    return parallel_state.get_pipeline_model_parallel_rank(), exports, sends
 
 
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
