@@ -570,6 +570,8 @@ def test_expert_parallel_size_is_checked_against_the_model_before_start(tmp_path
         parse_job([*argv, "--hf-checkpoint", str(dense)])
     ep2 = parse_job([*argv[:-1], "2", "--hf-checkpoint", str(moe)])
     assert ep2.train.expert_model_parallel_size == 2
+    with pytest.raises(ValueError, match="--context-parallel-size 2 with a mixture-of-experts model"):
+        parse_job([*argv[:-1], "1", "--context-parallel-size", "2", "--hf-checkpoint", str(moe)])
 
 
 def test_moe_with_dense_layers_is_refused_when_sglang_serves_it(tmp_path, paths):

@@ -79,6 +79,8 @@ def test_parallel_sizes_are_checked_against_the_experts():
         to_transformer_config(spec, expert_model_parallel_size=3)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 with a mixture-of-experts model"):
         to_transformer_config(spec, tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match="--context-parallel-size 2 with a mixture-of-experts model"):
+        to_transformer_config(spec, context_parallel_size=2)
     with pytest.raises(ValueError, match="--moe-router-dtype must be one of"):
         to_transformer_config(spec, moe_router_dtype="bf16")
     dense = parse_hf_config({**_config(), "model_type": "qwen3"})

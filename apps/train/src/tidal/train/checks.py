@@ -179,6 +179,16 @@ def check_expert_parallel(train, placement, hf_config: dict[str, Any] | None, hf
         )
 
 
+def check_moe_context_parallel(train, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """Context parallelism is refused with a mixture-of-experts model (tidal.actor refuses it too, seconds later)."""
+    cp = train.context_parallel_size
+    if cp > 1 and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+        raise ValueError(
+            f"--context-parallel-size {cp} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
+            "supported yet; use --context-parallel-size 1"
+        )
+
+
 def check_moe_layers_servable(train, hf_config: dict[str, Any] | None, hf: str) -> None:
     """A qwen3_moe with dense layers is refused when SGLang serves it: SGLang 0.5.23 makes every layer an MoE layer."""
     if train.debug_train_only or not hf_config or hf_config.get("model_type") != "qwen3_moe":
@@ -471,6 +481,7 @@ def check_job(
     if train is not None:
         problems.run(check_pipeline, train, hf_config, hf)
         problems.run(check_moe_layers_servable, train, hf_config, hf)
+        problems.run(check_moe_context_parallel, train, hf_config, hf)
         problems.run(check_wandb, train)
         if rollout is not None:
             if placement is not None:

@@ -178,6 +178,12 @@ def to_transformer_config(
             calculate_per_token_loss=True,
         )
     moe = {}
+    if spec.moe is not None and context_parallel_size > 1:
+        raise ValueError(
+            f"--context-parallel-size {context_parallel_size} with a mixture-of-experts model is not supported yet "
+            "(the zigzag shards' padding tokens would be routed and counted in the load-balancing loss); use "
+            "--context-parallel-size 1"
+        )
     if spec.moe is not None:
         moe = moe_transformer_fields(
             spec.moe,
