@@ -17,7 +17,8 @@ Sections (progress lines as they go; the JSON report is rewritten after each):
             ``SequentialMLP`` does without Transformer Engine or the grouped_gemm package); time and max difference.
   tidal:    ``Actor`` (bf16 parameters, AdamW state in bf16, Triton kernels, ``--recompute`` optional) on the long
             RL mix packed into micro-batches of ``--tokens`` tokens: one ``train_step`` over all of them (PPO-clip
-            loss, optimizer step included) and a ``compute_log_probs`` pass; peak memory.
+            loss, optimizer step included) and a ``compute_log_probs`` pass; peak memory; then one more training step
+            under torch's profiler (kernels by device time in ``profile_moe_train.txt``; ``--no-profile`` skips it).
   hf:       transformers' ``Qwen3MoeForCausalLM`` (bf16, SDPA, its default experts implementation, printed) on the
             same sequences one at a time (no padding), the same loss, AdamW(bf16) step; log-prob pass.
   parity:   a ``--parity-layers`` model of the same shape; a 16k sequence packed beside short ones: tidal fp32 vs HF
@@ -213,6 +214,8 @@ def tidal_section(args, ckpt: Path, work: dict, flops: dict) -> dict:
     log(f"tidal: train step {train_s:.2f}s, peak {train_peak:.1f} GiB")
     reset_peak()
     lp_s = timed(lambda: [actor.compute_log_probs(mb) for mb in mbs], args.steps)
+    if not args.no_profile:
+        profile_step(lambda: actor.train_step(mbs), Path(args.out, "profile_moe_train.txt"))
     real = int(work["lengths"].sum())
     out = {
         "train_s": train_s, "train_tokens_per_s": real / train_s, "train_mfu": flops["train"] / train_s / PEAK_FLOPS,
@@ -222,6 +225,22 @@ def tidal_section(args, ckpt: Path, work: dict, flops: dict) -> dict:
     log(f"tidal: {out['train_tokens_per_s']:.0f} tok/s train (MFU {out['train_mfu']:.1%}), "
         f"{out['logprob_tokens_per_s']:.0f} tok/s log-probs (MFU {out['logprob_mfu']:.1%})")  # fmt: skip
     return out  # the caller frees the actor (reset_peak)
+
+
+def profile_step(fn, out: Path) -> None:
+    """One call of ``fn`` under torch's profiler; the kernels by total device time to ``out``, the top 8 logged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    key = "self_cuda_time_total" if CUDA else "self_cpu_time_total"  # as bench_actor_gpu.py's profiles
+    table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
+    out.write_text(table)
+    log(f"profile of one tidal training step ({out.name}), top rows by {key}:")
+    for line in table.splitlines()[:16]:
+        print(line, flush=True)
 
 
 def hf_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -328,6 +347,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=40, help="sequences of the long RL mix")
     p.add_argument("--steps", type=int, default=2, help="timed repeats after one warm-up")
     p.add_argument("--recompute", action="store_true", help="recompute each layer in backward")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled tidal training step")
     p.add_argument("--parity-layers", type=int, default=2)
     p.add_argument("--parity-len", type=int, default=16384)
     p.add_argument("--skip", nargs="*", default=[], help="sections to skip: experts tidal hf parity")
