@@ -43,6 +43,10 @@ BAD = [
         ["--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
         "--context-parallel-size",
     ),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 does not divide the 1 actor GPU"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size"),
+    (["--moe-router-dtype", "bf16"], "--moe-router-dtype"),
+    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
     (["--advantage-estimator", "magic"], "--advantage-estimator"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c"),
     (["--use-kl-loss"], "--kl-loss-coef"),
@@ -569,3 +573,39 @@ def test_help_lists_the_lora_options():
         assert flag in text, flag
     args = build_parser().parse_args(["--lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"])
     assert args.lora_rank == 8 and args.lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_expert_parallel_size_is_checked_against_the_model_before_start(tmp_path, paths):
+    dense = _write_model(tmp_path / "dense")
+    moe = _write_model(tmp_path / "moe")
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 6}))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4"]
+    argv += ["--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "4"]
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 4 does not divide the model's 6 experts"):
+        parse_job([*argv, "--hf-checkpoint", str(moe)])
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 4 needs a mixture-of-experts model"):
+        parse_job([*argv, "--hf-checkpoint", str(dense)])
+    ep2 = parse_job([*argv[:-1], "2", "--hf-checkpoint", str(moe)])
+    assert ep2.train.expert_model_parallel_size == 2
+    with pytest.raises(ValueError, match="--context-parallel-size 2 with a mixture-of-experts model"):
+        parse_job([*argv[:-1], "1", "--context-parallel-size", "2", "--hf-checkpoint", str(moe)])
+
+
+def test_moe_with_dense_layers_is_refused_when_sglang_serves_it(tmp_path, paths):
+    moe = _write_model(tmp_path / "moe")
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 4, "mlp_only_layers": [0]}
+    (moe / "config.json").write_text(json.dumps(config))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4"]
+    argv += ["--hf-checkpoint", str(moe)]
+    with pytest.raises(ValueError, match=r"dense layers \(mlp_only_layers \[0\], decoder_sparse_step 1\)"):
+        parse_job(argv)
+    (moe / "config.json").write_text(json.dumps(config | {"mlp_only_layers": []}))  # every layer MoE: served right
+    assert parse_job(argv).actor.hf_checkpoint == str(moe)
+
+
+def test_lora_on_a_moe_model_is_refused_before_start(tmp_path, paths):
+    moe = _write_model(tmp_path / "moe")
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 4}))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4", "--lora-rank", "8"]
+    with pytest.raises(ValueError, match="--lora-rank 8 with a mixture-of-experts model"):
+        parse_job([*argv, "--hf-checkpoint", str(moe)])

@@ -24,7 +24,7 @@ def test_apply_is_idempotent():
     before = (torch.cuda.current_device, dict(compat.ORIGINALS))
     assert compat.apply_cpu_compat() is True
     assert (torch.cuda.current_device, compat.ORIGINALS) == before
-    assert len(compat.ORIGINALS) == 11  # patch 8 wraps two P2PCommunicator methods
+    assert len(compat.ORIGINALS) == 12  # patch 8 wraps two P2PCommunicator methods
 
 
 def test_patch1_flash_mla_import_raises_oserror_unguarded():
@@ -214,3 +214,24 @@ def test_patch9_main_params_take_fused_weight_gradients(dist_env):
     torch.testing.assert_close(weight_grad, 2 * torch.ones(5, 6).t() @ x.float())
     torch.testing.assert_close(bias_grad, torch.full((6,), 10.0))  # the bias takes the hook's path
     assert all(p.grad is None for p in linear.parameters())
+
+
+def test_patch10_moe_alltoall_dispatcher_needs_cuda_streams():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    with pytest.raises(CUDA_ERRORS):  # the constructor's side stream
+        torch.cuda.Stream()
+    state = dict(drop_and_pad=False, cuda_dtoh_point="before_permutation_1", cuda_sync_point="before_finish")
+    state |= dict(input_splits=torch.tensor([3, 1]), output_splits=torch.tensor([2, 2]), output_splits_tp=None)
+    state |= dict(num_out_tokens=torch.tensor(4), num_local_experts=1, cuda_dtoh_stream="host")
+    with pytest.raises(CUDA_ERRORS):
+        compat.ORIGINALS["MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"](
+            SimpleNamespace(**state), "before_permutation_1", torch.tensor([4])
+        )
+    host = SimpleNamespace(**state)
+    tokens = MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize(host, "before_permutation_1", torch.tensor([4]))
+    assert tokens.tolist() == [4] and host.input_splits.tolist() == [3, 1] and host.output_splits_tp is None
+    assert not torch.is_tensor(host.input_splits)  # numpy, as the CUDA path leaves the split sizes
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream == "host"

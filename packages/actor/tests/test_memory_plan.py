@@ -123,3 +123,47 @@ def test_shape_from_config_reads_head_dim_and_groups():
     no_kv = ModelShape.from_hf_config({**QWEN3_1_7B, "model_type": "llama", "num_key_value_heads": None})
     assert no_kv.num_key_value_heads == 16 and not no_kv.qk_norm
     assert torch.tensor(0).numel() == 1  # torch import is the test's own, the plan needs none
+
+
+def test_moe_shape_counts_experts_router_and_dense_layers(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from moe_models import save_tiny_moe
+    finally:
+        sys.path.pop(0)
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_moe(tmp_path / "moe", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    shape = ModelShape.from_hf_config(read_hf_config_json(path))
+    assert shape.num_moe_layers == 1 and shape.num_experts == 8 and shape.qk_norm  # layer 1 only (3 is dense)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    # each expert-parallel rank holds 1/EP of the experts, the rest whole
+    experts = 8 * 3 * shape.hidden_size * shape.moe_ffn_hidden_size
+    assert shape.moe_layer_params(1) - shape.moe_layer_params(2) == experts // 2
+
+
+def test_moe_plan_matches_the_actor_and_counts_routed_activations(dist_env, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from moe_models import save_tiny_moe
+    finally:
+        sys.path.pop(0)
+    path = save_tiny_moe(tmp_path / "moe", mlp_only_layers=[1])
+    actor = Actor(ActorConfig(hf_checkpoint=str(path), lr=1e-3))
+    shape = ModelShape.from_hf_config(read_hf_config_json(path))
+    inputs = MemoryInputs.from_actor_config(actor.cfg, train_tokens=256, logprob_tokens=256, longest_sequence=64)
+    rows = dict(plan_memory(shape, inputs).rows)
+    assert rows["parameters (float32)"] == sum(p.numel() * p.element_size() for p in actor.params)
+    # routing each token to more experts keeps more activations; a dense model of the same attention keeps fewer
+    more = plan_memory(replace(shape, experts_per_token=4), inputs).train_peak
+    assert more > plan_memory(shape, inputs).train_peak
+    kept = next(k for k in rows if k.startswith("activations"))
+    dense = dict(plan_memory(replace(shape, num_moe_layers=0, num_experts=0), inputs).rows)[kept]
+    assert rows[kept] > dense  # top-2 copies of (h + 4F) per token against the dense MLP's 3 x intermediate

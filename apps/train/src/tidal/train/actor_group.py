@@ -75,6 +75,7 @@ class ActorGroup:
                     tensor_model_parallel_size=job.train.tensor_model_parallel_size,
                     context_parallel_size=job.train.context_parallel_size,
                     pipeline_model_parallel_size=job.train.pipeline_model_parallel_size,
+                    expert_model_parallel_size=job.train.expert_model_parallel_size,
                     log=LogPlan.of_run(job.train.output_dir, job.train.verbose),
                 )
             )

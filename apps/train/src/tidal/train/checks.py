@@ -152,6 +152,66 @@ def check_model_parallel(train, placement) -> int:
     return gpus // model_parallel
 
 
+def check_expert_parallel(train, placement, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """The expert-parallel size divides the GPUs of a pipeline stage and the model's experts (a dense model: 1)."""
+    ep = train.expert_model_parallel_size
+    if ep == 1:
+        return
+    per_stage = placement.num_actor_gpus // train.pipeline_model_parallel_size
+    if per_stage % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} does not divide the {per_stage} actor GPU(s) of a pipeline stage "
+            f"({placement.num_actor_gpus} actor GPU(s) / --pipeline-model-parallel-size "
+            f"{train.pipeline_model_parallel_size}); pick a divisor of {per_stage}"
+        )
+    if hf_config is None:  # the embedded model may not exist yet: the actor checks it when it builds the model
+        return
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not experts:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; {Path(hf) / 'config.json'} "
+            f"(model_type {hf_config.get('model_type')!r}) has no experts: use --expert-model-parallel-size 1"
+        )
+    if experts % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} does not divide the model's {experts} experts (num_experts in "
+            f"{Path(hf) / 'config.json'})"
+        )
+
+
+def check_moe_context_parallel(train, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """Context parallelism is refused with a mixture-of-experts model (tidal.actor refuses it too, seconds later)."""
+    cp = train.context_parallel_size
+    if cp > 1 and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+        raise ValueError(
+            f"--context-parallel-size {cp} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
+            "supported yet; use --context-parallel-size 1"
+        )
+
+
+def check_lora_moe(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """LoRA is refused on a mixture-of-experts model: adapters on the grouped experts are not built yet."""
+    if actor.lora_rank and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+        raise ValueError(
+            f"--lora-rank {actor.lora_rank} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
+            "supported yet (no adapters on the experts); drop --lora-rank to fine-tune it fully"
+        )
+
+
+def check_moe_layers_servable(train, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """A qwen3_moe with dense layers is refused when SGLang serves it: SGLang 0.5.23 makes every layer an MoE layer."""
+    if train.debug_train_only or not hf_config or hf_config.get("model_type") != "qwen3_moe":
+        return
+    dense, step = hf_config.get("mlp_only_layers") or [], int(hf_config.get("decoder_sparse_step") or 1)
+    if dense or step != 1:
+        raise ValueError(
+            f"{Path(hf) / 'config.json'} has dense layers (mlp_only_layers {dense}, decoder_sparse_step {step}), "
+            "which SGLang 0.5.23's qwen3_moe does not read (it serves every layer as MoE, so the engines would "
+            "generate from a different model than the actor trains); use a checkpoint whose every layer is MoE, or "
+            "--debug-train-only"
+        )
+
+
 def check_pipeline(train, hf_config: dict[str, Any] | None, hf: str) -> None:
     """Pipeline stages are allowed with this CP size and divide the model's layers (when the model exists)."""
     pp = train.pipeline_model_parallel_size
@@ -447,6 +507,8 @@ def check_job(
             problems.run(check_async, train, rollout, placement)
     if train is not None:
         problems.run(check_pipeline, train, hf_config, hf)
+        problems.run(check_moe_layers_servable, train, hf_config, hf)
+        problems.run(check_moe_context_parallel, train, hf_config, hf)
         problems.run(check_wandb, train)
         if rollout is not None:
             if placement is not None:
@@ -456,6 +518,7 @@ def check_job(
                 problems.run(resolve_sync_plan, train, placement, rollout)
             _warn_without_fault_tolerance(given["rollout"], train)
         if placement is not None:
+            problems.run(check_expert_parallel, train, placement, hf_config, hf)
             dp = problems.run(check_model_parallel, train, placement)
             if dp is not None and batching is not None:
                 problems.run(batching.resolve, dp_size=dp)
@@ -465,6 +528,8 @@ def check_job(
             from tidal.train.memory import check_memory
 
             problems.run(check_memory, train, actor, batching, rollout, placement, hf_config)
+    if actor is not None:
+        problems.run(check_lora_moe, actor, hf_config, hf)
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:

@@ -64,6 +64,11 @@ class TrainConfig:
     """Context-parallel size of the actor."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages of the actor, Megatron's 1F1B schedule."""
+    expert_model_parallel_size: int = 1
+    """Mixture-of-experts models: the actor's ranks of a pipeline stage split each MoE layer's experts this many ways
+    (tokens exchanged all-to-all); divides the experts and the GPUs of a stage."""
+    expert_tensor_parallel_size: int = 1
+    """Tensor-parallel size inside each expert; only 1 (the experts are split by --expert-model-parallel-size)."""
     update_weights_interval: int = 1
     """Hand the actor's weights to the engines every this many rollouts."""
     update_weight_transport: str | None = None
@@ -126,6 +131,7 @@ class TrainConfig:
             ("--tensor-model-parallel-size", self.tensor_model_parallel_size, 1),
             ("--context-parallel-size", self.context_parallel_size, 1),
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, 1),
+            ("--expert-model-parallel-size", self.expert_model_parallel_size, 1),
             ("--update-weights-interval", self.update_weights_interval, 1),
             ("--max-staleness", self.max_staleness, 0),
             ("--reward-sanity-rollouts", self.reward_sanity_rollouts, 0),
@@ -133,6 +139,11 @@ class TrainConfig:
         ):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if self.expert_tensor_parallel_size != 1:
+            raise ValueError(
+                f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not supported (only 1): split "
+                "the experts with --expert-model-parallel-size instead"
+            )
         if self.update_weight_transport not in (None, *WEIGHT_TRANSPORTS):
             raise ValueError(
                 f"--update-weight-transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "

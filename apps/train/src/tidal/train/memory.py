@@ -56,6 +56,7 @@ def memory_inputs(train, actor, batching, rollout) -> MemoryInputs:
         tensor_parallel=train.tensor_model_parallel_size,
         pipeline_parallel=train.pipeline_model_parallel_size,
         context_parallel=cp,
+        expert_parallel=train.expert_model_parallel_size,
         reference_model=actor.use_kl_loss or actor.kl_coef > 0,
         critic=actor.advantage_estimator == "ppo",
     )

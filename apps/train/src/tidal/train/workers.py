@@ -55,6 +55,7 @@ class ActorWorker(WeightSender):
         tensor_model_parallel_size: int = 1,
         context_parallel_size: int = 1,
         pipeline_model_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
         log: LogPlan | None = None,
     ) -> None:
         setup_logging(f"actor r{rank}", log)
@@ -71,6 +72,7 @@ class ActorWorker(WeightSender):
             tensor_model_parallel_size=tensor_model_parallel_size,
             context_parallel_size=context_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
         )
         self.dp_size = world_size // (tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size)
         self.rank = rank

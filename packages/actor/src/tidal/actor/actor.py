@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+from tidal.actor import moe_loss
 from tidal.actor.attention import HostPackedSeqParams, set_cudnn_min_segment
 from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
 from tidal.actor.compat import apply_cpu_compat, apply_wgrad_accumulation_fusion
@@ -90,10 +91,17 @@ class Actor:
             context_parallel_size=context_parallel_size(),
             pipeline_model_parallel_size=self.stage.size,
             gradient_accumulation_fusion=wgrad_fusion,
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_router_dtype=None if cfg.moe_router_dtype == "none" else cfg.moe_router_dtype,
         )
         # .to(dtype) as megatron's Float16Module does: the local spec's torch norms are created in fp32
         model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused, value_head=self.value_head)
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
+        self._expert_load = None
+        if self.spec.moe is not None:
+            moe_loss.prepare_model(self.model)
+            self._expert_load = moe_loss.ExpertLoad(self.model)
         load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage, value_head=self.value_head)
         set_cudnn_min_segment(self.model, cfg.cudnn_attention_min_tokens)
         self.lora = None
@@ -247,6 +255,7 @@ class Actor:
                 tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
                 pipeline_parallel=self.stage.size,
                 context_parallel=context_parallel_size(),
+                expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
             )
             shape = ModelShape.from_hf_config(read_hf_config_json(self.cfg.hf_checkpoint))
             return largest_fitting_tokens(shape, inputs, gpu_bytes=gpu_bytes, logprob=logprob)
@@ -294,6 +303,7 @@ class Actor:
         self.model.train()
         num_loss_tokens = self._num_loss_tokens(micro_batches)
         self._zero_grad()
+        balance_loss = self._begin_balance_loss(len(micro_batches))
         totals: dict[str, torch.Tensor] = {}
 
         self.step_log_probs = []
@@ -365,7 +375,39 @@ class Actor:
             self.num_steps += 1
         if not self.main_params:  # main gradients stay allocated (zeroed at the next step)
             self.optimizer.zero_grad(set_to_none=True)
-        return self._metrics(totals, grad_norm=grad_norm, lr=lr, num_loss_tokens=num_loss_tokens, skipped=skipped)
+        metrics = self._metrics(totals, grad_norm=grad_norm, lr=lr, num_loss_tokens=num_loss_tokens, skipped=skipped)
+        return metrics | self._balance_loss_metrics(balance_loss, len(micro_batches))
+
+    def _begin_balance_loss(self, num_micro_batches: int) -> bool:
+        """Whether this step has an MoE load-balancing loss; if so, each micro-batch's weighs 1 / (the step's)."""
+        if self._expert_load is not None:
+            self._expert_load.reset()
+        if self.spec.moe is None or self.cfg.moe_aux_loss_coeff == 0:
+            return False
+        moe_loss.begin_step(self.model, num_micro_batches * parallel_state.get_data_parallel_world_size(), self.device)
+        return True
+
+    def _balance_loss_metrics(self, on: bool, num_micro_batches: int) -> dict[str, float]:
+        if self._expert_load is None:
+            return {}
+        load = {f"{self.metric_prefix}/moe_expert_load_max": self._expert_load.metric(self.device)}
+        if not on:
+            return load
+        value = moe_loss.step_metric(
+            num_moe_layers=self.spec.moe.num_moe_layers,
+            num_micro_batches=num_micro_batches,
+            recomputed=self._recomputed_layers(),
+            device=self.device,
+        )
+        return load | {f"{self.metric_prefix}/moe_load_balancing_loss": value}
+
+    def _recomputed_layers(self) -> list[int]:
+        """Global indices of this stage's layers whose forward runs again in backward (--recompute-activations)."""
+        if not self.cfg.recompute_activations:
+            return []
+        local = self.spec.num_layers // self.stage.size
+        count = self.cfg.recompute_num_layers or local
+        return [self.stage.layer_offset + i for i in range(min(count, local))]
 
     def _optimizer_params(self) -> list[torch.nn.Parameter]:
         return self.main_params.main if self.main_params else self.params

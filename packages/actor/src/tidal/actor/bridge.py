@@ -8,6 +8,9 @@ Layout facts (megatron-core 0.19, local spec):
 * ``linear_fc1`` is column-parallel with the gated unit stacked per rank: ``[gate_r; up_r]``.
 * ``linear_proj`` and ``linear_fc2`` are row-parallel (split on the input dim); the embedding and
   LM head are vocab-parallel (split on dim 0); norms are replicated.
+* An MoE layer (``qwen3_moe``) holds ``mlp.router.weight`` (HF ``mlp.gate.weight``, replicated) and
+  ``mlp.experts.weight1`` / ``weight2`` (``moe_experts.GroupedExperts``: HF's per-expert gate/up and down projections
+  stacked on a leading expert axis); expert-parallel rank ``r`` holds the experts ``[r * E/ep, (r + 1) * E/ep)``.
 * With pipeline parallelism a stage's module names its layers from 0 (``pipeline.PipelineStage.local_name``);
   the mappings here use global layer indices. Export broadcasts each HF tensor from its owning stage.
 
@@ -29,6 +32,9 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
@@ -41,6 +47,7 @@ from tidal.actor.fused import (
     share_rope_tables,
 )
 from tidal.actor.hf_config import HFModelSpec
+from tidal.actor.moe_experts import GroupedExperts
 from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 from tidal.actor.rope_scaling import apply_rope_scaling
 from tidal.actor.vocab_padding import install_padded_logits_mask, pad_vocab_rows, padded_vocab_size
@@ -81,16 +88,13 @@ def build_gpt_model(
     :class:`ValueHead` (no LM head, no tied output weight).
     """
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
-    core_attention = PackedCoreAttention if config.context_parallel_size == 1 else ContextParallelCoreAttention
-    layer_spec.submodules.self_attention.submodules.core_attention = core_attention
-    if config.context_parallel_size == 1:  # q/k/v split + RoPE in one pass (tidal.actor.fused)
-        layer_spec.submodules.self_attention.module = PackedSelfAttention
-    # megatron's MLP with SwiGLU as Triton kernels (fused_kernels); the spec's mlp is a partial of MLP.as_mlp_submodule
-    mlp = layer_spec.submodules.mlp
-    layer_spec.submodules.mlp = functools.partial(FusedSwiGLUMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
-    layer_spec.submodules.input_layernorm = FusedRMSNorm  # torch's RMSNorm; Triton kernels with fused_kernels
-    layer_spec.submodules.pre_mlp_layernorm = FusedRMSNorm
+    layer_spec: ModuleSpec | TransformerBlockSubmodules = _layer_spec(spec, config, moe=False)
+    if spec.moe is not None:  # one spec per layer of this stage: routed experts or a dense MLP
+        kinds = spec.moe.layers[stage.layer_offset : stage.layer_offset + spec.num_layers // stage.size]
+        moe_spec = _layer_spec(spec, config, moe=True)
+        layer_spec = TransformerBlockSubmodules(
+            layer_specs=[moe_spec if is_moe else layer_spec for is_moe in kinds], layer_norm=LayerNormImpl
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -119,6 +123,23 @@ def build_gpt_model(
     set_fused_kernels(model, fused_kernels)
     share_rope_tables(model)
     return model
+
+
+def _layer_spec(spec: HFModelSpec, config: TransformerConfig, *, moe: bool) -> ModuleSpec:
+    """Megatron's local layer spec with tidal's packed attention, norms and MLP (``moe``: routed experts)."""
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    core_attention = PackedCoreAttention if config.context_parallel_size == 1 else ContextParallelCoreAttention
+    layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+    if config.context_parallel_size == 1:  # q/k/v split + RoPE in one pass (tidal.actor.fused)
+        layer_spec.submodules.self_attention.module = PackedSelfAttention
+    if moe:  # megatron's MoE layer (top-k router, token dispatcher) around tidal's stacked experts
+        layer_spec.submodules.mlp = functools.partial(MoELayer, submodules=MoESubmodules(experts=GroupedExperts))
+    else:  # megatron's MLP with SwiGLU as Triton kernels (fused_kernels); the spec's mlp is a partial of MLP's
+        mlp = layer_spec.submodules.mlp
+        layer_spec.submodules.mlp = functools.partial(FusedSwiGLUMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    layer_spec.submodules.input_layernorm = FusedRMSNorm  # torch's RMSNorm; Triton kernels with fused_kernels
+    layer_spec.submodules.pre_mlp_layernorm = FusedRMSNorm
+    return layer_spec
 
 
 def _process_groups() -> ProcessGroupCollection:
@@ -159,7 +180,23 @@ class _Mapping:
 
     megatron: str
     hf: tuple[str, ...]
-    kind: str  # "replicated" | "column" | "row" | "qkv" | "glu"
+    kind: str  # "replicated" | "column" | "row" | "qkv" | "glu" | "experts_glu" | "experts"
+
+
+EXPERT_KINDS = ("experts_glu", "experts")
+"""Kinds of stacked expert weights: split over the expert-parallel group on their leading (expert) axis."""
+
+
+def _moe_mappings(spec: HFModelSpec, hf: str, mg: str) -> list[_Mapping]:
+    """An MoE layer's router and stacked experts (HF names: every expert's gate, then every up; every down)."""
+    experts = range(spec.moe.num_experts)
+    gate_up = tuple(f"{hf}mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up") for e in experts)
+    down = tuple(f"{hf}mlp.experts.{e}.down_proj.weight" for e in experts)
+    return [
+        _Mapping(mg + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"),
+        _Mapping(mg + "mlp.experts.weight1", gate_up, "experts_glu"),
+        _Mapping(mg + "mlp.experts.weight2", down, "experts"),
+    ]
 
 
 def weight_mappings(spec: HFModelSpec) -> list[_Mapping]:
@@ -185,6 +222,9 @@ def weight_mappings(spec: HFModelSpec) -> list[_Mapping]:
             maps.append(_Mapping(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated"))
         maps.append(_Mapping(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"))
         maps.append(_Mapping(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "replicated"))
+        if spec.moe is not None and spec.moe.layers[i]:
+            maps.extend(_moe_mappings(spec, hf, mg))
+            continue
         maps.append(
             _Mapping(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "glu")
         )
@@ -221,10 +261,16 @@ def expected_hf_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_out, h),
             p + "self_attn.v_proj.weight": (kv_out, h),
             p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         }
+        if spec.moe is not None and spec.moe.layers[i]:
+            f = spec.moe.ffn_hidden_size
+            shapes[p + "mlp.gate.weight"] = (spec.moe.num_experts, h)
+            for e in range(spec.moe.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                shapes |= {x + "gate_proj.weight": (f, h), x + "up_proj.weight": (f, h), x + "down_proj.weight": (h, f)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if spec.qkv_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,)}
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
@@ -235,8 +281,22 @@ def expected_hf_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def local_hf_names(m: _Mapping, ep_rank: int, ep_size: int) -> tuple[str, ...]:
+    """The HF tensors this rank's shard of ``m`` is made of: its own experts' for stacked experts, else all."""
+    if m.kind not in EXPERT_KINDS:
+        return m.hf
+    runs = (m.hf[: len(m.hf) // 2], m.hf[len(m.hf) // 2 :]) if m.kind == "experts_glu" else (m.hf,)
+    local = len(runs[0]) // ep_size
+    return tuple(name for run in runs for name in run[ep_rank * local : (ep_rank + 1) * local])
+
+
 def _to_local(m: _Mapping, full: list[torch.Tensor], spec: HFModelSpec, rank: int, size: int) -> torch.Tensor:
-    """Megatron's local shard of one parameter from its full HF tensors."""
+    """Megatron's local shard of one parameter from its HF tensors (for experts: this rank's, ``local_hf_names``)."""
+    if m.kind == "experts":
+        return torch.stack(full)
+    if m.kind == "experts_glu":
+        gates, ups = full[: len(full) // 2], full[len(full) // 2 :]
+        return torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
     if m.kind == "replicated":
         return full[0]
     if m.kind == "column":  # vocab-parallel: embedding / LM head, padded when the vocabulary does not split
@@ -255,7 +315,13 @@ def _to_local(m: _Mapping, full: list[torch.Tensor], spec: HFModelSpec, rank: in
 
 
 def _to_hf(m: _Mapping, gathered: list[torch.Tensor], spec: HFModelSpec) -> list[torch.Tensor]:
-    """Full HF tensors from the TP shards of one parameter (rank order)."""
+    """Full HF tensors from the shards of one parameter (rank order: TP, or EP for stacked experts)."""
+    if m.kind in EXPERT_KINDS:
+        full = torch.cat(gathered, dim=0) if len(gathered) > 1 else gathered[0]
+        if m.kind == "experts":
+            return list(full.unbind(0))
+        gates, ups = full.chunk(2, dim=1)
+        return [*gates.unbind(0), *ups.unbind(0)]
     if m.kind == "replicated":
         return [gathered[0]]
     if m.kind == "column":
@@ -271,6 +337,24 @@ def _to_hf(m: _Mapping, gathered: list[torch.Tensor], spec: HFModelSpec) -> list
     qkv = full.reshape(groups, -1, d, *rest)
     q = qkv[:, :-2].reshape(-1, *rest)
     return [q, qkv[:, -2].reshape(-1, *rest), qkv[:, -1].reshape(-1, *rest)]
+
+
+def gather_shards(m: _Mapping, local: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every rank's shard of one parameter (collective over the group that splits it); None when it is whole here.
+
+    Stacked experts are split over the expert-parallel group, the other sharded kinds over the tensor-parallel one.
+    """
+    if m.kind == "replicated":
+        return None
+    if m.kind in EXPERT_KINDS:
+        group = parallel_state.get_expert_model_parallel_group()
+    else:
+        group = parallel_state.get_tensor_model_parallel_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local.contiguous(), group=group)
+    return gathered
 
 
 class HFSafetensorsReader:
@@ -334,13 +418,15 @@ def load_hf_weights(
     shapes = expected_hf_shapes(spec)
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     params = dict(model.named_parameters())
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     for m, local_name in stage_mappings(spec, stage):
         if value_head and m.megatron == "output_layer.weight":
             continue
         full = []
-        for name in m.hf:
+        for name in local_hf_names(m, ep_rank, ep_size):
             tensor = reader.get(name)
             if tuple(tensor.shape) != shapes[name]:
                 raise ValueError(
@@ -369,15 +455,13 @@ def named_hf_tensors(
     params: dict[str, torch.Tensor] | None = None,
     stage: PipelineStage | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor on CPU)`` for every HF tensor of the whole model, gathering TP shards.
+    """Yield ``(hf_name, full tensor on CPU)`` for every HF tensor of the whole model, gathering TP and EP shards.
 
-    Every TP rank must iterate (the gather is collective); every rank receives the full tensors. With pipeline
-    stages every rank of the pipeline must iterate too: each tensor is broadcast from the stage that holds it.
-    ``params`` (Megatron name in this stage's module -> tensor) replaces the model's parameters, e.g. the fp32 main
-    copies.
+    Every TP (and expert-parallel) rank must iterate (the gathers are collective); every rank receives the full
+    tensors. With pipeline stages every rank of the pipeline must iterate too: each tensor is broadcast from the
+    stage that holds it. ``params`` (Megatron name in this stage's module -> tensor) replaces the model's parameters,
+    e.g. the fp32 main copies.
     """
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
     params = dict(model.named_parameters()) if params is None else params
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     shapes = expected_hf_shapes(spec)
@@ -391,11 +475,7 @@ def named_hf_tensors(
                 yield name, tensor.to("cpu")
             continue
         local = params[stage.local_name(m.megatron)].detach()
-        if m.kind == "replicated" or size == 1:
-            gathered = [local]
-        else:
-            gathered = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(gathered, local.contiguous(), group=group)
+        gathered = gather_shards(m, local) or [local]
         for name, tensor in zip(m.hf, _to_hf(m, gathered, spec), strict=True):
             if stage.size > 1:
                 tensor = tensor.contiguous()

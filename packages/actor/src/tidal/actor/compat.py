@@ -45,7 +45,13 @@ patch wrong or unnecessary):
    ``out_dtype=float32``: cuBLAS with beta = 1 into the main gradient), installed with megatron's availability flag by
    ``apply_wgrad_accumulation_fusion``, called by the actor before it builds such a model.
 
-Patches 2–4, 7 and 8 are applied only when ``torch.cuda.is_available()`` is false; patch 9 only when the actor asks.
+10. Megatron's all-to-all MoE token dispatcher (``MoEAlltoAllTokenDispatcher``, the one tidal's MoE layers use:
+   it takes a different token count on every rank) creates a CUDA stream in its constructor and copies its split
+   sizes to the host on that stream (``_maybe_dtoh_and_synchronize``). On the CPU the stream is a placeholder and the
+   copy is the same conversion without streams (the split sizes as numpy arrays, as the CUDA path leaves them).
+
+Patches 2–4, 7, 8 and 10 are applied only when ``torch.cuda.is_available()`` is false; patch 9 only when the actor
+asks.
 """
 
 from __future__ import annotations
@@ -216,14 +222,32 @@ def _patch_synchronize() -> None:
         _replace(P2PCommunicator, name, without_cuda_sync)
 
 
+def _host_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None):
+    """Patch 10: the dispatcher's device-to-host step on the CPU (no streams; split sizes as numpy arrays)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _patch_moe_dispatcher() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    _replace(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", _host_dtoh_and_synchronize)
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:  # the constructor creates a CUDA stream otherwise
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "host"
+
+
 def apply_cpu_compat() -> bool:
     """Apply the compatibility patches this process needs; idempotent.
 
     Call it in every process before megatron-core builds a model. Patches 1 and 5 are always
-    applied; patches 2–4, 7 and 8 only when no CUDA device is available.
+    applied; patches 2–4, 7, 8 and 10 only when no CUDA device is available.
 
     Returns:
-        True when the CPU patches (2–4, 7, 8) are in effect, False on a CUDA machine.
+        True when the CPU patches (2–4, 7, 8, 10) are in effect, False on a CUDA machine.
     """
     apply_flash_mla_guard()
     _patch_packed_rope()
@@ -235,10 +259,11 @@ def apply_cpu_compat() -> bool:
     _patch_causal_mask()
     _patch_pipeline_schedule()
     _patch_synchronize()
+    _patch_moe_dispatcher()
     if len(ORIGINALS) > patched:
         logger.info(
             "applied megatron-core CPU compatibility patches (rng, current_device, causal mask, pipeline schedule, "
-            "synchronize)"
+            "synchronize, MoE dispatcher streams)"
         )
     return True
 

@@ -45,6 +45,12 @@ class ActorConfig:
     """With --recompute-activations: recompute only the first N layers of each pipeline stage (Megatron's block
     method), keeping the others' activations; 0 recomputes every layer. Trades memory
     (about 1/layers of the activations per layer) for a forward of each recomputed layer."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the load-balancing loss (Switch Transformer's, per MoE layer, averaged
+    over the step's micro-batches), logged as train/moe_load_balancing_loss; 0: off."""
+    moe_router_dtype: str = "fp32"
+    """Mixture-of-experts models: dtype of the router's logits and softmax: "fp32", "fp64", or "none" (the
+    parameters' dtype)."""
     gpu_memory_gib: float | None = None
     """Memory of one trainer GPU the memory plan is checked against before the run starts (GiB); None: this
     machine's first GPU (nvidia-smi), no check without one."""
@@ -176,6 +182,12 @@ class ActorConfig:
             if given(self):
                 raise ValueError(f"--lora-rank {self.lora_rank} with {what} is not supported yet: drop one of them")
 
+    def _check_moe(self) -> None:
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0 (0: off), got {self.moe_aux_loss_coeff}")
+        if self.moe_router_dtype not in ("fp32", "fp64", "none"):
+            raise ValueError(f"--moe-router-dtype must be one of fp32, fp64, none; got {self.moe_router_dtype!r}")
+
     def _check_recompute(self) -> None:
         if self.recompute_num_layers < 0:
             raise ValueError(f"--recompute-num-layers must be >= 0 (0: every layer), got {self.recompute_num_layers}")
@@ -192,6 +204,7 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         self._check_model()
+        self._check_moe()
         self._check_recompute()
         self._check_lora()
         for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay), ("--clip-grad", self.clip_grad)):

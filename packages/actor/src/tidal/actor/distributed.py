@@ -34,6 +34,7 @@ def init_distributed(
     tensor_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
     seed: int = 1234,
     timeout_s: float = 600.0,
 ) -> None:
@@ -44,13 +45,18 @@ def init_distributed(
     (an already initialised default group is reused). Megatron's rank order: TP fastest, then CP, DP, PP
     (with TP=2 x PP=2, ranks 0-1 are stage 0 and ranks 2-3 stage 1). With ``pipeline_model_parallel_size`` P > 1
     the ``Actor`` holds one stage (1/P of the layers; the HF layer count must divide by P) and runs micro-batches
-    through Megatron's 1F1B schedule (package README, "Pipeline parallelism").
+    through Megatron's 1F1B schedule (package README, "Pipeline parallelism"). With ``expert_model_parallel_size``
+    E > 1 (mixture-of-experts models) each group of E consecutive ranks of a stage splits every MoE layer's experts
+    E ways and exchanges tokens all-to-all (the expert tensor-parallel size is 1).
 
     Raises:
-        ValueError: the world size is not a multiple of TP x CP x PP, CP or PP < 1, or PP > 1 together with CP > 1
-            (not supported).
+        ValueError: the world size is not a multiple of TP x CP x PP (or of EP x PP), CP, PP or EP < 1, or PP > 1
+            together with CP > 1 (not supported).
     """
     check_pipeline_model_parallel_size(pipeline_model_parallel_size, context_parallel_size=context_parallel_size)
+    check_expert_model_parallel_size(
+        expert_model_parallel_size, world_size=world_size, pipeline_model_parallel_size=pipeline_model_parallel_size
+    )
     apply_cpu_compat()
     if context_parallel_size < 1:
         raise ValueError(f"--context-parallel-size must be >= 1, got {context_parallel_size}")
@@ -80,10 +86,12 @@ def init_distributed(
         tensor_model_parallel_size=tensor_model_parallel_size,
         context_parallel_size=context_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=1,
     )
     model_parallel_cuda_manual_seed(seed)
     logger.info(
-        "rank %d/%d joined (%s): tp=%d cp=%d pp=%d dp=%d",
+        "rank %d/%d joined (%s): tp=%d cp=%d pp=%d dp=%d ep=%d",
         rank,
         world_size,
         backend,
@@ -91,6 +99,7 @@ def init_distributed(
         context_parallel_size,
         pipeline_model_parallel_size,
         parallel_state.get_data_parallel_world_size(),
+        expert_model_parallel_size,
     )
 
 
@@ -111,6 +120,23 @@ def check_pipeline_model_parallel_size(size: int, *, context_parallel_size: int 
         )
 
 
+def check_expert_model_parallel_size(size: int, *, world_size: int, pipeline_model_parallel_size: int = 1) -> None:
+    """Check the expert-parallel size against the ranks of one pipeline stage, naming the flags.
+
+    Raises:
+        ValueError: ``size`` < 1, or the ranks of a stage (world size / PP) not a multiple of ``size``.
+    """
+    if size < 1:
+        raise ValueError(f"--expert-model-parallel-size must be >= 1, got {size}")
+    per_stage = world_size // max(pipeline_model_parallel_size, 1)
+    if per_stage % size:
+        raise ValueError(
+            f"--expert-model-parallel-size {size} does not divide the {per_stage} trainer GPU(s) of a pipeline stage "
+            f"({world_size} GPU(s) / --pipeline-model-parallel-size {pipeline_model_parallel_size}); choose an "
+            "expert-parallel size that divides it"
+        )
+
+
 def data_parallel_rank_and_size() -> tuple[int, int]:
     """This process's data-parallel rank and the DP size (after :func:`init_distributed`)."""
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -121,11 +147,23 @@ def stage_export_role() -> tuple[int, bool, bool]:
 
     ``Actor.hf_tensor_buckets(stage_only=True)`` is collective over a TP group: ``exports`` is True on the ranks of
     the TP group of the stage's first rank (DP rank 0, CP rank 0), which iterate it together; ``sends`` on that first
-    rank alone (TP rank 0 too), which hands the stage's tensors on. The other replicas of the stage do nothing.
+    rank alone (TP rank 0 too), which hands the stage's tensors on. The other replicas of the stage do nothing. With
+    expert parallelism the export also gathers the experts over the first rank's expert-parallel group (ranks of other
+    DP ranks), so ``exports`` is True on that whole group (expert-data-parallel rank 0).
     """
     first = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0
     sends = first and parallel_state.get_tensor_model_parallel_rank() == 0
-    return parallel_state.get_pipeline_model_parallel_rank(), first, sends
+    exports = first
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        exports = parallel_state.get_expert_data_parallel_rank() == 0
+    return parallel_state.get_pipeline_model_parallel_rank(), exports, sends
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` in fp32 (one multi-tensor kernel for all per-tensor norms, no squared copies)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)).square().sum()
 
 
 def destroy_distributed() -> None:
@@ -140,11 +178,20 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
     """Sum gradients over the data-parallel x context-parallel group (one flat buffer per dtype).
 
     Context-parallel ranks hold partial gradients of the same micro-batches (their own tokens'), so
-    they are summed together with the data-parallel replicas.
+    they are summed together with the data-parallel replicas. Expert parameters (``allreduce`` False: an MoE layer's
+    experts) already hold the gradient of every token the expert-parallel group routed to them, so they are summed
+    over the expert-data-parallel group instead (the replicas of the same experts).
     """
-    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1:
-        return
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    params = list(params)
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    experts = [p for p in params if not getattr(p, "allreduce", True)]
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        _sum_grads(dense, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if experts and parallel_state.get_expert_data_parallel_world_size() > 1:
+        _sum_grads(experts, parallel_state.get_expert_data_parallel_group())
+
+
+def _sum_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -161,22 +208,27 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
     TP-sharded parameters contribute their local shard on every rank; replicated ones only on
     TP rank 0, so each weight is counted once; each pipeline stage counts its own layers, and the last
-    stage's copy of a tied embedding (Megatron marks it ``shared``) is left to the first stage's. Every
+    stage's copy of a tied embedding (Megatron marks it ``shared``) is left to the first stage's. Expert parameters
+    (``allreduce`` False) differ across the expert-parallel group: theirs are summed over expert-parallel x PP. Every
     rank of the model-parallel group gets the same norm, so a non-finite one skips the step everywhere.
     Returns the norm before clipping (``inf``/``nan`` when a gradient is not finite; nothing is scaled then).
     """
-    grads = [
-        p.grad
+    counted = [
+        p
         for p in params
         if p.grad is not None and param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)
     ]
     device = params[0].device
-    sq = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:  # one multi-tensor kernel for all per-tensor norms (not a squared copy of each gradient)
-        norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
-        sq = torch.stack(norms).square().sum()
+    sq = _squared_norm([p.grad for p in counted if getattr(p, "allreduce", True)], device)
     if parallel_state.get_model_parallel_group().size() > 1:  # TP x PP
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    expert_grads = [p.grad for p in counted if not getattr(p, "allreduce", True)]
+    if expert_grads:
+        expert_sq = _squared_norm(expert_grads, device)
+        group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()  # EP x PP (expert TP is 1)
+        if group.size() > 1:
+            dist.all_reduce(expert_sq, group=group)
+        sq = sq + expert_sq
     norm = math.sqrt(sq.item())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

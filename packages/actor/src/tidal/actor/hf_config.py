@@ -1,7 +1,8 @@
 """Read a Hugging Face ``config.json`` and map it to Megatron's ``TransformerConfig``.
 
-Supported architectures: ``qwen2`` (QKV bias), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``) and
-``llama`` (no bias). RoPE: default, and the "linear", "dynamic" and "llama3" scalings (``rope_scaling``).
+Supported architectures: ``qwen2`` (QKV bias), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``), ``llama`` (no bias)
+and ``qwen3_moe`` (Qwen3 attention with routed SwiGLU experts, ``tidal.actor.moe_spec``). RoPE: default, and the
+"linear", "dynamic" and "llama3" scalings (``rope_scaling``).
 Anything else raises ``ValueError`` naming the model type (or the rope type).
 """
 
@@ -14,12 +15,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tidal.actor.moe_spec import MoESpec, moe_transformer_fields, parse_moe
 from tidal.actor.rope_scaling import RopeScaling, parse_rope_scaling
 from tidal.ckpt import read_hf_config_json
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +58,8 @@ class HFModelSpec:
     """Per-head RMSNorm on queries and keys (Qwen3)."""
     rope_scaling: RopeScaling | None = None
     """Non-default RoPE scaling (``rope_scaling``/``rope_parameters`` of the config), None for default RoPE."""
+    moe: MoESpec | None = None
+    """The routed experts of a mixture-of-experts model; None for a dense one."""
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -70,6 +74,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         ValueError: unsupported ``model_type``, activation, sliding window or RoPE scaling.
     """
     model_type = cfg.get("model_type")
+    moe = parse_moe(cfg)  # names other MoE architectures first
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"HF model_type {model_type!r} is not supported by tidal.actor; "
@@ -98,7 +103,8 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=moe,
     )
 
 
@@ -124,6 +130,9 @@ def to_transformer_config(
     context_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     gradient_accumulation_fusion: bool = False,
+    expert_model_parallel_size: int = 1,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_router_dtype: str | None = "fp32",
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` equivalent to the HF model (no dropout, no TE).
 
@@ -138,6 +147,9 @@ def to_transformer_config(
     without MoE); ``pipeline_dtype`` (the activations' dtype between stages: the parameters'); and
     ``calculate_per_token_loss`` (tidal's loss is already normalised by the step's loss-token count, so the schedule
     must not divide it by the number of micro-batches again).
+
+    A mixture-of-experts spec adds the routed experts (``moe_spec.moe_transformer_fields``: expert-parallel size,
+    load-balancing loss coefficient, router dtype).
 
     Raises:
         ValueError: heads or groups not divisible by the tensor-parallel size (the vocabulary is padded instead,
@@ -164,6 +176,26 @@ def to_transformer_config(
             moe_token_dispatcher_type="alltoall",
             pipeline_dtype=params_dtype,
             calculate_per_token_loss=True,
+        )
+    moe = {}
+    if spec.moe is not None and context_parallel_size > 1:
+        raise ValueError(
+            f"--context-parallel-size {context_parallel_size} with a mixture-of-experts model is not supported yet "
+            "(the zigzag shards' padding tokens would be routed and counted in the load-balancing loss); use "
+            "--context-parallel-size 1"
+        )
+    if spec.moe is not None:
+        moe = moe_transformer_fields(
+            spec.moe,
+            expert_model_parallel_size=expert_model_parallel_size,
+            tensor_model_parallel_size=tp,
+            aux_loss_coeff=moe_aux_loss_coeff,
+            router_dtype=moe_router_dtype,
+        )
+    elif expert_model_parallel_size > 1:
+        raise ValueError(
+            f"--expert-model-parallel-size {expert_model_parallel_size} needs a mixture-of-experts model; "
+            f"HF model_type {spec.model_type!r} is dense: use --expert-model-parallel-size 1"
         )
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -196,5 +228,5 @@ def to_transformer_config(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=False,
-        **pipeline,
+        **(pipeline | moe),
     )

@@ -4,7 +4,8 @@
 the engine's dtype on the GPU, in few large buffers (one NCCL broadcast or one IPC handle per bucket). Here every
 HF tensor of a bucket is copied straight from a view of the Megatron parameter (q/k/v and gate/up are strided
 views, no intermediate concatenation) into its slice of the bucket's flat buffer, with one ``_foreach_copy_`` per
-bucket, which casts on the fly. With TP > 1 the shards are all-gathered first (collective: every TP rank iterates).
+bucket, which casts on the fly. With TP > 1 the shards are all-gathered first (collective: every TP rank iterates),
+and so are the stacked experts of an MoE layer with expert parallelism (every expert-parallel rank iterates).
 With pipeline stages every rank still yields the whole model: a bucket's layout follows from the HF shapes alone,
 each stage fills the slices of the tensors it holds, and each stage's run of slices is broadcast from it over the
 pipeline group (every rank of the pipeline iterates). With ``stage_only`` a rank yields its own stage's tensors
@@ -20,9 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
-from tidal.actor.bridge import _Mapping, _to_hf, expected_hf_shapes, weight_mappings
+from tidal.actor.bridge import EXPERT_KINDS, _Mapping, _to_hf, expected_hf_shapes, gather_shards, weight_mappings
 from tidal.actor.hf_config import HFModelSpec
 from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 
@@ -46,6 +46,8 @@ class HFTensorBucket:
 
 def _hf_views(m: _Mapping, local: torch.Tensor, spec: HFModelSpec) -> list[torch.Tensor]:
     """Views of one unsharded parameter whose row-major element order is each HF tensor's (shapes may differ)."""
+    if m.kind in EXPERT_KINDS:
+        return _to_hf(m, [local], spec)
     if m.kind == "glu":
         return list(local.chunk(2, dim=0))
     if m.kind == "qkv":
@@ -60,10 +62,9 @@ def _sources(
 ) -> Iterator[tuple[str, int, torch.Tensor | None]]:
     """``(hf_name, owner stage, source)`` for every HF tensor (``stage_only``: for those of ``stage`` alone).
 
-    The source is a view of the parameter (TP = 1) or a gathered copy; None for the tensors another stage holds.
+    The source is a view of the parameter (not split over TP/EP) or a gathered copy; None for the tensors another
+    stage holds.
     """
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
     for m in weight_mappings(spec):
         owner = stage.owner(m.megatron)
         if owner != stage.rank and stage_only:
@@ -72,12 +73,8 @@ def _sources(
             yield from ((name, owner, None) for name in m.hf)
             continue
         local = params[stage.local_name(m.megatron)].detach()
-        if m.kind == "replicated" or size == 1:
-            tensors = _hf_views(m, local, spec)
-        else:
-            gathered = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(gathered, local.contiguous(), group=group)
-            tensors = _to_hf(m, gathered, spec)
+        gathered = gather_shards(m, local)
+        tensors = _hf_views(m, local, spec) if gathered is None else _to_hf(m, gathered, spec)
         yield from ((name, owner, t) for name, t in zip(m.hf, tensors, strict=True))
 
 
@@ -133,7 +130,11 @@ class HFExporter:
         self.bucket_bytes = bucket_bytes
         self.shapes = expected_hf_shapes(spec)
         self._plans = None
-        if parallel_state.get_tensor_model_parallel_world_size() == 1 and fixed_sources:
+        if (
+            parallel_state.get_tensor_model_parallel_world_size() == 1
+            and fixed_sources
+            and (spec.moe is None or parallel_state.get_expert_model_parallel_world_size() == 1)
+        ):  # views of the parameters, no gathered copies: the plans hold for every export
             self._plans = list(self._groups())
 
     def _numel(self, name: str) -> int:

@@ -22,7 +22,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Attributes megatron-core sets on parameters that tidal's DP reduction and TP-aware clipping read.
-_PARAM_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared")
+_PARAM_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "sequence_parallel",
+    "shared",
+    "allreduce",  # False on MoE experts: summed over the expert-data-parallel group
+)
 
 
 class MainParams:

@@ -15,6 +15,10 @@ Standard library only, so the app can plan at parse time. The estimate adds, per
   ``--cudnn-attention-min-tokens``;
 - **the backward's transient**: the largest set of gradients alive at once (one layer's MLP, or one LM-head chunk).
 
+A mixture-of-experts model (``qwen3_moe``) counts its MoE layers' router and this rank's share of the experts
+(``--expert-model-parallel-size``), and in their activations each token's top-k copies through the experts (the
+dispatched input, the gate/up output and the SwiGLU output, in even balance) instead of the dense MLP's.
+
 The log-prob pass (``--log-probs-max-tokens-per-gpu``) keeps no activations: resident state plus the larger of one
 layer's forward and one LM-head chunk. Co-located engines take ``--sglang-mem-fraction-static`` of the card on top.
 The formula's terms are those of the CUDA path (bf16, fused kernels); bench/memory_plan_gpu.py compares it with
@@ -66,22 +70,42 @@ class ModelShape:
     """The q/k/v projections carry a bias (Qwen2)."""
     qk_norm: bool = False
     """Per-head RMSNorm of queries and keys (Qwen3): the layer keeps q/k before the norm too."""
+    num_experts: int = 0
+    """Routed experts of each MoE layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate size of one expert."""
+    num_moe_layers: int = 0
+    """Decoder layers with routed experts (the others have the dense MLP of ``ffn_hidden_size``)."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
-        """The shape of an HF ``config.json`` dict (qwen2, qwen3, llama and the like)."""
+        """The shape of an HF ``config.json`` dict (qwen2, qwen3, llama, qwen3_moe and the like)."""
         heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        moe = {}
+        if experts and cfg.get("moe_intermediate_size"):  # qwen3_moe's layer pattern (tidal.actor.moe_spec)
+            step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+            moe = dict(
+                num_experts=experts,
+                experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                num_moe_layers=sum(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+            )
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
             ffn_hidden_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=cfg.get("model_type") == "qwen3",
+            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     @property
@@ -90,7 +114,7 @@ class ModelShape:
         return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
 
     def layer_params(self, tp: int = 1) -> int:
-        """Parameters of one decoder layer on one tensor-parallel rank (norms are replicated)."""
+        """Parameters of one dense decoder layer on one tensor-parallel rank (norms are replicated)."""
         h, f, q = self.hidden_size, self.ffn_hidden_size, self.num_attention_heads * self.head_dim
         sharded = h * self.qkv_width + (self.qkv_width if self.qkv_bias else 0) + q * h + 3 * h * f
         return sharded // tp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
@@ -104,6 +128,21 @@ class ModelShape:
         total = sum(rank * (i + o // tp) for m, (i, o) in column.items() if m in modules)  # B split
         return total + sum(rank * (i // tp + o) for m, (i, o) in row.items() if m in modules)  # A split
 
+    def moe_layer_params(self, ep: int = 1) -> int:
+        """Parameters of one MoE layer on one expert-parallel rank: attention, norms, router, its share of experts."""
+        experts = self.num_experts // ep * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        return (
+            self.layer_params()
+            - 3 * self.hidden_size * self.ffn_hidden_size
+            + self.num_experts * self.hidden_size
+            + experts
+        )
+
+    def all_layer_params(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameters of every decoder layer on one rank (dense and MoE layers)."""
+        dense = self.num_layers - self.num_moe_layers
+        return dense * self.layer_params(tp) + self.num_moe_layers * self.moe_layer_params(ep)
+
     def embedding_params(self, tp: int = 1) -> int:
         """Parameters of the embedding (or of an untied LM head) on one rank, the vocabulary padded for TP.
 
@@ -115,7 +154,7 @@ class ModelShape:
     def num_params(self) -> int:
         """Parameters of the whole model."""
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * self.layer_params() + heads * self.embedding_params() + self.hidden_size
+        return self.all_layer_params() + heads * self.embedding_params() + self.hidden_size
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,6 +193,8 @@ class MemoryInputs:
     """``--pipeline-model-parallel-size``."""
     context_parallel: int = 1
     """``--context-parallel-size`` (each GPU holds 1/CP of a micro-batch's tokens)."""
+    expert_parallel: int = 1
+    """``--expert-model-parallel-size`` (each GPU holds 1/EP of every MoE layer's experts)."""
     reference_model: bool = False
     """A reference model's weights are resident (a KL loss or KL penalty)."""
     critic: bool = False
@@ -268,6 +309,38 @@ def layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
     return elements * e + 4 * (2 + shape.num_attention_heads // tp)
 
 
+def moe_layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
+    """Bytes one MoE layer keeps for backward per token.
+
+    The attention's as a dense layer's; then per routed copy (top-k) the dispatched input, the gate/up output,
+    SwiGLU's output and its probability-scaled copy (the down projection's input); the router's fp32 logits and
+    probabilities.
+    """
+    e, h, f = _activation_bytes(inputs), shape.hidden_size, shape.moe_ffn_hidden_size
+    dense_mlp = 3 * shape.ffn_hidden_size // inputs.tensor_parallel * e * (1 if inputs.fused_kernels else 2)
+    routed = shape.experts_per_token * (h + 4 * f) * e
+    return layer_activation_bytes(shape, inputs) - dense_mlp + routed + 8 * shape.num_experts
+
+
+def _mean_layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
+    dense = (shape.num_layers - shape.num_moe_layers) * layer_activation_bytes(shape, inputs)
+    moe = shape.num_moe_layers * moe_layer_activation_bytes(shape, inputs) if shape.num_moe_layers else 0
+    return -(-(dense + moe) // shape.num_layers)
+
+
+def _max_layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
+    dense = layer_activation_bytes(shape, inputs) if shape.num_moe_layers < shape.num_layers else 0
+    return max(dense, moe_layer_activation_bytes(shape, inputs) if shape.num_moe_layers else 0)
+
+
+def _mlp_transient_elements(shape: ModelShape, inputs: MemoryInputs) -> int:
+    """Elements per token of one layer's MLP working set (forward and the backward's gradients)."""
+    dense = 3 * shape.ffn_hidden_size // inputs.tensor_parallel
+    if not shape.num_moe_layers:
+        return dense
+    return max(dense, shape.experts_per_token * (shape.hidden_size + 3 * shape.moe_ffn_hidden_size))
+
+
 def _layers_per_stage(shape: ModelShape, inputs: MemoryInputs) -> int:
     return -(-shape.num_layers // inputs.pipeline_parallel)
 
@@ -276,7 +349,8 @@ def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
     tp, pp = inputs.tensor_parallel, inputs.pipeline_parallel
     # the stage that holds the embedding (and, in one stage, the LM head): the largest
     heads = 1 if shape.tie_word_embeddings or pp > 1 else 2
-    params = _layers_per_stage(shape, inputs) * shape.layer_params(tp) + heads * shape.embedding_params(tp)
+    layer_params = -(-shape.all_layer_params(tp, inputs.expert_parallel) // pp)  # even stages
+    params = layer_params + heads * shape.embedding_params(tp)
     params += shape.hidden_size  # the final norm
     width = 2 if inputs.params_dtype == "bfloat16" else 4
     rows = [(f"parameters ({inputs.params_dtype})", params * width)]
@@ -321,12 +395,12 @@ def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[t
     recomputed = 0
     if inputs.recompute_activations:
         recomputed = layers if inputs.recompute_num_layers == 0 else min(inputs.recompute_num_layers, layers)
-    per_layer = layer_activation_bytes(shape, inputs)
+    per_layer = _mean_layer_activation_bytes(shape, inputs)
     rows = [(f"activations ({layers - recomputed} layers kept)", (layers - recomputed) * per_layer * t)]
     if recomputed:
         held = int(RECOMPUTED_QKV_HOLD * shape.qkv_width // inputs.tensor_parallel) * e
         rows.append((f"recomputed layers ({recomputed}, held)", recomputed * held * t))
-        rows.append(("one layer rebuilt in backward", per_layer * t))
+        rows.append(("one layer rebuilt in backward", _max_layer_activation_bytes(shape, inputs) * t))
     if inputs.cudnn_attention_min_tokens and inputs.longest_sequence >= inputs.cudnn_attention_min_tokens:
         padded = (layers - recomputed) * shape.qkv_width // inputs.tensor_parallel * e * t
         rows.append(("cuDNN's padded q/k/v copies", padded))
@@ -334,7 +408,7 @@ def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[t
     kept = t if not inputs.recompute_lm_head else chunk
     rows.append(("final hidden states and LM-head logits", t * h * e + _chunk_bytes(shape, inputs, kept)))
     # backward: one chunk's logit gradients next to the hidden-state gradient, or one layer's MLP gradients
-    mlp_grads = t * (3 * shape.ffn_hidden_size // inputs.tensor_parallel + 2 * h) * e
+    mlp_grads = t * (_mlp_transient_elements(shape, inputs) + 2 * h) * e
     rows.append(("gradients in flight (backward)", max(mlp_grads, _chunk_bytes(shape, inputs, chunk) + t * h * 4)))
     return rows
 
@@ -356,8 +430,7 @@ def plan_memory(
     activations = _activations(shape, inputs, inputs.train_tokens)
     t = -(-inputs.logprob_tokens // inputs.context_parallel)
     e, h = _activation_bytes(inputs), shape.hidden_size
-    f = shape.ffn_hidden_size // inputs.tensor_parallel
-    one_layer = t * (3 * f + 3 * h) * e
+    one_layer = t * (_mlp_transient_elements(shape, inputs) + 3 * h) * e
     chunk = _chunk_bytes(shape, inputs, min(inputs.log_probs_chunk_size, t))
     logprob_peak = static + max(one_layer, chunk) + t * h * e
     engine = int(engine_fraction * gpu_bytes) if gpu_bytes else 0
