@@ -29,6 +29,7 @@ import gc
 import json
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,16 +109,30 @@ def step_fits(shape: dict, layers: int, rank: int, args, tmp: Path) -> bool:
         free()
 
 
-def largest(shape: dict, rank: int, args, tmp: Path, deadline: float, known: int) -> dict:
-    """The largest layer count that fits (doubling from ``known``, which fits, then bisection) before ``deadline``."""
+def probe_in_child(layers: int, rank: int, args) -> bool:
+    """``step_fits`` in a fresh Python process (the same arguments), its answer read from its last output line."""
+    argv = [sys.executable, __file__, "--out", args.out, "--tokens", str(args.tokens), "--chunk", str(args.chunk)]
+    argv += ["--recompute" if args.recompute else "--no-recompute", "--probe", str(layers), str(rank)]
+    argv += ["--tiny"] if args.tiny else []
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    answer = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    if not answer:
+        raise RuntimeError(f"probe {layers} layers rank {rank} died ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(answer[-1].removeprefix("PROBE "))["fits"]
+
+
+def largest(rank: int, args, deadline: float, known: int) -> dict:
+    """The largest layer count that fits (doubling from ``known``, which fits, then bisection) before ``deadline``.
+
+    Each probe runs in a process of its own: after an out-of-memory error part of the failed step's memory stays
+    held for a while, which made the next probe in the same process fail early.
+    """
     lo, hi, probes = known, None, []
     while time.monotonic() < deadline and (hi is None or hi - lo > 1) and lo < args.max_layers:
         probe = min(lo * 2, args.max_layers) if hi is None else (lo + hi) // 2
         t0 = time.monotonic()
-        free()
-        held = torch.cuda.memory_allocated() / GIB if CUDA else None  # what an earlier probe left (should be ~0)
-        fits = step_fits(shape, probe, rank, args, tmp)
-        probes.append({"layers": probe, "fits": fits, "seconds": round(time.monotonic() - t0, 1), "held_gib": held})
+        fits = probe_in_child(probe, rank, args)
+        probes.append({"layers": probe, "fits": fits, "seconds": round(time.monotonic() - t0, 1)})
         log(f"  rank {rank}: {probe} layers {'fit' if fits else 'do not fit'}")
         lo, hi = (probe, hi) if fits else (lo, probe)
     done = (hi is not None and hi - lo <= 1) or lo >= args.max_layers
@@ -178,6 +193,7 @@ def main() -> None:
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     p.add_argument("--search-seconds", type=float, default=200.0, help="for the largest-fitting search, all modes")
     p.add_argument("--max-layers", type=int, default=160)
+    p.add_argument("--probe", type=int, nargs=2, metavar=("LAYERS", "RANK"), help=argparse.SUPPRESS)  # a child
     args = p.parse_args()
     shape = WIDTH_8B
     if args.tiny:
@@ -200,6 +216,10 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
+    if args.probe:
+        with tempfile.TemporaryDirectory() as tmp:
+            print("PROBE " + json.dumps({"fits": step_fits(shape, *args.probe, args, Path(tmp))}), flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
             log(f"{mode}: {args.layers} layers, 2 x {args.tokens} tokens")
@@ -215,7 +235,7 @@ def main() -> None:
         for i, mode in enumerate(modes):  # each mode gets an equal share of what is left
             share = (deadline - time.monotonic()) / (len(modes) - i)
             log(f"{mode}: searching the largest layer count ({share:.0f} s)")
-            report[mode]["search"] = largest(shape, MODES[mode], args, Path(tmp), time.monotonic() + share, args.layers)
+            report[mode]["search"] = largest(MODES[mode], args, time.monotonic() + share, args.layers)
             dump()
     print("| mode | trainable params | peak GiB | step s | export s | adapter MB / s | largest layers |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

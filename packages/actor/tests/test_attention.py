@@ -156,3 +156,22 @@ def test_packed_core_attention_refuses_context_parallelism():
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, context_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size 1 only, got 2"):
         PackedCoreAttention(config, 1, AttnMaskType.causal, "self")
+
+
+def test_the_backend_probe_inside_a_recomputed_layer_leaves_the_layers_saved_tensors_alone():
+    """First asked inside an activation checkpoint (a recomputed layer's first forward), the probe's saved tensors
+    must not count as the layer's: the recomputation, which finds the answer cached, saves only the layer's."""
+    from torch.nn.attention import SDPBackend
+    from torch.utils.checkpoint import checkpoint
+
+    asked = []
+
+    def layer(x):
+        if not asked:  # what functools.cache does for cudnn_attention_usable
+            asked.append(sdpa_backend_error(torch.device("cpu"), SDPBackend.MATH))
+        return (x * x).sin()
+
+    x = torch.randn(8, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert asked == [None]
+    torch.testing.assert_close(x.grad, (x * x).cos() * 2 * x)

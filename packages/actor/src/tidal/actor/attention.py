@@ -61,16 +61,23 @@ def cudnn_bucket_length(length: int) -> int:
     return -(-length // step) * step
 
 
+def _own_saved_tensors():
+    """Saved-tensor hooks that keep tensors as they are, shadowing outer ones (an activation checkpoint's)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
 def sdpa_backend_error(device: torch.device, backend) -> str | None:
     """Why SDPA's ``backend`` fails a tiny causal GQA forward and backward on ``device``; None when it runs.
 
     The probe runs with gradients on whatever mode the caller is in: the first long segment often arrives in a
-    log-prob pass under ``torch.no_grad()``, and the answer is kept for training too.
+    log-prob pass under ``torch.no_grad()``, and the answer is kept for training too. Its saved tensors bypass any
+    saved-tensor hooks in effect: asked for the first time inside a recomputed layer, the probe's tensors would
+    otherwise count as the layer's, and the recomputation (which finds the answer cached) would save fewer.
     """
     from torch.nn.attention import sdpa_kernel
 
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), _own_saved_tensors():
             q = torch.randn(1, 4, 64, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
             k = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
             with sdpa_kernel([backend]):
