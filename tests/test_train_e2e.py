@@ -3,6 +3,7 @@
 One run per module (it starts an SGLang server, ~80 s on two cores); every test reads its outputs. The server
 serves the float32 embedded model in bfloat16 (--sglang-dtype), as a production engine serves next to an fp32
 actor, so the engine-actor agreement metrics measure a real gap here (test_train_modes_e2e.py's runs serve fp32).
+It logs to an offline W&B run (the real client; W&B's folders are the test's, its server a closed loopback port).
 """
 
 import ctypes
@@ -65,6 +66,16 @@ def _set_child_subreaper(on: bool) -> None:
     assert libc.prctl(36, int(on), 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 
 
+def offline_wandb_env(home: Path) -> dict[str, str]:
+    """This process's environment for a W&B client that reaches no network: its own folders, no key, no reports."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR")}
+    env.update(
+        WANDB_CONFIG_DIR=str(home / "config"), WANDB_CACHE_DIR=str(home / "cache"), WANDB_DATA_DIR=str(home / "data"),
+        WANDB_ERROR_REPORTING="false", WANDB_BASE_URL="http://127.0.0.1:9", NETRC=str(home / "netrc"),
+    )  # fmt: skip
+    return env
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
@@ -81,6 +92,7 @@ def run(tmp_path_factory):
         "--save-debug-rollout-data", str(out / "debug"),
         "--sglang-dtype", "bfloat16",  # the actor computes in float32: a measurable engine-actor gap
         "--check-weight-update-equal",  # co-located: the tensor transport and the memory hand-off, by default
+        "--use-wandb", "--wandb-mode", "offline", "--wandb-group", "e2e",
         "--output-dir", str(out),
     ]  # fmt: skip
     from tidal.train.cli import parse_job
@@ -90,7 +102,11 @@ def run(tmp_path_factory):
     _set_child_subreaper(True)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "tidal.train.cli", *args], capture_output=True, text=True, timeout=1500
+            [sys.executable, "-m", "tidal.train.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=1500,
+            env=offline_wandb_env(out.parent / "wandb_home"),
         )
         leftovers = _leftovers(before)
     finally:
@@ -190,6 +206,23 @@ def test_accuracy_is_reported_before_and_after(run):
     assert int.from_bytes(png[20:24], "big") > 600  # two panels: rewards, then the engine-actor agreement
 
 
+def test_the_offline_wandb_run_holds_each_rollouts_record_and_summary_says_where(run):
+    _, summary, records, _, output = run
+    where = summary["wandb"]
+    out = Path(summary["metrics"]).parent
+    assert (where["mode"], where["group"], where["url"]) == ("offline", "e2e", None)
+    assert Path(where["dir"]).parent == out / "wandb"
+    assert f"W&B run (offline) in {where['dir']}" in output
+    inspect = [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", where["dir"]]
+    logged = [json.loads(line) for line in subprocess.run(inspect, capture_output=True, text=True).stdout.splitlines()]
+    history = {h["step"]["num"]: h["item"] for h in (r["history"] for r in logged if r["type"] == "history")}
+    assert sorted(history) == [0, 1]
+    for record in records:
+        for key in ("rollout/reward/mean", "train/loss", "time/rollout"):
+            assert history[record["rollout"]][key] == pytest.approx(record[key], rel=1e-12), key
+    assert "eval/accuracy" in history[1]
+
+
 def test_no_child_process_remains(run):
     _, summary, _, leftovers, _ = run
     assert summary["engine_pids"]
@@ -213,14 +246,15 @@ def test_the_run_folder_holds_the_memory_plan_of_its_model(run):
 
 def test_terminal_gets_one_plain_line_per_rollout_and_no_warning(run):
     # Redirected (captured here), the run writes plain lines: a start-up block (run folder, model, memory plan,
-    # Ray, what is placed, weight sync, engines ready), the accuracy before RL, one line per rollout, the summary.
+    # W&B run, Ray, what is placed, weight sync, engines ready), the accuracy before RL, one line per rollout, the
+    # summary.
     # Per-call worker lines and third-party notices are in the run folder's logs, not here.
     _, summary, _, _, output = run
     lines = output.splitlines()
     assert "\x1b" not in output and "\r" not in output, output[:2000]
     assert not [line for line in lines if "WARNING" in line or "Warning" in line], output
     assert len([line for line in lines if " | reward " in line]) == 2, output
-    assert len(lines) <= 7 + 1 + 2 + 1, output
+    assert len(lines) <= 8 + 1 + 2 + 1, output
     assert all(line.startswith("[tidal train] ") for line in lines), output
     logs = Path(summary["metrics"]).parent / "logs"
     engine_log = next(logs.glob("engine_*.log")).read_text()

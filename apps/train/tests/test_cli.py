@@ -417,10 +417,22 @@ def test_hf_checkpoint_without_recipe_reports_the_folder_as_well():
     assert problems[1] == "--hf-checkpoint /no/such/dir has no config.json; point it at a Hugging Face model directory"
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is not None, reason="wandb is installed here")
-def test_use_wandb_without_wandb_says_how_to_install_it():
-    with pytest.raises(ValueError, match="--use-wandb needs the wandb package"):
-        parse_job(["--use-wandb"])
+def test_wandb_flags_reach_the_train_section_and_warn_without_use_wandb(tmp_path, caplog):
+    flags = ["--wandb-mode", "offline", "--wandb-project", "p", "--wandb-group", "g", "--wandb-host", "http://h:1"]
+    job = parse_job(["--output-dir", str(tmp_path / "a"), "--use-wandb", *flags])
+    train = job.train
+    assert (train.use_wandb, train.wandb_mode, train.wandb_project, train.wandb_group, train.wandb_host) == (
+        True, "offline", "p", "g", "http://h:1",
+    )  # fmt: skip
+    assert "no effect" not in caplog.text
+    parse_job(["--output-dir", str(tmp_path / "b"), *flags])
+    for flag in ("--wandb-mode", "--wandb-project", "--wandb-group", "--wandb-host"):
+        assert caplog.text.count(f"{flag} has no effect without --use-wandb") == 1, caplog.text
+
+
+def test_wandb_mode_must_be_one_of_its_choices():
+    with pytest.raises(ValueError, match="--wandb-mode must be one of online, offline, disabled, got 'dryrun'"):
+        parse_job(["--use-wandb", "--wandb-mode", "dryrun"])
 
 
 def test_external_engines_parse_to_urls():

@@ -28,6 +28,8 @@ OTHER_TOOLS = {
     "--make-vocab-size-divisible-by": "Megatron's flag, named where tidal pads the vocabulary the same way",
     "--out-dir": "`python -m tidal.train.task_data --out-dir`, the shipped data's own generator",
     "--compile-bytecode": "uv's (`uv sync --compile-bytecode`), named where SGLang's start-up would compile it",
+    "--wandb-key": "slime's flag, named where tidal refuses it (a key on a command line shows in the process list)",
+    "--json": "W&B's (`wandb leet inspect --json`), named where an offline W&B run is read back",
 }
 
 

@@ -1,7 +1,10 @@
 """Run functions on N real gloo ranks: forked processes, each with its own process group.
 
 Forking (not spawning) reuses the parent's imported megatron/torch, which take tens of seconds to import on a
-busy two-core box; the parent itself never initializes torch.distributed, so every child starts clean.
+busy two-core box. A child inherits the parent's Python objects but none of its threads: a process group object
+left in the parent (the default group, or one in megatron's ``parallel_state`` globals after another package's tests
+ran in this process) would hang the child when it is destroyed there, joining gloo threads the child does not have.
+``run_ranks`` refuses to fork over one, naming it.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -56,6 +60,12 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, tmp_path: Pat
 
     ``backend="nccl"`` needs GPUs, and a parent process that has not initialized CUDA (it forks).
     """
+    inherited = _inherited_groups()
+    if inherited:
+        raise RuntimeError(
+            f"this process holds process groups ({', '.join(inherited)}): forked ranks would hang destroying them; "
+            "the test that created them must tear them down (tidal.actor.destroy_distributed does)"
+        )
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     store = tmp_path / f"store-{os.urandom(4).hex()}"
@@ -83,6 +93,17 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, tmp_path: Pat
         if status == "error":
             raise RankError(rank, *payload)
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def _inherited_groups() -> list[str]:
+    """Process groups this process holds, which a forked rank would inherit without their threads."""
+    import torch.distributed as dist
+
+    found = ["the default process group"] if dist.is_initialized() else []
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is not None:
+        found += [f"parallel_state.{k}" for k, v in vars(state).items() if isinstance(v, dist.ProcessGroup)]
+    return found
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from tidal.ckpt import CheckpointMismatchError, load_checkpoint, save_checkpoint
 
@@ -48,11 +47,6 @@ def _gpt_state(num_layers: int) -> dict:
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-@pytest.mark.skipif(
-    "tidal.actor" in sys.modules,
-    reason="its forked ranks hang building a GPTModel after tidal-actor's tests ran in this process (state they "
-    "leave in megatron-core, not yet pinned down); it runs in CI's tidal-ckpt-alone job, without tidal-actor",
-)
 def test_layer_count_mismatch_names_the_layers_first(ranks, tmp_path):
     def body(rank, world, load_dir):
         save_checkpoint(load_dir, 1, _gpt_state(4))

@@ -423,15 +423,6 @@ def check_critic(actor, ckpt) -> None:
         raise ValueError(str(e)) from e
 
 
-def check_wandb(train) -> None:
-    """``--use-wandb`` needs the wandb package, which tidal does not depend on."""
-    if train.use_wandb:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ValueError("--use-wandb needs the wandb package: `uv pip install wandb` (it runs offline)")
-
-
 def check_data_files(train: dict[str, Any], problems: Problems) -> None:
     """``--prompt-data`` is given, and each prompt file's first record holds the keys.
 
@@ -509,7 +500,7 @@ def check_job(
         problems.run(check_pipeline, train, hf_config, hf)
         problems.run(check_moe_layers_servable, train, hf_config, hf)
         problems.run(check_moe_context_parallel, train, hf_config, hf)
-        problems.run(check_wandb, train)
+        _warn_without_wandb(given["train"], train)
         if rollout is not None:
             if placement is not None:
                 problems.run(check_modes, train, rollout, placement)
@@ -547,6 +538,12 @@ def check_keep_best_by(train, ckpt) -> None:
     key = ckpt.keep_best_by
     if key is not None and key.startswith("eval/") and key not in (keys := eval_metric_keys(train)):
         raise ValueError(f"--keep-best-by {key} is no metric this run's evaluation records; one of {keys}")
+
+
+def _warn_without_wandb(given: dict[str, Any], train) -> None:
+    for key in ("wandb_mode", "wandb_project", "wandb_group", "wandb_host"):
+        if key in given and not train.use_wandb:
+            logger.warning("--%s has no effect without --use-wandb", key.replace("_", "-"))
 
 
 def _warn_without_fault_tolerance(rollout: dict[str, Any], train) -> None:

@@ -84,6 +84,23 @@ def _unknown_problems(unknown: list[str], known: list[str]) -> list[str]:
     return problems
 
 
+def _without_wandb_key(unknown: list[str], problems) -> list[str]:
+    """``unknown`` less slime's ``--wandb-key`` and its value, refused in one line that does not repeat the key."""
+    kept, skip = [], False
+    for i, token in enumerate(unknown):
+        if skip:
+            skip = False
+        elif token.split("=", 1)[0] == "--wandb-key":
+            problems.add(
+                "--wandb-key is not taken (a key on the command line shows in the process list and would be saved "
+                "in config.yaml): set WANDB_API_KEY or run `wandb login`"
+            )
+            skip = token == "--wandb-key" and i + 1 < len(unknown) and not unknown[i + 1].startswith("-")
+        else:
+            kept.append(token)
+    return kept
+
+
 def _is_number(token: str) -> bool:
     try:
         float(token)
@@ -104,6 +121,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     from tidal.train.run_folder import default_output_dir
     from tidal.train.shared import propagate_shared
 
+    unknown = _without_wandb_key(unknown, problems)
     for line in _unknown_problems(unknown, sorted(parser._option_string_actions)):
         problems.add(line)
     _pass_through(sections, unknown, problems)

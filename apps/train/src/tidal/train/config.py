@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
 """The values of --update-weight-transport."""
+WANDB_MODES = ("online", "offline", "disabled")
+"""The values of --wandb-mode."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,9 +109,17 @@ class TrainConfig:
     use_tensorboard: bool = False
     """Write TensorBoard event files into the run folder's tensorboard/."""
     use_wandb: bool = False
-    """Log to Weights & Biases in offline mode, into the run folder's wandb/."""
+    """Log every rollout's metrics to a Weights & Biases run, kept in the run folder's wandb/ (summary.json says
+    where the run is: its URL online, its folder offline)."""
+    wandb_mode: str | None = None
+    """W&B mode: "online" (the key from WANDB_API_KEY or `wandb login`; there is no key flag, which would land in
+    config.yaml and `ps`), "offline" (upload later with `wandb sync`) or "disabled"; None: $WANDB_MODE, else online."""
     wandb_project: str = "tidal"
     """W&B project name."""
+    wandb_group: str | None = None
+    """W&B group of the run (runs of one experiment side by side); None: no group."""
+    wandb_host: str | None = None
+    """URL of the W&B server (self-hosted W&B); None: $WANDB_BASE_URL, else https://api.wandb.ai."""
     verbose: bool = field(default=False, metadata={"short": "-v"})
     """Also show every process's INFO log lines on the terminal (generation progress, weight-sync timings,
     checkpoint writes); they are always in the run folder's logs/."""
@@ -144,6 +154,8 @@ class TrainConfig:
                 f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not supported (only 1): split "
                 "the experts with --expert-model-parallel-size instead"
             )
+        if self.wandb_mode not in (None, *WANDB_MODES):
+            raise ValueError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
         if self.update_weight_transport not in (None, *WEIGHT_TRANSPORTS):
             raise ValueError(
                 f"--update-weight-transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "

@@ -27,6 +27,7 @@ from tidal.train.rollout_buffer import RolloutBuffer
 from tidal.train.rollout_manager import RolloutManager
 from tidal.train.summary import RunResult, floor_key, write_summary
 from tidal.train.terminal import RolloutBar
+from tidal.train.wandb_run import wandb_options
 from tidal.train.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -38,23 +39,26 @@ def run(job: JobConfig) -> RunResult:
     out.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = _datasets(job)
     held_out = {name: data.head(job.train.num_eval_prompts) for name, data in eval_data.items()}
+    tensorboard, wandb = job.train.use_tensorboard, wandb_options(job, out)
     with (
+        MetricsLog(out / "metrics.jsonl", tensorboard=tensorboard, wandb=wandb) as metrics_log,  # W&B: before Ray
         start_cluster(job, out, train_data) as cluster,
         RolloutBuffer(
             cluster.rollouts, max_staleness=cluster.async_plan.max_staleness, num_rollout=job.train.num_rollout
         ) as buffer,
         RolloutBar(job.train.num_rollout) as bar,
     ):
-        return _train(job, cluster, buffer, held_out, out, bar)
+        return _train(job, cluster, buffer, held_out, metrics_log, bar)
 
 
 def _train(
-    job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: dict, out: Path, bar: RolloutBar
+    job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: dict, metrics_log: MetricsLog, bar: RolloutBar
 ) -> RunResult:
     rollouts, actors, weights = cluster.rollouts, cluster.actors, cluster.weights
     num_rollout = job.train.num_rollout
-    metrics_log = MetricsLog(out / "metrics.jsonl", tensorboard=job.train.use_tensorboard, wandb=_wandb_args(job, out))
+    out = metrics_log.path.parent
     result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None, job_key=floor_key(job))
+    result.wandb = metrics_log.wandb_run
     result.engine_pids = rollouts.engine_pids
     start, version = _resume(job, rollouts, buffer, actors, metrics_log)
     result.start_rollout_id, result.history = start, metrics_log.read()
@@ -191,15 +195,3 @@ def timed(fn, *args, **kwargs) -> tuple[Any, float]:
     """``(fn(*args, **kwargs), seconds)``."""
     tick = time.monotonic()
     return fn(*args, **kwargs), time.monotonic() - tick
-
-
-def _wandb_args(job: JobConfig, out: Path) -> dict[str, Any] | None:
-    if not job.train.use_wandb:
-        return None
-    return {"project": job.train.wandb_project, "dir": str(out), "mode": "offline", "config": _job_dict(job)}
-
-
-def _job_dict(job: JobConfig) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: dataclasses.asdict(getattr(job, f.name)) for f in dataclasses.fields(job)}

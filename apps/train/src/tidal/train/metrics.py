@@ -13,27 +13,39 @@ logger = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """``metrics.jsonl``, plus optionally TensorBoard events and an offline W&B run in the run folder.
+    """``metrics.jsonl``, plus optionally TensorBoard events and a W&B run (:mod:`tidal.train.wandb_run`).
 
     One JSON object per line, flushed and fsynced as it is written, so a killed run (or machine) keeps every
     finished record; a line torn by a kill in mid-write is dropped with a warning when the run resumes.
     """
 
     def __init__(self, path: Path, *, tensorboard: bool = False, wandb: dict[str, Any] | None = None) -> None:
-        """Append to ``path``; ``wandb`` holds ``wandb.init`` arguments (None: no W&B)."""
+        """Append to ``path``; ``wandb`` holds the W&B run's options (``wandb_options``; None: no W&B).
+
+        Raises:
+            WandbStartError: W&B could not start the run.
+        """
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
         self._wandb = None
+        self.wandb_run: dict[str, Any] | None = None
+        """Where the W&B run is (``mode``, ``url`` online, ``dir``), for ``summary.json``; None without W&B."""
         self._needs_rewrite = False  # read() found a torn last line: truncate() writes the file without it
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(path.parent / "tensorboard"))
         if wandb is not None:
-            import wandb as wandb_lib
+            from tidal.train.wandb_run import start_wandb
 
-            self._wandb = wandb_lib.init(**wandb)
+            self._wandb, self.wandb_run = start_wandb(wandb)
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
 
     def read(self) -> list[dict[str, Any]]:
         """Every record written so far (a resumed run's history).
@@ -95,12 +107,14 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
-    def close(self) -> None:
-        """Flush and close the TensorBoard writer and the W&B run."""
+    def close(self, *, failed: bool = False) -> None:
+        """Flush and close the TensorBoard writer and the W&B run (marked failed when ``failed``); idempotent."""
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb.finish(exit_code=1 if failed else 0)
+            self._wandb = None
 
 
 def _fsync_dir(path: Path) -> None:

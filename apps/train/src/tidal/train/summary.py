@@ -27,6 +27,8 @@ class RunResult:
     wall_s: float = 0.0
     job_key: dict[str, Any] = field(default_factory=dict)
     """The run's shape as :func:`floor_key` gives it (matched against the measured floor's)."""
+    wandb: dict[str, Any] | None = None
+    """Where the W&B run is (``tidal.train.wandb_run.start_wandb``); None without --use-wandb."""
 
 
 def overhead_share(record: dict[str, Any]) -> float:
@@ -60,6 +62,7 @@ def write_summary(result: RunResult) -> None:
         "checkpoint_dir": str(result.checkpoint_dir),
         "weights_dir": None if result.weights_dir is None else str(result.weights_dir),
         "engine_pids": result.engine_pids,
+        "wandb": result.wandb,
     }
     (result.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

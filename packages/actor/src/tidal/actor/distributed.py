@@ -167,11 +167,27 @@ def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
 
 
 def destroy_distributed() -> None:
-    """Tear down Megatron's parallel state and the default process group."""
+    """Tear down Megatron's parallel state and the default process group.
+
+    megatron-core's ``destroy_model_parallel`` leaves some process groups in ``parallel_state``'s globals
+    (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin); they are dropped here, in the process whose
+    gloo threads they own. A process forked later would otherwise inherit the objects without the threads, and its
+    first ``initialize_model_parallel``, overwriting them, would run a group's destructor that joins threads absent
+    from the child: a hang for ever.
+    """
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    drop_leftover_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def drop_leftover_groups() -> list[str]:
+    """Set every ``parallel_state`` global that still holds a process group to None; return their names."""
+    names = [name for name, value in vars(parallel_state).items() if isinstance(value, dist.ProcessGroup)]
+    for name in names:
+        setattr(parallel_state, name, None)
+    return names
 
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
