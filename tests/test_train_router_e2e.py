@@ -108,7 +108,7 @@ def test_the_custom_generate_function_made_every_sample_through_the_router_and_i
     callers = {line.split(" ", 1)[1] for line in (root / "calls.txt").read_text().splitlines()}
     assert any(c.endswith("tidal/train/cli.py") for c in callers), callers  # the driver: rollouts, via the router
     assert any("default_worker.py" in c for c in callers), callers  # an engine's Ray worker: evaluation
-    assert "starting sglang-router" in log
+    assert re.search(r"starting sglang-router at \S+: .* --worker-urls \S+ \S+ --policy round_robin", log)
     assert all(n > 0 for n in requests), requests  # round robin: both engines served the run
 
 

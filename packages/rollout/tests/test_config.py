@@ -69,6 +69,16 @@ def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) 
     caplog.clear()
     RolloutConfig(over_sampling_batch_size=8, dynamic_sampling_filter_path="pkg.mod:keep")
     assert not caplog.text
+    RolloutConfig(dynamic_sampling_max_rounds=3)
+    assert "--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path" in caplog.text
+
+
+def test_rounds_that_can_never_fill_the_batch_are_refused() -> None:
+    given = {"dynamic_sampling_filter_path": "reward_variance", "rollout_batch_size": 8, "over_sampling_batch_size": 2}
+    with pytest.raises(ValueError, match=r"^--dynamic-sampling-max-rounds 3 rounds of --over-sampling-batch-size 2 .* "
+                       r"never fill --rollout-batch-size 8: raise either$"):  # fmt: skip
+        RolloutConfig(dynamic_sampling_max_rounds=3, **given)
+    assert RolloutConfig(dynamic_sampling_max_rounds=4, **given).dynamic_sampling_max_rounds == 4  # 4 x 2 = 8
 
 
 def test_external_engine_addresses() -> None:

@@ -292,6 +292,15 @@ class RolloutConfig:
         spec = self.dynamic_sampling_filter_path
         if self.over_sampling_batch_size is not None and spec is None:
             logger.warning("--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path")
+        if self.dynamic_sampling_max_rounds != 16 and spec is None:
+            logger.warning("--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path")
+        rounds = self.dynamic_sampling_max_rounds * (self.over_sampling_batch_size or self.rollout_batch_size or 0)
+        if spec is not None and self.rollout_batch_size is not None and rounds < self.rollout_batch_size:
+            raise ValueError(
+                f"--dynamic-sampling-max-rounds {self.dynamic_sampling_max_rounds} rounds of "
+                f"--over-sampling-batch-size {self.over_sampling_batch_size} prompts can never fill "
+                f"--rollout-batch-size {self.rollout_batch_size}: raise either"
+            )
         if spec is not None and ":" not in spec and spec not in BUILTIN_GROUP_FILTER_NAMES:
             raise ValueError(
                 f"--dynamic-sampling-filter-path must be one of {list(BUILTIN_GROUP_FILTER_NAMES)} or look like "
