@@ -36,11 +36,12 @@ def _embedded_server(tmp_path_factory: pytest.TempPathFactory, name: str):
 
 
 @pytest.fixture(scope="session")
-def _external_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """``HOST:PORT`` of two servers, started at once: the second's start-up overlaps the first's wait.
+def _external_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:
+    """Two servers, started at once: the second's start-up overlaps the first's wait.
 
     The --max-staleness run of test_train_modes_e2e.py broadcasts to both (each engine gets every pipeline stage's
-    tensors); every other run attaches to the first alone.
+    tensors), the run of test_train_router_e2e.py reaches both through the router; every other run attaches to the
+    first alone.
     """
     engines = [_embedded_server(tmp_path_factory, name) for name in ("external_sglang", "second_sglang")]
     try:
@@ -48,10 +49,21 @@ def _external_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list
             engine.start(wait=False)
         for engine in engines:
             engine.wait_healthy()
-        yield [f"127.0.0.1:{engine.port}" for engine in engines]
+        yield engines
     finally:
         for engine, grace_s in zip(engines, (15.0, 2.0), strict=True):  # the second took 14.6 s of SIGTERM grace
             engine.shutdown(timeout_s=grace_s)
+
+
+@pytest.fixture(scope="session")
+def _external_engines(_external_servers: list) -> list[str]:
+    return [f"127.0.0.1:{engine.port}" for engine in _external_servers]
+
+
+@pytest.fixture(scope="session")
+def external_engine_logs(_external_servers: list) -> dict[str, object]:
+    """The server log (a Path) of ``external_engine`` and ``second_external_engine``, by ``HOST:PORT``."""
+    return {f"127.0.0.1:{engine.port}": engine.log_path for engine in _external_servers}
 
 
 @pytest.fixture(scope="session")

@@ -181,17 +181,9 @@ BAD = [
     (["--advantage-estimator", "ppo", "--critic-load", "/nonexistent"], "^--critic-load /nonexistent does not exist"),
     (
         ["--custom-generate-function-path", "json:loads", "--partial-rollout"],
-        "^--custom-generate-function-path runs on each engine's own worker, not on the driver-side path that "
-        "--partial-rollout takes .*: drop --partial-rollout",
-    ),
-    (
-        ["--custom-generate-function-path", "json:loads", "--dynamic-sampling-filter-path", "reward_variance"],
-        "^--custom-generate-function-path .* --dynamic-sampling-filter-path takes",
-    ),
-    (
-        ["--custom-generate-function-path", "json:loads", "--rollout-external-engine-addrs", "h:1", "h:2"],
-        r"^--custom-generate-function-path .* the router \(--use-router, the default with 2 or more engines\) takes "
-        r"\(2 engine\(s\)\), where it would be dropped: pass --no-use-router",
+        "^--partial-rollout resumes a cut response as one continuation, and a --custom-generate-function-path sample "
+        r"\(several turns, inserted tokens\) cannot be resumed that way: drop --partial-rollout or "
+        "--custom-generate-function-path$",
     ),
     (["--ref-load", "/nonexistent"], "^--ref-load /nonexistent loads the reference model of a KL term, and this run"),
     (["--use-kl-loss", "--kl-loss-coef", "0.01", "--ref-load", "/no/ref"], "^--ref-load /no/ref does not exist"),
@@ -402,10 +394,16 @@ def test_sglang_pass_through_is_checked_by_sglangs_own_parsers_one_line_per_flag
     assert job.rollout.sglang_router_args == ("--cache-threshold", "0.3")
 
 
-def test_a_custom_generate_function_is_kept_on_the_engine_workers_path():
+def test_a_custom_generate_function_is_accepted_on_every_path_but_partial_rollout():
     job = parse_job(["--custom-generate-function-path", "json:loads"])  # one engine, no router: each worker calls it
     assert job.rollout.custom_generate_function_path == "json:loads"
     assert not job.rollout.router_wanted(job.placement.num_engines)
+    # The driver-side paths call it in the driver (tests/test_train_router_e2e.py runs it through the router).
+    for extra in (["--dynamic-sampling-filter-path", "reward_variance"], ["--use-router"]):
+        job = parse_job(["--custom-generate-function-path", "json:loads", *extra])
+        assert job.rollout.custom_generate_function_path == "json:loads"
+    job = parse_job(["--custom-generate-function-path", "json:loads", "--rollout-external-engine-addrs", "h:1", "h:2"])
+    assert job.rollout.router_wanted(2)
 
 
 def test_hf_checkpoint_without_recipe_reports_the_folder_as_well():
@@ -621,3 +619,12 @@ def test_lora_on_a_moe_model_is_refused_before_start(tmp_path, paths):
     argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4", "--lora-rank", "8"]
     with pytest.raises(ValueError, match="--lora-rank 8 with a mixture-of-experts model"):
         parse_job([*argv, "--hf-checkpoint", str(moe)])
+
+
+def test_rounds_that_can_never_fill_the_batch_are_refused(paths):
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "8"]
+    argv += ["--dynamic-sampling-filter-path", "reward_variance", "--over-sampling-batch-size", "2"]
+    with pytest.raises(ValueError, match=r"--dynamic-sampling-max-rounds 3 rounds of --over-sampling-batch-size 2 .* "
+                       r"never fill --rollout-batch-size 8: raise either"):  # fmt: skip
+        parse_job([*argv, "--dynamic-sampling-max-rounds", "3"])
+    assert parse_job([*argv, "--dynamic-sampling-max-rounds", "4"]).rollout.dynamic_sampling_max_rounds == 4  # 4 x 2

@@ -58,3 +58,26 @@ def test_carry_over_without_partial_rollout_is_dropped_with_a_warning(caplog):
         plain.restore_carry(carried.carry_state())
     assert plain.carry == []
     assert "--partial-rollout is off" in caplog.text
+
+
+def test_dynamic_sampling_rounds_draw_their_own_prompts_the_same_on_every_call(tmp_path):
+    import collections
+    import json
+
+    from tidal.train.data import PromptDataset
+
+    class Words:  # PromptDataset only encodes: one id per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(10)))
+    data = PromptDataset(path, Words(), input_key="prompt", label_key="label", seed=3)
+    first_rounds = [p.label for k in range(5) for p in data.batch(k, 2)]
+    more = [p.label for k in range(5) for r in (2, 3) for p in data.more_batch(k, r, 2, max_rounds=3)]
+    # Rounds 2 and 3 of five rollouts walk two whole epochs of their own order: each prompt twice, none skipped.
+    assert collections.Counter(more) == {str(i): 2 for i in range(10)}
+    assert more != first_rounds * 2  # another order than the rollouts' own batches
+    again = PromptDataset(path, Words(), input_key="prompt", label_key="label", seed=3)  # a resumed run
+    assert [p.label for p in again.more_batch(4, 3, 2, max_rounds=3)] == more[-2:]
+    assert sorted(first_rounds) == sorted(str(i) for i in range(10))  # round 1: the rollouts' own epoch, untouched

@@ -69,6 +69,8 @@ def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) 
     caplog.clear()
     RolloutConfig(over_sampling_batch_size=8, dynamic_sampling_filter_path="pkg.mod:keep")
     assert not caplog.text
+    RolloutConfig(dynamic_sampling_max_rounds=3)
+    assert "--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path" in caplog.text
 
 
 def test_external_engine_addresses() -> None:

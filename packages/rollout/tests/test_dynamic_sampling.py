@@ -113,3 +113,93 @@ def test_group_filter_resolution_and_built_in() -> None:
     assert reward_variance([sample(1.0), sample(1.0)]) is False
     with pytest.raises(ValueError, match="needs scored samples"):
         reward_variance([sample(None), sample(1.0)])
+
+
+def _label_filter(group) -> bool:
+    return group[0].label == "keep"
+
+
+def test_partial_rollout_path_runs_rounds_until_the_filter_keeps_enough(
+    sglang_server: SGLangEngine, cfg: RolloutConfig
+) -> None:
+    """What `train` calls: generate_partial_rollout with a group filter and further rounds of prompts."""
+    from tidal.rollout import generate_partial_rollout
+
+    asked: list[int] = []
+
+    def more_prompts(round_no: int):
+        asked.append(round_no)
+        return [([11, 12, 13], "keep")]  # one prompt a round: the count of finished groups is exact
+
+    result = generate_partial_rollout(
+        sglang_server, [[3, 4, 5], [6, 7]], cfg.sampling_params(), num_groups=2, labels=["drop", "keep"],
+        reward_fn=resolve_reward_fn(cfg.custom_rm_path), group_filter=_label_filter, max_rounds=3,
+        more_prompts=more_prompts,
+    )  # fmt: skip
+    assert asked == [2]  # round 2 filled the batch: round 3 was never asked for
+    assert [(list(s.prompt_ids), s.group_index) for s in result.samples] == [([6, 7], 0)] * 4 + [([11, 12, 13], 1)] * 4
+    assert all(s.reward is not None and s.finish_reason != "abort" for s in result.samples)
+    assert {k: v for k, v in result.metrics.items() if "dynamic_sampling" in k} == {
+        "rollout/dynamic_sampling/rounds": 2.0,
+        "rollout/dynamic_sampling/groups_generated": 3.0,
+        "rollout/dynamic_sampling/groups_dropped": 1.0,
+        "rollout/dynamic_sampling/groups_surplus": 0.0,
+        "rollout/dynamic_sampling/kept_frac": 2 / 3,
+    }
+
+
+def test_partial_rollout_path_stops_with_one_line_after_the_last_round(
+    sglang_server: SGLangEngine, cfg: RolloutConfig, plugins: str
+) -> None:
+    from tidal.rollout import generate_partial_rollout
+
+    asked: list[int] = []
+
+    def more_prompts(round_no: int):
+        asked.append(round_no)
+        return [([11, 12, 13], "keep")]
+
+    kwargs = dict(num_groups=1, labels=["keep"], reward_fn=resolve_reward_fn(cfg.custom_rm_path))
+    keep_nothing = resolve_group_filter(f"{plugins}:keep_nothing")
+    message = (
+        r"^dynamic sampling kept 0 of 1 groups after 3 round\(s\) \(3 groups generated, 3 dropped by the filter\); "
+        r"the prompts are too easy or too hard for the policy: raise --dynamic-sampling-max-rounds or "
+        r"--over-sampling-batch-size, or change --dynamic-sampling-filter-path$"
+    )
+    with pytest.raises(RolloutError, match=message):
+        generate_partial_rollout(sglang_server, [[3, 4]], cfg.sampling_params(), group_filter=keep_nothing,
+                                 max_rounds=3, more_prompts=more_prompts, **kwargs)  # fmt: skip
+    assert asked == [2, 3]
+    with pytest.raises(RolloutError, match=r"kept 0 of 1 groups when the prompts ran out after 1 round\(s\)"):
+        generate_partial_rollout(sglang_server, [[3, 4]], cfg.sampling_params(), group_filter=keep_nothing,
+                                 max_rounds=3, more_prompts=lambda r: [], **kwargs)  # fmt: skip
+
+
+def test_partial_rollout_path_runs_a_custom_generate_function(
+    sglang_server: SGLangEngine, cfg: RolloutConfig, plugins: str
+) -> None:
+    from tidal.rollout import generate_partial_rollout, load_generate_fn
+    from transformers import AutoTokenizer
+
+    fn = load_generate_fn(f"{plugins}:two_turn_tool_task")
+    tool = AutoTokenizer.from_pretrained(sglang_server.model_path).encode("the answer is 4")
+    params = {**cfg.sampling_params(), "n": 2, "ignore_eos": True}
+    result = generate_partial_rollout(
+        sglang_server, [[3, 4, 5], [6, 7], [8, 9]], params, num_groups=1, labels=["drop", "keep", "keep"],
+        reward_fn=resolve_reward_fn(cfg.custom_rm_path), group_filter=_label_filter, generate_fn=fn,
+        max_concurrency=1, more_prompts=lambda r: [], decode=lambda ids: f"{len(ids)} tokens",
+    )  # fmt: skip
+    # Group by group, in prompt order: "drop" was dropped, the first "keep" filled the batch, the last one was
+    # cancelled before it started and is handed back unstarted.
+    assert [list(s.prompt_ids) for s in result.samples] == [[6, 7]] * 2
+    turn = cfg.rollout_max_response_len
+    for s in result.samples:  # two turns around the tool's tokens, which the loss does not see
+        assert list(s.response_ids[turn : turn + len(tool)]) == tool
+        assert s.response_loss_mask == [1] * turn + [0] * len(tool) + [1] * (len(s.response_ids) - turn - len(tool))
+        assert s.response_text == f"{len(s.response_ids)} tokens" and s.reward is not None and s.label == "keep"
+    assert result.metrics["rollout/dynamic_sampling/groups_dropped"] == 1.0
+    assert [[(list(s.prompt_ids), len(s.response_ids)) for s in group] for group in result.carry_over] == [
+        [([8, 9], 0)] * 2
+    ]
+    with pytest.raises(ValueError, match=r"^--custom-generate-function-path: a custom generate function's sample"):
+        generate_partial_rollout(sglang_server, [], params, num_groups=1, carry_over=[result.samples], generate_fn=fn)

@@ -232,6 +232,20 @@ def check_pipeline(train, hf_config: dict[str, Any] | None, hf: str) -> None:
         )
 
 
+def check_dynamic_sampling_rounds(batching, rollout) -> None:
+    """``--dynamic-sampling-max-rounds`` rounds of over-sampling can fill ``--rollout-batch-size`` at all."""
+    if rollout.dynamic_sampling_filter_path is None:
+        return
+    wanted = batching.rollout_batch_size
+    rounds = rollout.dynamic_sampling_max_rounds * (rollout.over_sampling_batch_size or wanted)
+    if rounds < wanted:
+        raise ValueError(
+            f"--dynamic-sampling-max-rounds {rollout.dynamic_sampling_max_rounds} rounds of "
+            f"--over-sampling-batch-size {rollout.over_sampling_batch_size} prompts can never fill "
+            f"--rollout-batch-size {wanted}: raise either"
+        )
+
+
 def check_token_budget(batching, rollout) -> None:
     """With dynamic batch size, one micro-batch must hold at least one full-length response and its prompt.
 
@@ -300,28 +314,17 @@ def check_modes(train, rollout, placement) -> None:
 def check_router(rollout, placement) -> None:
     """Partial rollout and dynamic sampling send every request from the driver: to one engine, or the router.
 
-    The driver-side path (those two, or the router) does not run a custom generate function, which only each engine's
-    own worker calls: that combination is refused rather than run without it.
+    A custom generate function runs on every path (each engine's worker, or the driver), but partial rollout resumes
+    a cut response as one continuation, which a custom sample (turns, inserted tokens) is not: that pair is refused.
     """
     engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
     driver_side = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
-    if rollout.custom_generate_function_path:
-        clash = [
-            flag
-            for flag, on in (
-                ("--partial-rollout", rollout.partial_rollout),
-                ("--dynamic-sampling-filter-path", rollout.dynamic_sampling_filter_path is not None),
-                ("the router (--use-router, the default with 2 or more engines)", rollout.router_wanted(engines)),
-            )
-            if on
-        ]
-        if clash:
-            fix = "pass --no-use-router" if not driver_side else f"drop {clash[0]}"
-            raise ValueError(
-                f"--custom-generate-function-path runs on each engine's own worker, not on the driver-side path that "
-                f"{clash[0]} takes ({engines} engine(s)), where it would be dropped: {fix}, or drop "
-                "--custom-generate-function-path"
-            )
+    if rollout.custom_generate_function_path and rollout.partial_rollout:
+        raise ValueError(
+            "--partial-rollout resumes a cut response as one continuation, and a --custom-generate-function-path "
+            "sample (several turns, inserted tokens) cannot be resumed that way: drop --partial-rollout or "
+            "--custom-generate-function-path"
+        )
     if driver_side and engines > 1 and rollout.use_router is False:
         what = "--partial-rollout" if rollout.partial_rollout else "--dynamic-sampling-filter-path"
         raise ValueError(
@@ -515,6 +518,7 @@ def check_job(
                 problems.run(batching.resolve, dp_size=dp)
     if batching is not None and rollout is not None:
         problems.run(check_token_budget, batching, rollout)
+        problems.run(check_dynamic_sampling_rounds, batching, rollout)
         if train is not None and actor is not None and placement is not None:
             from tidal.train.memory import check_memory
 

@@ -52,7 +52,7 @@ class PromptDataset:
         self.path = Path(path)
         self.tokenizer = tokenizer
         self.seed = seed
-        self._orders: dict[int, list[int]] = {}
+        self._orders: dict[tuple[int, int], list[int]] = {}
         texts = self.raw_texts = [r[input_key] for r in records]  # as given, before any chat template
         if apply_chat_template:
             texts = [
@@ -71,20 +71,31 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
+    def _order(self, epoch: int, stream: int = 0) -> list[int]:
+        if (stream, epoch) not in self._orders:
             order = list(range(len(self.prompts)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._orders = {epoch: order}  # batches walk forward: keep only the current epoch
-        return self._orders[epoch]
+            random.Random((self.seed + stream) * 1_000_003 + epoch).shuffle(order)
+            # batches walk forward: keep only the current epoch of each stream
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != stream} | {(stream, epoch): order}
+        return self._orders[(stream, epoch)]
 
     def batch(self, index: int, size: int) -> list[Prompt]:
         """Prompts ``[index * size, (index + 1) * size)`` of the endless epoch sequence."""
-        start = index * size
+        return self._slice(index * size, size, stream=0)
+
+    def more_batch(self, index: int, round_no: int, size: int, *, max_rounds: int) -> list[Prompt]:
+        """Dynamic sampling's round ``round_no`` (2 .. ``max_rounds``) of rollout ``index``: ``size`` prompts.
+
+        They come from a second seeded order, at a position set by ``(index, round_no)``, so that a resumed run draws
+        the same ones and the first rounds (``batch(index, size)``) are those of a run without dynamic sampling.
+        """
+        return self._slice(((index * (max_rounds - 1)) + round_no - 2) * size, size, stream=1)
+
+    def _slice(self, start: int, size: int, *, stream: int) -> list[Prompt]:
         out = []
         for position in range(start, start + size):
             epoch, offset = divmod(position, len(self.prompts))
-            out.append(self.prompts[self._order(epoch)[offset]])
+            out.append(self.prompts[self._order(epoch, stream)[offset]])
         return out
 
     def head(self, size: int) -> list[Prompt]:

@@ -15,7 +15,13 @@ logger = logging.getLogger(__name__)
 
 
 class DriverRollouts:
-    """Per-rollout generation through ``tidal.rollout.generate_partial_rollout`` (carry-over kept between calls)."""
+    """Per-rollout generation through ``tidal.rollout.generate_partial_rollout`` (carry-over kept between calls).
+
+    Dynamic sampling runs up to ``--dynamic-sampling-max-rounds`` rounds of ``--over-sampling-batch-size`` prompts
+    (the first the rollout's own batch, the next from ``PromptDataset.more_batch``) and stops the run with one line
+    when the batch is still short; a custom generate function makes every sample here, through the router or the
+    one engine.
+    """
 
     def __init__(self, job, engines, train_data, reward_fn, *, tokenizer) -> None:
         """Load the group filter, if any; nothing starts here.
@@ -31,6 +37,11 @@ class DriverRollouts:
             from tidal.rollout import resolve_group_filter
 
             self.group_filter = resolve_group_filter(job.rollout.dynamic_sampling_filter_path)
+        self.generate_fn = None
+        if job.rollout.custom_generate_function_path:  # runs here, in the driver, on the router or the one engine
+            from tidal.rollout import load_generate_fn
+
+            self.generate_fn = load_generate_fn(job.rollout.custom_generate_function_path)
 
     @property
     def driver_side(self) -> bool:
@@ -70,6 +81,10 @@ class DriverRollouts:
         wanted = job.batching.rollout_batch_size
         size = job.rollout.over_sampling_batch_size or wanted
         prompts = self.data.batch(rollout_id, size)
+        max_rounds = job.rollout.dynamic_sampling_max_rounds
+
+        def more_prompts(round_no: int) -> list[tuple[tuple[int, ...], object]]:  # dynamic sampling's rounds 2, 3, ...
+            return [(p.ids, p.label) for p in self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)]
 
         def attempt():
             return generate_partial_rollout(
@@ -85,6 +100,10 @@ class DriverRollouts:
                 mask_offpolicy=job.rollout.mask_offpolicy_in_partial_rollout,
                 # --max-staleness: a weight update aborts the engines' requests; the cut samples go out again
                 resume_interrupted=self.engines.async_plan.resume_interrupted,
+                generate_fn=self.generate_fn,
+                max_concurrency=job.rollout.generate_max_concurrency if self.generate_fn else 64,
+                max_rounds=max_rounds,
+                more_prompts=more_prompts,
             )
 
         try:
@@ -98,9 +117,6 @@ class DriverRollouts:
             self.engines.restart_dead_engines()
             result = attempt()
         self.carry = list(result.carry_over) if job.rollout.partial_rollout else []
-        if len(result.samples) != wanted * job.rollout.n_samples_per_prompt:
-            raise RuntimeError(
-                f"rollout {rollout_id}: {len(result.samples)} samples for {wanted} groups of "
-                f"{job.rollout.n_samples_per_prompt}; raise --over-sampling-batch-size or loosen the group filter"
-            )
+        # Dynamic sampling raised already when its rounds came up short; every prompt batch holds enough groups.
+        assert len(result.samples) == wanted * job.rollout.n_samples_per_prompt, (len(result.samples), wanted)
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}

@@ -290,6 +290,8 @@ class RolloutConfig:
         spec = self.dynamic_sampling_filter_path
         if self.over_sampling_batch_size is not None and spec is None:
             logger.warning("--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path")
+        if self.dynamic_sampling_max_rounds != 16 and spec is None:
+            logger.warning("--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path")
         if spec is not None and ":" not in spec and spec not in BUILTIN_GROUP_FILTER_NAMES:
             raise ValueError(
                 f"--dynamic-sampling-filter-path must be one of {list(BUILTIN_GROUP_FILTER_NAMES)} or look like "

@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 import functools
 import inspect
-from collections.abc import Awaitable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from tidal.rollout.client import SGLangClient
@@ -124,7 +124,7 @@ async def _awaited(result: Awaitable[Sample]) -> Sample:
 
 
 def _count(progress: GenerationProgress, future: Future) -> None:
-    if future.exception() is None:
+    if not future.cancelled() and future.exception() is None:
         progress.update(1)
 
 
@@ -146,24 +146,63 @@ def run_generate_fn(
     Raises:
         RolloutError: A call failed or returned something other than a Sample (the first such, by prompt).
     """
+    groups = run_generate_fn_groups(
+        fn, engine, prompts, sampling_params, labels=labels, max_concurrency=max_concurrency, progress=progress
+    )
+    return [sample for g in range(len(prompts)) for sample in groups[g]]
+
+
+def run_generate_fn_groups(
+    fn: GenerateFn,
+    engine: SGLangClient,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: Mapping[str, Any],
+    *,
+    labels: Sequence[Any] | None = None,
+    max_concurrency: int = 64,
+    progress: GenerationProgress | None = None,
+    on_group_done: Callable[[int, list[Sample]], bool] | None = None,
+) -> dict[int, list[Sample]]:
+    """Call ``fn`` ``n`` times per prompt; each group is handed to ``on_group_done`` as its last call returns.
+
+    ``on_group_done(g, samples)`` returning True stops the generation: calls not yet started are cancelled, those
+    running finish (a custom function's sample cannot be cut and resumed), and only the groups finished so far are
+    returned. Groups are started in prompt order, at most ``max_concurrency`` calls at once.
+
+    Returns:
+        The finished groups by prompt index, each with ``group_index`` the prompt's index and its label.
+
+    Raises:
+        RolloutError: A call failed or returned something other than a Sample (the first such, by prompt).
+    """
     params = dict(sampling_params)
     n = int(params.pop("n", 1))
     jobs = [group for group in range(len(prompts)) for _ in range(n)]
     if not jobs:
-        return []
+        return {}
     label_of = (lambda g: None) if labels is None else (lambda g: labels[g])
+    done: dict[int, list[Sample]] = {}
     with ThreadPoolExecutor(max_workers=min(max_concurrency, len(jobs)), thread_name_prefix="generate") as pool:
         futures = [pool.submit(_call_one, fn, engine, list(prompts[g]), params, label_of(g)) for g in jobs]
         if progress is not None:
             for future in futures:
                 future.add_done_callback(functools.partial(_count, progress))
-        samples = []
-        for group, future in zip(jobs, futures, strict=True):
+        stopped = False
+        for first in range(0, len(jobs), n):  # group by group, in prompt order
+            group = jobs[first]
             try:
-                sample = future.result()
+                samples = [future.result() for future in futures[first : first + n]]
+            except CancelledError:
+                continue
             except RolloutError:
                 raise
             except Exception as e:
                 raise RolloutError(f"{FLAG}: {fn!r} failed on prompt {group}: {e!r}") from e
-            samples.append(dataclasses.replace(sample, group_index=group, label=label_of(group)))
-    return samples
+            if stopped:
+                continue  # finished after the stop: not handed over
+            done[group] = [dataclasses.replace(s, group_index=group, label=label_of(group)) for s in samples]
+            if on_group_done is not None and on_group_done(group, done[group]):
+                stopped = True
+                for future in futures:
+                    future.cancel()  # not started yet: never sent
+    return done

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.rollout.client import SGLangClient
+from tidal.rollout.custom_generate import FLAG, GenerateFn, run_generate_fn_groups
 from tidal.rollout.dispatch import fresh_group, run_groups
 from tidal.rollout.errors import RolloutError
 from tidal.rollout.progress import DEFAULT_LOG_EVERY_S, GenerationProgress
@@ -183,8 +184,15 @@ def generate_partial_rollout(
     max_concurrency: int = 64,
     progress_every_s: float = DEFAULT_LOG_EVERY_S,
     resume_interrupted: bool = False,
+    generate_fn: GenerateFn | None = None,
+    max_rounds: int = 1,
+    more_prompts: Callable[[int], Sequence[tuple[Sequence[int], Any]]] | None = None,
 ) -> PartialRolloutResult:
     """Generate until ``num_groups`` groups are finished, abort the rest and hand it over (``--partial-rollout``).
+
+    Under dynamic sampling (``group_filter``) the first round is ``carry_over`` and ``prompts``; while fewer than
+    ``num_groups`` groups are kept once every group of a round is done, another round starts on
+    ``more_prompts(round)`` (round 2, 3, ...), at most ``max_rounds`` rounds in all.
 
     Args:
         target: An engine or a :class:`~tidal.rollout.router.RolloutRouter` (its ``abort`` reaches every engine).
@@ -199,18 +207,30 @@ def generate_partial_rollout(
             groups are discarded and counted.
         mask_offpolicy: Zero the loss mask of tokens that older weights sampled (see :func:`mask_offpolicy_tokens`);
             the current version is the target's ``weight_version``.
-        max_concurrency: Most requests in flight.
+        max_concurrency: Most requests (or ``generate_fn`` calls) in flight.
         progress_every_s: Seconds between progress log lines.
         resume_interrupted: Samples that an interruptible weight update (not this call's own abort) cut are sent
             again at once and finish under the new weights (see :func:`~tidal.rollout.dispatch.run_groups`).
+        generate_fn: A custom generate function (``--custom-generate-function-path``) makes each sample, one call
+            per sample; once the batch is full the calls not started are cancelled and those running finish (a
+            custom sample is not cut): groups not finished are carried over unstarted.
+        max_rounds: Most rounds under ``group_filter`` (``--dynamic-sampling-max-rounds``).
+        more_prompts: ``(token ids, label)`` of the prompts of round ``r`` >= 2 (``--over-sampling-batch-size`` of
+            them); None: one round.
 
     Returns:
-        The finished groups, the groups to carry over and ``rollout/partial/*`` metrics.
+        The finished groups, the groups to carry over, ``rollout/partial/*`` metrics and, under ``group_filter``,
+        ``rollout/dynamic_sampling/{rounds,groups_generated,groups_dropped,groups_surplus,kept_frac}``.
+
+    Raises:
+        RolloutError: Under ``group_filter``, fewer than ``num_groups`` groups kept after ``max_rounds`` rounds (or
+            when ``more_prompts`` ran out): one line with the counts and the options to change.
     """
     if labels is not None and len(labels) != len(prompts):
         raise ValueError(f"got {len(labels)} labels for {len(prompts)} prompts")
     if group_filter is not None and reward_fn is None:
         raise ValueError("group_filter needs reward_fn: groups are filtered on their rewards")
+    _check_resumable(carry_over, generate_fn)
     n = int(sampling_params.get("n", 1))
     groups = [list(group) for group in carry_over]
     groups += [fresh_group(ids, n, label=None if labels is None else labels[i]) for i, ids in enumerate(prompts)]
@@ -229,10 +249,16 @@ def generate_partial_rollout(
     done_before = {g for g, group in enumerate(groups) if all(s.finish_reason != "abort" for s in group)}
     full = any(finished(g) for g in sorted(done_before))  # surplus groups of the previous call count first
     to_run = [] if full else [g for g in range(len(groups)) if g not in done_before]
-    unfinished = sum(s.finish_reason == "abort" for g in to_run for s in groups[g])
-    with GenerationProgress(unfinished, desc="partial rollout", log_every_s=progress_every_s) as progress:
-        if to_run:
-            run_groups(
+
+    def run_round(to_run: list[int]) -> bool:  # True when the batch filled up (the rest was stopped)
+        unfinished = sum(s.finish_reason == "abort" for g in to_run for s in groups[g])
+        with GenerationProgress(unfinished, desc="partial rollout", log_every_s=progress_every_s) as progress:
+            if not to_run:
+                return False
+            if generate_fn is not None:
+                return _run_generate_fn(generate_fn, target, groups, to_run, sampling_params, finished, decode,
+                                        max_concurrency=max_concurrency, progress=progress)  # fmt: skip
+            return run_groups(
                 target,
                 [groups[g] for g in to_run],
                 sampling_params,
@@ -242,6 +268,21 @@ def generate_partial_rollout(
                 on_group_done=lambda i: finished(to_run[i]),
                 resume_interrupted=resume_interrupted,
             )
+
+    full = full or run_round(to_run)
+    rounds = 1
+    while not full and group_filter is not None and more_prompts is not None and rounds < max_rounds:
+        batch = list(more_prompts(rounds + 1))
+        if not batch:
+            break
+        rounds += 1
+        logger.info("dynamic sampling: %d/%d groups kept after round %d; round %d", len(kept), num_groups,
+                    rounds - 1, rounds)  # fmt: skip
+        start = len(groups)
+        groups += [fresh_group(ids, n, label=label) for ids, label in batch]
+        full = run_round(list(range(start, len(groups))))
+    if group_filter is not None and len(kept) < num_groups:
+        raise _short_batch(len(kept), num_groups, len(dropped), rounds, ran_out=rounds < max_rounds)
     taken = kept[:num_groups]
     samples = [dataclasses.replace(s, group_index=i) for i, g in enumerate(taken) for s in groups[g]]
     rest = [groups[g] for g in range(len(groups)) if g not in set(taken) and g not in dropped]
@@ -251,6 +292,8 @@ def generate_partial_rollout(
         "rollout/partial/aborted_samples": float(sum(s.finish_reason == "abort" for group in rest for s in group)),
         "rollout/partial/groups_dropped": float(len(dropped)),
     }
+    if group_filter is not None:
+        metrics |= _dynamic_sampling_metrics(rounds, kept=len(kept), dropped=len(dropped), taken=len(taken))
     if samples:
         current = target.get_model_info().get("weight_version")
         metrics["rollout/partial/offpolicy_token_frac"] = _offpolicy_frac(samples, current)
@@ -264,3 +307,70 @@ def generate_partial_rollout(
         len(dropped),
     )
     return PartialRolloutResult(samples=samples, carry_over=rest, num_groups=len(taken), metrics=metrics)
+
+
+def _check_resumable(carry_over: Sequence[Sequence[Sample]], generate_fn: GenerateFn | None) -> None:
+    if generate_fn is not None and any(s.response_ids for group in carry_over for s in group):
+        raise ValueError(f"{FLAG}: a custom generate function's sample cannot be resumed; carry over unstarted groups")
+
+
+def _dynamic_sampling_metrics(rounds: int, *, kept: int, dropped: int, taken: int) -> dict[str, float]:
+    """``rollout/dynamic_sampling/*``: rounds, groups generated (kept or dropped), dropped, kept beyond the batch."""
+    return {
+        "rollout/dynamic_sampling/rounds": float(rounds),
+        "rollout/dynamic_sampling/groups_generated": float(kept + dropped),
+        "rollout/dynamic_sampling/groups_dropped": float(dropped),
+        "rollout/dynamic_sampling/groups_surplus": float(kept - taken),
+        "rollout/dynamic_sampling/kept_frac": kept / (kept + dropped) if kept + dropped else 0.0,
+    }
+
+
+def _short_batch(kept: int, wanted: int, dropped: int, rounds: int, *, ran_out: bool) -> RolloutError:
+    why = f"when the prompts ran out after {rounds} round(s)" if ran_out else f"after {rounds} round(s)"
+    return RolloutError(
+        f"dynamic sampling kept {kept} of {wanted} groups {why} ({kept + dropped} groups generated, {dropped} dropped "
+        "by the filter); the prompts are too easy or too hard for the policy: raise --dynamic-sampling-max-rounds or "
+        "--over-sampling-batch-size, or change --dynamic-sampling-filter-path"
+    )
+
+
+def _run_generate_fn(
+    fn: GenerateFn,
+    target: SGLangClient,
+    groups: list[list[Sample]],
+    to_run: list[int],
+    sampling_params: Mapping[str, Any],
+    finished: Callable[[int], bool],
+    decode: Callable[[list[int]], str] | None,
+    *,
+    max_concurrency: int,
+    progress: GenerationProgress,
+) -> bool:
+    """Make the samples of the groups ``to_run`` with ``fn``, handing each finished group to ``finished``.
+
+    Returns:
+        Whether ``finished`` said the batch is full (the calls not started then were cancelled).
+    """
+    full = False
+
+    def done(i: int, samples: list[Sample]) -> bool:
+        nonlocal full
+        g = to_run[i]
+        if decode is not None:
+            samples = [s if s.response_text else dataclasses.replace(s, response_text=decode(list(s.response_ids)))
+                       for s in samples]  # fmt: skip
+        groups[g] = samples
+        full = finished(g)
+        return full
+
+    run_generate_fn_groups(
+        fn,
+        target,
+        [groups[g][0].prompt_ids for g in to_run],
+        sampling_params,
+        labels=[groups[g][0].label for g in to_run],
+        max_concurrency=max_concurrency,
+        progress=progress,
+        on_group_done=done,
+    )
+    return full

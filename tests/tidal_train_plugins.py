@@ -1,0 +1,43 @@
+"""Extension points the `train` runs of the cross-package tests load by import path (tests/ on PYTHONPATH).
+
+Both read files named by environment variables, so that a test decides what they do and sees where they ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from tidal.rollout import Sample
+
+TOOL_IDS = (5, 6, 7)
+"""The "tool reply" inserted between the two turns (loss mask 0)."""
+
+
+def two_turns_with_a_tool(engine, prompt_ids: list[int], sampling_params: dict[str, Any], *, label) -> Sample:
+    """Two generated turns around TOOL_IDS, within the response length; appends ``pid argv[0]`` to $TIDAL_TEST_CALLS."""
+    with open(os.environ["TIDAL_TEST_CALLS"], "a") as f:
+        f.write(f"{os.getpid()} {sys.argv[0]}\n")
+    limit = sampling_params["max_new_tokens"]
+    params = {k: v for k, v in sampling_params.items() if k != "n"}
+    (first,) = engine.generate([prompt_ids], {**params, "max_new_tokens": 2})
+    response = [*first["output_ids"], *TOOL_IDS]
+    (second,) = engine.generate([[*prompt_ids, *response]], {**params, "max_new_tokens": limit - len(response)})
+    return Sample(
+        prompt_ids=prompt_ids,
+        response_ids=[*response, *second["output_ids"]],
+        response_log_probs=[*first["output_log_probs"], *[0.0] * len(TOOL_IDS), *second["output_log_probs"]],
+        response_loss_mask=[1] * len(first["output_ids"]) + [0] * len(TOOL_IDS) + [1] * len(second["output_ids"]),
+        finish_reason=second["finish_reason"],
+        label=label,
+        weight_version=second["weight_version"],
+    )
+
+
+def keep_listed_prompts(group) -> bool:
+    """Keep a group whose prompt ids are listed in the JSON file $TIDAL_TEST_KEEP."""
+    with open(os.environ["TIDAL_TEST_KEEP"]) as f:
+        keep = {tuple(ids) for ids in json.load(f)}
+    return tuple(int(t) for t in group[0].prompt_ids) in keep
