@@ -184,6 +184,23 @@ def test_resumed_rollout_used_the_prompts_of_an_uninterrupted_run(resumed):
         assert [list(s.prompt_ids) for s in samples] == expected, rollout_id
 
 
+def test_resume_read_no_hf_weights(resumed):
+    # The killed run's rank 0 read the HF weights once (rank 1 got them by broadcast); the resumed run, whose --load
+    # overwrites them, read none. Both runs append to the same per-rank logs.
+    from safetensors.torch import load_file
+    from tidal.train.embedded_model import embedded_model_path
+
+    out, *_ = resumed
+    total = sum(t.numel() * t.element_size() for t in load_file(embedded_model_path() / "model.safetensors").values())
+    read = {
+        rank: re.findall(
+            r"actor weights: .*this rank read (\d+) bytes", (out / "logs" / f"actor_r{rank}.log").read_text()
+        )
+        for rank in (0, 1)
+    }
+    assert read == {0: [str(total), "0"], 1: ["0", "0"]}
+
+
 def test_resumed_engines_serve_the_checkpointed_weights(resumed):
     # The first rollout after resume was sampled by the weights of the checkpoint (version 2), not the HF start.
     out, *_ = resumed

@@ -219,7 +219,8 @@ def test_checkpoint_holds_the_adapters_alone_and_resumes_exactly(dist_env, qwen2
             check_adapter_checkpoint(tmp_path / path, lora_rank=rank)
     check_adapter_checkpoint(tmp_path / "full", lora_rank=0)
 
-    b = Actor(cfg)
+    b = Actor(cfg, weights="checkpoint")  # what --load builds: a LoRA checkpoint has no base, so it is read from HF
+    assert b.hf_bytes_read > 0
     state, _ = load_checkpoint(tmp_path / "ckpt", b.sharded_state_dict())
     b.load_state_dict(state)
     assert b.num_steps == 1

@@ -79,7 +79,10 @@ class ActorWorker(WeightSender):
         self.batching_cfg = batching_cfg
         self.hf_checkpoint = actor_cfg.hf_checkpoint
         self.checkpoints = CheckpointIO.from_config(ckpt_cfg)
-        self.actor = Actor(actor_cfg)
+        # HF weights are read once, by rank 0 (broadcast to the others), and not at all where --load overwrites them:
+        # the reference and the critic copy the actor's when they start from the same checkpoint.
+        resume = bool(ckpt_cfg.load)
+        self.actor = Actor(actor_cfg, weights="checkpoint" if resume else "hf")
         self.reference = None
         if (actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0) and actor_cfg.lora_rank:
             from tidal.actor.lora import BaseReference  # the base model: the actor with its adapters off
@@ -88,12 +91,14 @@ class ActorWorker(WeightSender):
         elif actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0:  # frozen, offloaded to CPU between rollouts
             from tidal.actor import ReferenceModel
 
-            self.reference = ReferenceModel(actor_cfg, load_dir=ckpt_cfg.ref_load)
+            lend = None if resume else self.actor  # --load does not hold the reference: from HF or --ref-load
+            self.reference = ReferenceModel(actor_cfg, load_dir=ckpt_cfg.ref_load, weights_from=lend)
         self.critic = None
         if actor_cfg.advantage_estimator == "ppo":  # a second model on the same GPUs, with its own optimizer
             from tidal.actor import Critic
 
-            self.critic = Critic(actor_cfg, load_dir=ckpt_cfg.critic_load)
+            weights = "checkpoint" if resume else self.actor  # --load holds the critic too
+            self.critic = Critic(actor_cfg, load_dir=ckpt_cfg.critic_load, weights=weights)
 
     def ready(self) -> bool:
         """True once the model is built and loaded (the constructor finished)."""

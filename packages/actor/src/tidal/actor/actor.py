@@ -65,7 +65,16 @@ class Actor:
     ckpt_prefix = ""
     """Prefix of the model's keys in Megatron checkpoints (two models may share one checkpoint)."""
 
-    def __init__(self, cfg: ActorConfig) -> None:
+    def __init__(self, cfg: ActorConfig, *, weights: str | Actor = "hf") -> None:
+        """Build this rank's model and optimizer (collective: every rank of the group builds it at once).
+
+        ``weights`` says where the initial weights come from: ``"hf"`` reads ``cfg.hf_checkpoint`` (rank 0 reads,
+        every rank gets its shards by broadcast: :func:`tidal.actor.bridge.load_hf_weights`); an ``Actor`` of the
+        same layout built from the same checkpoint lends its current parameters (a copy in memory, nothing read;
+        a critic takes all but the LM head); ``"checkpoint"`` reads nothing and leaves the parameters as Megatron
+        initialised them, for a checkpoint that :meth:`load_state_dict` loads next: until it has, the model refuses
+        to compute or export.
+        """
         apply_cpu_compat()
         if not parallel_state.model_parallel_is_initialized():
             raise ActorError("Actor needs torch.distributed and Megatron parallel state: call init_distributed first")
@@ -102,7 +111,9 @@ class Actor:
         if self.spec.moe is not None:
             moe_loss.prepare_model(self.model)
             self._expert_load = moe_loss.ExpertLoad(self.model)
-        load_hf_weights(self.model, self.spec, cfg.hf_checkpoint, self.stage, value_head=self.value_head)
+        self._awaiting_checkpoint = False
+        self.hf_bytes_read = self._init_weights(weights)
+        """Bytes of HF weights this rank read while it was built (0 on every rank but rank 0, and without "hf")."""
         set_cudnn_min_segment(self.model, cfg.cudnn_attention_min_tokens)
         self.lora = None
         """The LoRA adapters (``tidal.actor.lora.LoRA``) with ``--lora-rank`` > 0: the base is frozen."""
@@ -159,6 +170,35 @@ class Actor:
             sum(p.numel() for p in self.params),
             self.device,
         )
+
+    def _init_weights(self, weights: str | Actor) -> int:
+        """Fill the model's parameters from ``weights`` (see ``__init__``); the bytes of HF weights read here."""
+        read = 0
+        if isinstance(weights, Actor):
+            weights.require_weights()
+            _copy_parameters(self.model, weights.model, skip_head=self.value_head)
+            how = f"copied from the {weights.kind} built from the same checkpoint"
+        elif weights == "hf":
+            hf = self.cfg.hf_checkpoint
+            read = load_hf_weights(self.model, self.spec, hf, self.stage, value_head=self.value_head)
+            how = f"read from {hf} by rank 0" if dist.get_rank() == 0 else f"{hf}'s, broadcast from rank 0"
+        elif weights == "checkpoint" and self.cfg.lora_rank:  # a LoRA checkpoint holds the adapters alone
+            return self._init_weights("hf")
+        elif weights == "checkpoint":
+            self._awaiting_checkpoint = True
+            how = "left for the checkpoint loaded next"
+        else:
+            raise ValueError(f'weights must be "hf", "checkpoint" or an Actor, got {weights!r}')
+        logger.info("%s weights: %s; this rank read %d bytes of HF weights", self.kind, how, read)
+        return read
+
+    def require_weights(self) -> None:
+        """Raise unless the model holds real weights (built with ``weights="checkpoint"``: once one is loaded)."""
+        if self._awaiting_checkpoint:
+            raise ActorError(
+                f"the {self.kind} was built without weights for a checkpoint to load (weights='checkpoint'), and "
+                "none was loaded: call load_state_dict with its 'model' section first"
+            )
 
     def _forward(self, batch: PackedBatch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs (and entropy) of ``batch`` in tidal's convention, on the model's device.
@@ -227,6 +267,7 @@ class Actor:
             float32 ``[T]`` on CPU: position t holds log p(tokens[t] | earlier tokens of its sequence),
             0 at each sequence's first token (and meaningless on the padding tail).
         """
+        self.require_weights()  # before any collective: every rank refuses alike
         self.model.eval()
         if self.stage.size == 1:
             lp, _ = self._guard_oom(lambda: self._forward(batch, with_entropy=False), [batch], logprob=True)
@@ -298,6 +339,7 @@ class Actor:
             "train/num_loss_tokens", "train/skipped" (1.0 when this step was skipped), "train/skipped_steps" (the
             running total of skipped steps).
         """
+        self.require_weights()  # before any collective: every rank refuses alike
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
         self.model.train()
@@ -440,6 +482,7 @@ class Actor:
 
         The checkpoint path: tensors as the optimizer holds them (with ``fp32_main_params``, the fp32 main copies).
         """
+        self.require_weights()
         params = None
         if self.lora:  # the merged weights; with --fp32-main-params from the model's adapters
             return named_hf_tensors(self.model, self.spec, params=self._merged(), stage=self.stage)
@@ -465,6 +508,7 @@ class Actor:
         the next export). With ``stage_only`` only this pipeline stage's HF tensors (in HF order; the tied
         embedding from the first stage), with no broadcast between stages: only this rank's TP group iterates.
         """
+        self.require_weights()
         key = (dtype, bucket_bytes, reuse_buffers, stage_only)
         if key not in self._exporters:
             params = dict(self.model.named_parameters()) if not self.lora else self._merged()
@@ -588,6 +632,7 @@ class Actor:
                 self.lora.load_sharded(model, prefix=self.ckpt_prefix)
             else:  # the keys carry the prefix they were saved under
                 self.model.load_state_dict({k.removeprefix(self.ckpt_prefix): v for k, v in model.items()}, strict=True)
+            self._awaiting_checkpoint = False
             if self.main_params:
                 self.main_params.copy_from_model()
         if optim is not None:
@@ -600,6 +645,23 @@ class Actor:
                     for i, main in mains.items():
                         self.main_params.main[i].copy_(main)
                 self.main_params.copy_to_model()
+
+
+@torch.no_grad()
+def _copy_parameters(dst: torch.nn.Module, src: torch.nn.Module, *, skip_head: bool) -> None:
+    """Copy every parameter of ``dst`` from ``src``'s of the same name (a model of the same layout and rank).
+
+    ``skip_head``: ``dst`` is a critic, whose value head (``output_layer.*``) keeps its own initial weights.
+    """
+    source = dict(src.named_parameters())
+    for name, param in dst.named_parameters():
+        if skip_head and name.startswith("output_layer."):
+            continue
+        other = source.get(name)
+        if other is None or other.shape != param.shape:
+            found = "none" if other is None else tuple(other.shape)
+            raise ActorError(f"cannot copy {name} {tuple(param.shape)} from a model of another layout (it has {found})")
+        param.copy_(other)
 
 
 _ONE = torch.ones((), dtype=torch.int)  # the "token count" handed to Megatron's schedule (it does not rescale)

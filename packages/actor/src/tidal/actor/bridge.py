@@ -14,8 +14,9 @@ Layout facts (megatron-core 0.19, local spec):
 * With pipeline parallelism a stage's module names its layers from 0 (``pipeline.PipelineStage.local_name``);
   the mappings here use global layer indices. Export broadcasts each HF tensor from its owning stage.
 
-HF safetensors are read with ``safetensors.safe_open`` directly (random access by name, one tensor
-at a time) because QKV and gate/up merging needs several HF tensors per Megatron parameter.
+HF safetensors are read through ``tidal.ckpt.HFCheckpointReader`` (random access by name, one tensor at a time:
+QKV and gate/up merging need several HF tensors per Megatron parameter), by rank 0 alone, which broadcasts each
+tensor to the other ranks (:func:`load_hf_weights`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from safetensors import safe_open
 from tidal.actor.attention import PackedCoreAttention
 from tidal.actor.cp_attention import ContextParallelCoreAttention
 from tidal.actor.fused import (
@@ -51,6 +51,7 @@ from tidal.actor.moe_experts import GroupedExperts
 from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 from tidal.actor.rope_scaling import apply_rope_scaling
 from tidal.actor.vocab_padding import install_padded_logits_mask, pad_vocab_rows, padded_vocab_size
+from tidal.ckpt import HFCheckpointReader
 from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -357,35 +358,14 @@ def gather_shards(m: _Mapping, local: torch.Tensor) -> list[torch.Tensor] | None
     return gathered
 
 
-class HFSafetensorsReader:
-    """Random access by name to the tensors of an HF safetensors checkpoint (one or many shards)."""
-
-    def __init__(self, hf_dir: str | Path) -> None:
-        self._files: dict[str, Path] = {}
-        files = sorted(Path(hf_dir).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in HF checkpoint dir {hf_dir}")
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    self._files[name] = path
-
-    def names(self) -> set[str]:
-        """All tensor names in the checkpoint."""
-        return set(self._files)
-
-    def get(self, name: str) -> torch.Tensor:
-        """Load one tensor (on CPU)."""
-        with safe_open(self._files[name], framework="pt") as f:
-            return f.get_tensor(name)
-
-
-def _check_hf_names(spec: HFModelSpec, available: set[str]) -> None:
-    expected = set(expected_hf_shapes(spec))
-    missing = sorted(expected - available)
+def _check_hf(spec: HFModelSpec, reader: HFCheckpointReader) -> None:
+    """Every tensor the config implies, none it does not, each of its shape: from the shards' headers alone."""
+    expected = expected_hf_shapes(spec)
+    available = set(reader.names())
+    missing = sorted(set(expected) - available)
     extra = sorted(
         n
-        for n in available - expected
+        for n in available - set(expected)
         if not n.endswith(_IGNORED_HF_SUFFIXES) and not (spec.tie_word_embeddings and n == "lm_head.weight")
     )
     if missing or extra:
@@ -394,6 +374,27 @@ def _check_hf_names(spec: HFModelSpec, available: set[str]) -> None:
             f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
             f"unexpected tensors {extra[:8]}{'...' if len(extra) > 8 else ''}"
         )
+    for name, shape in expected.items():
+        if reader.shape(name) != shape:
+            raise ValueError(f"HF tensor {name} has shape {reader.shape(name)}, expected {shape} from config.json")
+
+
+def _open_on_rank0(spec: HFModelSpec, hf_dir: str | Path, rank: int, world: int) -> HFCheckpointReader | None:
+    """Rank 0's checked reader (None elsewhere); a problem rank 0 finds is raised on every rank, not only there."""
+    reader, problem = None, None
+    if rank == 0:
+        try:
+            reader = HFCheckpointReader(hf_dir)
+            _check_hf(spec, reader)
+        except Exception as e:  # raised on every rank below: the others must not wait for tensors that never come
+            problem = e
+    if world > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise problem
+    return reader
 
 
 @torch.no_grad()
@@ -404,47 +405,73 @@ def load_hf_weights(
     stage: PipelineStage | None = None,
     *,
     value_head: bool = False,
-) -> None:
-    """Copy an HF checkpoint's weights into this rank's shards of ``model`` (``stage``'s layers, embedding, head).
+) -> int:
+    """Copy an HF checkpoint's weights into every rank's shards of ``model`` (``stage``'s layers, embedding, head).
 
-    With ``value_head`` (a critic, :func:`build_gpt_model`) the LM head is not loaded and the value head keeps its
-    initial weights.
+    Collective over the default process group (the actor's ranks; a single process without one): rank 0 alone
+    reads the checkpoint, each HF tensor once, and broadcasts it in the model's dtype; every rank keeps its own TP
+    shard of the tensors its pipeline stage holds. So only rank 0's node needs the weight files, and the job
+    reads them once, whatever its TP, CP, PP and DP sizes. With ``value_head`` (a critic,
+    :func:`build_gpt_model`) the LM head is not loaded and the value head keeps its initial weights.
+
+    Returns:
+        The bytes of tensor data this rank read from the checkpoint (0 on every rank but 0).
 
     Raises:
-        ValueError: a tensor is missing, unexpected or has the wrong shape (the message names it).
+        ValueError: on every rank, a tensor is missing, unexpected or has the wrong shape (the message names it).
+        HFCheckpointError: on every rank, ``hf_dir`` is not a readable HF checkpoint.
     """
-    reader = HFSafetensorsReader(hf_dir)
-    _check_hf_names(spec, reader.names())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    reader = _open_on_rank0(spec, hf_dir, rank, world)
     shapes = expected_hf_shapes(spec)
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
     params = dict(model.named_parameters())
+    some = next(iter(params.values()))
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
+    local_of: dict[tuple[str, ...], list[tuple[_Mapping, str]]] = {}  # HF names -> this rank's parameters of them
     for m, local_name in stage_mappings(spec, stage):
+        if not (value_head and m.megatron == "output_layer.weight"):
+            local_of.setdefault(m.hf, []).append((m, local_name))
+    for m in weight_mappings(spec):  # the same order on every rank: one broadcast per HF tensor
         if value_head and m.megatron == "output_layer.weight":
             continue
-        full = []
-        for name in local_hf_names(m, ep_rank, ep_size):
-            tensor = reader.get(name)
-            if tuple(tensor.shape) != shapes[name]:
-                raise ValueError(
-                    f"HF tensor {name} has shape {tuple(tensor.shape)}, expected {shapes[name]} from config.json"
-                )
-            full.append(tensor)
-        param = params.pop(local_name, None)
-        if param is None:
-            raise ValueError(f"Megatron model has no parameter {local_name} (for HF {', '.join(m.hf)})")
-        local = _to_local(m, full, spec, rank, size)
-        if local.shape != param.shape:
-            raise ValueError(f"{local_name}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
-        param.copy_(local)
+        full: dict[str, torch.Tensor] = {}
+        for name in m.hf:
+            if reader is not None:
+                tensor = reader.get(name).to(device=some.device, dtype=some.dtype)
+            else:
+                tensor = torch.empty(shapes[name], device=some.device, dtype=some.dtype)
+            if world > 1:
+                dist.broadcast(tensor, src=0)
+            full[name] = tensor
+        for mine, local_name in local_of.pop(m.hf, []):
+            param = params.pop(local_name, None)
+            if param is None:
+                raise ValueError(f"Megatron model has no parameter {local_name} (for HF {', '.join(m.hf)})")
+            own = [full[name] for name in local_hf_names(mine, ep_rank, ep_size)]  # stacked experts: this rank's
+            local = _to_local(mine, own, spec, tp_rank, tp_size)
+            if local.shape != param.shape:
+                raise ValueError(f"{local_name}: shard shape {tuple(local.shape)} != parameter {tuple(param.shape)}")
+            param.copy_(local)
     if value_head:
         params = {k: v for k, v in params.items() if not k.startswith("output_layer.")}
     if params:
         raise ValueError(f"Megatron parameters with no HF source: {sorted(params)}")
-    logger.info("loaded HF tensors from %s (tp rank %d/%d, pp stage %d/%d)", hf_dir, rank, size, stage.rank, stage.size)
+    read = 0 if reader is None else reader.bytes_read
+    logger.info(
+        "loaded HF tensors from %s (tp rank %d/%d, pp stage %d/%d): %s",
+        hf_dir,
+        tp_rank,
+        tp_size,
+        stage.rank,
+        stage.size,
+        f"read {read} bytes for {world} rank(s)" if reader is not None else "broadcast from rank 0",
+    )
+    return read
 
 
 @torch.no_grad()

@@ -38,6 +38,9 @@ class Critic(Actor):
         load_dir: a tidal checkpoint dir whose ``"critic_model"`` section initialises the critic (``--critic-load``);
             None: the HF checkpoint's backbone and a zero value head.
         ckpt_step: iteration to load from ``load_dir`` (default: the latest).
+        weights: where the backbone's initial weights come from, as for :class:`tidal.actor.Actor`: ``"hf"``
+            reads the checkpoint, the actor built from it lends its parameters (nothing read), ``"checkpoint"``
+            reads nothing for a checkpoint loaded next (always so with ``load_dir``).
     """
 
     value_head = True
@@ -45,11 +48,18 @@ class Critic(Actor):
     metric_prefix = "critic"
     ckpt_prefix = "critic."
 
-    def __init__(self, cfg: ActorConfig, *, load_dir: str | Path | None = None, ckpt_step: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        *,
+        load_dir: str | Path | None = None,
+        ckpt_step: int | None = None,
+        weights: str | Actor = "hf",
+    ) -> None:
         lr = cfg.lr if cfg.critic_lr is None else cfg.critic_lr
         # the actor's loss options do not apply to the value loss
         cfg = dataclasses.replace(cfg, lr=lr, entropy_coef=0.0, loss_type="policy_loss", custom_loss_function_path=None)
-        super().__init__(cfg)
+        super().__init__(cfg, weights="checkpoint" if load_dir is not None else weights)
         self._loss_fn = critic_loss
         self.loss_settings = dataclasses.replace(self.loss_settings, value_clip=cfg.value_clip)
         if load_dir is not None:

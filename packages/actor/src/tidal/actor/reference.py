@@ -3,7 +3,8 @@
 ``ReferenceModel`` wraps an ``Actor`` built from the same ``ActorConfig`` (same architecture, parallel
 layout, packed/CP forward and log-prob code), freezes its parameters, and never creates optimizer
 state (AdamW allocates it lazily, at the first step, which never comes). Its weights come from the HF
-checkpoint, or from a Megatron checkpoint written by ``tidal.ckpt.save_checkpoint`` (``--ref-load``).
+checkpoint (copied from the actor built from it, when given one: the checkpoint is then read once, not twice), or
+from a Megatron checkpoint written by ``tidal.ckpt.save_checkpoint`` (``--ref-load``, with no HF weights read).
 
 With ``offload=True`` the parameters live on the CPU between uses: ``compute_log_probs`` moves them to
 the device, computes, and moves them back, so the reference costs no accelerator memory while the
@@ -38,6 +39,8 @@ class ReferenceModel:
             the weights of ``cfg.hf_checkpoint``.
         ckpt_step: iteration to load from ``load_dir`` (default: the latest).
         offload: keep the parameters on the CPU between uses.
+        weights_from: the actor built from ``cfg.hf_checkpoint`` and not trained yet: its parameters are copied
+            instead of reading the checkpoint again (ignored with ``load_dir``).
     """
 
     def __init__(
@@ -47,10 +50,12 @@ class ReferenceModel:
         load_dir: str | Path | None = None,
         ckpt_step: int | None = None,
         offload: bool = True,
+        weights_from: Actor | None = None,
     ) -> None:
         if cfg.fp32_main_params:  # a frozen model needs no fp32 main copies
             cfg = dataclasses.replace(cfg, fp32_main_params=False)
-        self._actor = Actor(cfg)
+        weights = "checkpoint" if load_dir is not None else (weights_from or "hf")
+        self._actor = Actor(cfg, weights=weights)
         if load_dir is not None:
             from tidal.ckpt import load_checkpoint
 
@@ -68,6 +73,11 @@ class ReferenceModel:
         if offload:
             self.offload()
         logger.info("reference model from %s (offload between uses: %s)", load_dir or cfg.hf_checkpoint, offload)
+
+    @property
+    def hf_bytes_read(self) -> int:
+        """Bytes of HF weights this rank read to build the reference (0 when copied from the actor or loaded)."""
+        return self._actor.hf_bytes_read
 
     @property
     def model(self) -> torch.nn.Module:

@@ -24,7 +24,7 @@ from tidal.ckpt.hf_config_file import read_hf_config_json
 if TYPE_CHECKING:
     from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
     from tidal.ckpt.checkpoint_io import CheckpointIO
-    from tidal.ckpt.hf import save_hf_checkpoint
+    from tidal.ckpt.hf import HFCheckpointReader, save_hf_checkpoint
     from tidal.ckpt.layout import (
         TRACKER_FILENAME,
         best_iteration,
@@ -39,6 +39,7 @@ _LAZY = {
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
     "save_hf_checkpoint": "hf",
+    "HFCheckpointReader": "hf",
     "TRACKER_FILENAME": "layout",
     "best_iteration": "layout",
     "mark_best_iteration": "layout",
@@ -69,6 +70,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CkptConfig",
     "HFCheckpointError",
+    "HFCheckpointReader",
     "IterationNotFoundError",
     "NotAMegatronCheckpointError",
     "TrackerFileMissingError",

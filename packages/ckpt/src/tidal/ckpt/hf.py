@@ -1,8 +1,9 @@
 """Hugging Face checkpoints: stream tensors out of (sharded) safetensors, write them back atomically.
 
-Reading memory-maps each shard with ``safe_open`` and yields one tensor at a time, so peak memory is one tensor,
-not the model. Writing accumulates tensors up to ``max_shard_bytes``, writes each shard as it fills, and
-publishes the whole directory (weights, index, config and tokenizer files) with one rename.
+Reading (:class:`HFCheckpointReader`, the one reader of HF weights) memory-maps a shard with ``safe_open`` and
+copies one tensor out at a time, so peak memory is one tensor, not the model, and counts the bytes it copied.
+Writing accumulates tensors up to ``max_shard_bytes``, writes each shard as it fills, and publishes the whole
+directory (weights, index, config and tokenizer files) with one rename.
 """
 
 from __future__ import annotations
@@ -66,32 +67,72 @@ def _shard_files(hf_dir: Path) -> dict[str, list[str] | None]:
     return dict.fromkeys(shards)
 
 
-def iter_hf_tensors(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every weight of an HF checkpoint, one memory-mapped shard at a time.
+class HFCheckpointReader:
+    """Random access by name to the tensors of an HF safetensors checkpoint; the one place tidal opens them to read.
+
+    Opening reads only the shards' headers (names, shapes, dtypes); :meth:`get` memory-maps one shard and copies one
+    tensor out. :attr:`bytes_read` counts the tensor bytes copied out so far, so a caller can report (and a test can
+    check) how much of the checkpoint this process read.
 
     Args:
         hf_dir: directory with ``model.safetensors`` or shards plus ``model.safetensors.index.json``.
 
     Raises:
         HFCheckpointError: the directory is missing, holds no safetensors, or its index names a missing shard or
-            a tensor its shard does not contain.
+            a tensor its shard does not contain, or a tensor appears in two shards.
     """
-    hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
-        raise HFCheckpointError(f"--hf-checkpoint {hf_dir} is not a directory")
-    seen: set[str] = set()
-    for file, names in _shard_files(hf_dir).items():
-        with safe_open(hf_dir / file, framework="pt", device="cpu") as shard:
-            present = set(shard.keys())
-            wanted = sorted(present) if names is None else names
-            absent = sorted(set(wanted) - present)
-            if absent:
-                raise HFCheckpointError(f"{hf_dir / INDEX_FILENAME} maps {absent[:5]} to {file}, which lacks them")
-            for name in wanted:
-                if name in seen:
-                    raise HFCheckpointError(f"tensor {name!r} appears in more than one shard of {hf_dir}")
-                seen.add(name)
-                yield name, shard.get_tensor(name)
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self.hf_dir = Path(hf_dir)
+        if not self.hf_dir.is_dir():
+            raise HFCheckpointError(f"--hf-checkpoint {self.hf_dir} is not a directory")
+        self.bytes_read = 0
+        """Bytes of tensor data :meth:`get` copied out of the checkpoint since this reader was made."""
+        self._file: dict[str, str] = {}  # tensor name -> shard file, in the shards' order
+        self._shape: dict[str, tuple[int, ...]] = {}
+        for file, names in _shard_files(self.hf_dir).items():
+            with safe_open(self.hf_dir / file, framework="pt", device="cpu") as shard:
+                present = set(shard.keys())
+                wanted = sorted(present) if names is None else names
+                absent = sorted(set(wanted) - present)
+                if absent:
+                    raise HFCheckpointError(
+                        f"{self.hf_dir / INDEX_FILENAME} maps {absent[:5]} to {file}, which lacks them"
+                    )
+                for name in wanted:
+                    if name in self._file:
+                        raise HFCheckpointError(f"tensor {name!r} appears in more than one shard of {self.hf_dir}")
+                    self._file[name] = file
+                    self._shape[name] = tuple(shard.get_slice(name).get_shape())
+
+    def names(self) -> list[str]:
+        """Every tensor name, shard by shard in file order."""
+        return list(self._file)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape ``name`` has in its shard's header (nothing of the data is read)."""
+        return self._shape[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Copy one tensor out of its shard (on CPU); adds its size to :attr:`bytes_read`."""
+        with safe_open(self.hf_dir / self._file[name], framework="pt", device="cpu") as shard:
+            tensor = shard.get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def iter_hf_tensors(hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every weight of an HF checkpoint, one tensor at a time, shard by shard.
+
+    Args:
+        hf_dir: directory with ``model.safetensors`` or shards plus ``model.safetensors.index.json``.
+
+    Raises:
+        HFCheckpointError: see :class:`HFCheckpointReader`.
+    """
+    reader = HFCheckpointReader(hf_dir)
+    for name in reader.names():
+        yield name, reader.get(name)
 
 
 def _write_shards(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int) -> list[list[str]]:
