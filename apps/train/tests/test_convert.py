@@ -140,3 +140,52 @@ def test_moe_round_trip_is_bit_exact(tmp_path):
     assert convert_all([back]) == [0]
     assert_bit_exact(hf, tmp_path / "back")
     assert "model.layers.2.mlp.experts.3.down_proj.weight" in hf_tensors(tmp_path / "back")
+
+
+def test_a_peft_lora_folder_merges_into_the_base_and_sglang_reads_its_config(hf_dir, tmp_path, capsys):
+    from sglang.srt.lora.lora_config import LoRAConfig
+    from tidal.actor.lora_peft import write_peft_adapter
+
+    base = hf_tensors(hf_dir)
+    q, down = "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    torch.manual_seed(1)
+    adapters = {}
+    for name in (q, down):
+        out_f, in_f = base[name].shape
+        stem = name.removesuffix(".weight")
+        adapters |= {f"{stem}.lora_A.weight": torch.randn(8, in_f), f"{stem}.lora_B.weight": torch.randn(out_f, 8)}
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 4.0, "target_modules": ["q_proj", "down_proj"]}
+    adapter = write_peft_adapter(tmp_path / "adapter", adapters, config)
+    served = LoRAConfig(str(adapter))  # what SGLang's --lora-paths reads
+    assert (served.r, served.lora_alpha, served.target_modules) == (8, 4.0, ["q_proj", "down_proj"])
+
+    out = tmp_path / "merged"
+    argv = ["--hf-checkpoint", str(hf_dir), "--lora-adapter", str(adapter), "--save-hf", str(out)]
+    assert convert_main(argv, timeout_s=TIMEOUT_S) == 0
+    merged = hf_tensors(out)
+    assert sorted(merged) == sorted(base)
+    for name, tensor in base.items():
+        if name in (q, down):
+            stem = name.removesuffix(".weight")
+            delta = 0.5 * adapters[f"{stem}.lora_B.weight"] @ adapters[f"{stem}.lora_A.weight"]
+            torch.testing.assert_close(merged[name], (tensor.float() + delta).to(tensor.dtype))
+        else:
+            assert torch.equal(merged[name], tensor), name
+    assert (out / "config.json").is_file()
+
+    # an adapter of another base: one line, exit 2, nothing written
+    adapters[f"{q.removesuffix('.weight')}.lora_A.weight"] = torch.randn(8, 7)
+    write_peft_adapter(tmp_path / "wrong", adapters, config)
+    capsys.readouterr()
+    wrong = [
+        "--hf-checkpoint",
+        str(hf_dir),
+        "--lora-adapter",
+        str(tmp_path / "wrong"),
+        "--save-hf",
+        str(tmp_path / "x"),
+    ]
+    assert convert_main(wrong, timeout_s=TIMEOUT_S) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"does not fit {q} (64, 64): lora_A (8, 7)" in err, err
+    assert not (tmp_path / "x").exists()

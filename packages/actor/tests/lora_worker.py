@@ -40,6 +40,9 @@ def lora_part(rank: int, world: int, port: int, tp: int, pp: int, hf_dir: str) -
     result = {"init_log_probs": actor.compute_log_probs(probe)}
     actor.lora.load_adapter_tensors(seeded_adapters({p.lora_hf_name: p.lora_full_shape for p in actor.params}))
     result["log_probs"] = actor.compute_log_probs(probe)
+    from tidal.actor.lora_peft import gather_adapter_tensors
+
+    result["gathered"] = gather_adapter_tensors(actor.lora)  # --save-hf's PEFT folder: every stage's, on rank 0
     with actor.lora.disabled():
         result["base_log_probs"] = actor.compute_log_probs(probe)
     result["export"] = dict(actor.named_hf_tensors())

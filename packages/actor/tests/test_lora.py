@@ -189,6 +189,12 @@ def test_tp2_and_pp2_match_one_process(single, qwen2_dir, tmp_path):
         for name, g in grads.items():
             torch.testing.assert_close(g, single["grads"][name], atol=1e-6, rtol=1e-4, msg=f"{layout} {name}")
         assert any(g.abs().sum() > 0 for n, g in grads.items() if ".lora_A." in n)
+        # the PEFT folder's tensors: every stage's adapters, whole, on global rank 0 alone
+        seeded = _import("lora_worker").seeded_adapters({n: t.shape for n, t in single["grads"].items()})
+        first, *others = (res[layout]["gathered"] for res in results)
+        assert first.keys() == seeded.keys() and all(not o for o in others)
+        for name, t in first.items():
+            torch.testing.assert_close(t, seeded[name], atol=0, rtol=0, msg=f"{layout} {name}")
 
 
 def test_checkpoint_holds_the_adapters_alone_and_resumes_exactly(dist_env, qwen2_dir, tmp_path, rl_batch):
@@ -292,3 +298,46 @@ def test_dropout_acts_in_training_only(dist_env, qwen2_dir):
     assert not torch.allclose(adapter.delta(x), adapter.delta(x))
     adapter.eval()
     torch.testing.assert_close(adapter.delta(x), adapter.delta(x), atol=0, rtol=0)
+
+
+def test_peft_folder_merges_back_into_the_base_as_the_actor_exports(dist_env, qwen2_dir, tmp_path):
+    from tidal.actor import Actor
+    from tidal.actor.lora_peft import (
+        ADAPTER_CONFIG,
+        ADAPTER_WEIGHTS,
+        gather_adapter_tensors,
+        merged_hf_tensors,
+        peft_adapter_config,
+        write_peft_adapter,
+    )
+    from tidal.ckpt import HFCheckpointReader
+
+    targets = ("q_proj", "v_proj", "down_proj")
+    a = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lora_rank=4, lora_alpha=8.0, lora_target_modules=targets))
+    _seed_adapters(a)
+    config = peft_adapter_config(a.lora.settings, str(qwen2_dir))
+    out = write_peft_adapter(tmp_path / "peft", gather_adapter_tensors(a.lora), config)
+    written = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert (written["peft_type"], written["r"], written["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert written["target_modules"] == list(targets)
+    assert set(load_file(out / ADAPTER_WEIGHTS)) == {f"base_model.model.{p.lora_hf_name}" for p in a.params}
+
+    merged = dict(merged_hf_tensors(HFCheckpointReader(qwen2_dir), out))
+    exported = dict(a.named_hf_tensors())
+    assert merged.keys() == exported.keys()
+    for name, tensor in exported.items():
+        torch.testing.assert_close(merged[name], tensor.to(merged[name].dtype), msg=name)
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"],
+        load_file(next(qwen2_dir.glob("*.safetensors")))["model.layers.0.self_attn.q_proj.weight"],
+    )
+
+    # an adapter of another shape (another base) is one error before anything is read
+    shifted = {n.removeprefix("base_model.model."): t[:, :-1] if ".lora_A." in n else t
+               for n, t in load_file(out / ADAPTER_WEIGHTS).items()}  # fmt: skip
+    write_peft_adapter(tmp_path / "other", shifted, config)
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit model\.layers\.0\.mlp\.down_proj\.weight \(64, 128\): lora_A \(4, 127\).* another shape",
+    ):
+        merged_hf_tensors(HFCheckpointReader(qwen2_dir), tmp_path / "other")

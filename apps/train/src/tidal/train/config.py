@@ -101,7 +101,8 @@ class TrainConfig:
     """Have the engines release their weights and KV cache while the actor trains (resumed before generation:
     weights, then the sync, then the KV cache; frees GPU memory with --sglang-enable-memory-saver); None: --offload."""
     save_hf: str | None = None
-    """Also write an HF checkpoint at every save; "{rollout_id}" in the path is filled in."""
+    """Also write an HF checkpoint at every save (with --lora-rank: the adapters as a PEFT folder, which
+    `train convert --lora-adapter` merges); "{rollout_id}" in the path is filled in."""
     debug_rollout_only: bool = False
     """Generate and score only: no actor is built and nothing trains."""
     debug_train_only: bool = False

@@ -59,6 +59,8 @@ class ConvertJob:
     """Iteration of ``load`` instead of the tracker's (``--ckpt-step``)."""
     save_hf: str | None = None
     """HF dir to write (``--save-hf``)."""
+    lora_adapter: str | None = None
+    """PEFT LoRA adapter folder to merge into ``hf_checkpoint`` (``--lora-adapter``), written to ``save_hf``."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ckpt-step", type=int, help="with --load: iteration to read instead of the latest")
     parser.add_argument("--save-hf", help="Megatron -> HF: HF dir to write (config/tokenizer from --hf-checkpoint)")
     parser.add_argument("--tensor-model-parallel-size", type=int, help="ranks to shard the model over (default 1)")
+    parser.add_argument(
+        "--lora-adapter",
+        help="merge this PEFT LoRA folder (a LoRA run's --save-hf) into --hf-checkpoint: --save-hf OUT",
+    )
     return parser
 
 
@@ -103,6 +109,44 @@ def _check_out_dir(path: Path, flag: str) -> None:
         raise _UsageError(f"--save-hf {path} is a non-empty directory that is not an HF checkpoint; give a new dir")
 
 
+def _check_combination(args: argparse.Namespace) -> None:
+    """One direction of the three, with the flags it needs and none of another's."""
+    if args.lora_adapter is not None and (args.save is not None or args.load is not None):
+        raise _UsageError("--lora-adapter (merge into --hf-checkpoint) cannot be combined with --save or --load")
+    if args.lora_adapter is not None and args.save_hf is None:
+        raise _UsageError("--save-hf OUT is required with --lora-adapter (the merged HF dir to write)")
+    if args.save is None and args.load is None and args.lora_adapter is None:
+        raise _UsageError(
+            "give --save OUT (HF -> Megatron), --load DIR --save-hf OUT (Megatron -> HF) or --lora-adapter DIR "
+            "--save-hf OUT (merge a LoRA adapter into --hf-checkpoint)"
+        )
+    if args.save is not None and (args.load is not None or args.save_hf is not None):
+        raise _UsageError("--save (HF -> Megatron) cannot be combined with --load/--save-hf (Megatron -> HF)")
+    if args.load is not None and args.save_hf is None:
+        raise _UsageError("--save-hf OUT is required with --load (the HF dir to write)")
+    if args.ckpt_step is not None and args.load is None:
+        raise _UsageError("--ckpt-step only applies with --load")
+
+
+def _check_outputs(args: argparse.Namespace, hf: Path) -> None:
+    """What the chosen direction reads exists, and what it writes is a new dir (or replaceable)."""
+    if (args.save is not None or args.lora_adapter is not None) and not any(hf.glob("*.safetensors")):
+        raise _UsageError(f"--hf-checkpoint {hf} holds no *.safetensors files to convert")
+    if args.save is not None:
+        _check_out_dir(Path(args.save), "--save")
+        return
+    if args.lora_adapter is not None:
+        if not (Path(args.lora_adapter) / "adapter_config.json").is_file():
+            raise _UsageError(f"--lora-adapter {args.lora_adapter} has no adapter_config.json: give a PEFT LoRA folder")
+    else:
+        from tidal.ckpt import resolve_checkpoint
+
+        resolve_checkpoint(args.load, ckpt_step=args.ckpt_step, flag="--load")
+    if Path(args.save_hf).resolve() == hf.resolve():
+        raise _UsageError("--save-hf must differ from --hf-checkpoint (it would replace the model being read)")
+    _check_out_dir(Path(args.save_hf), "--save-hf")
+
+
 def parse_convert(argv: list[str]) -> ConvertJob:
     """Parse and validate ``train convert`` flags; no heavy import.
 
@@ -116,14 +160,7 @@ def parse_convert(argv: list[str]) -> ConvertJob:
         raise _UsageError(str(e)) from e
     if unknown:
         raise _UsageError(f"unknown argument {unknown[0]}; see `{PROG} --help`")
-    if args.save is None and args.load is None:
-        raise _UsageError("give --save OUT (HF -> Megatron) or --load DIR --save-hf OUT (Megatron -> HF)")
-    if args.save is not None and (args.load is not None or args.save_hf is not None):
-        raise _UsageError("--save (HF -> Megatron) cannot be combined with --load/--save-hf (Megatron -> HF)")
-    if args.load is not None and args.save_hf is None:
-        raise _UsageError("--save-hf OUT is required with --load (the HF dir to write)")
-    if args.ckpt_step is not None and args.load is None:
-        raise _UsageError("--ckpt-step only applies with --load")
+    _check_combination(args)
     if args.hf_checkpoint is None:
         raise _UsageError(
             "--hf-checkpoint is required: the HF model dir to convert, or (with --load) to copy config from"
@@ -135,17 +172,7 @@ def parse_convert(argv: list[str]) -> ConvertJob:
     if tp < 1:
         raise _UsageError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
     _check_tp(hf, tp)
-    if args.save is not None:
-        if not any(hf.glob("*.safetensors")):
-            raise _UsageError(f"--hf-checkpoint {hf} holds no *.safetensors files to convert")
-        _check_out_dir(Path(args.save), "--save")
-    else:
-        from tidal.ckpt import resolve_checkpoint
-
-        resolve_checkpoint(args.load, ckpt_step=args.ckpt_step, flag="--load")
-        if Path(args.save_hf).resolve() == hf.resolve():
-            raise _UsageError("--save-hf must differ from --hf-checkpoint (it would replace the model being read)")
-        _check_out_dir(Path(args.save_hf), "--save-hf")
+    _check_outputs(args, hf)
     return ConvertJob(
         hf_checkpoint=str(hf.resolve()),
         tensor_model_parallel_size=tp,
@@ -153,6 +180,7 @@ def parse_convert(argv: list[str]) -> ConvertJob:
         load=None if args.load is None else str(Path(args.load).resolve()),
         ckpt_step=args.ckpt_step,
         save_hf=None if args.save_hf is None else str(Path(args.save_hf).resolve()),
+        lora_adapter=None if args.lora_adapter is None else str(Path(args.lora_adapter).resolve()),
     )
 
 
@@ -229,6 +257,8 @@ def convert_main(argv: list[str], *, timeout_s: float | None = None) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)  # noqa: T201 - the one line a user error prints
         return 2
+    if job.lora_adapter is not None:
+        return _merge_lora(job)
     direction = (
         f"HF {job.hf_checkpoint} -> Megatron {job.save}" if job.save else f"Megatron {job.load} -> HF {job.save_hf}"
     )
@@ -238,6 +268,23 @@ def convert_main(argv: list[str], *, timeout_s: float | None = None) -> int:
     if code == 0:
         logger.info("converted %s in %.1f s", direction, time.monotonic() - start)
     return code
+
+
+def _merge_lora(job: ConvertJob) -> int:
+    """Fold the adapter into the base, tensor by tensor, in this process (no model is built)."""
+    from tidal.actor.lora_peft import merged_hf_tensors
+    from tidal.ckpt import HFCheckpointReader, save_hf_checkpoint
+
+    start = time.monotonic()
+    try:
+        tensors = merged_hf_tensors(HFCheckpointReader(job.hf_checkpoint), job.lora_adapter)
+    except ValueError as e:
+        print(f"{PROG}: error: --lora-adapter: {e}", file=sys.stderr)  # noqa: T201 - the one line a user error prints
+        return 2
+    save_hf_checkpoint(job.save_hf, tensors, source_dir=job.hf_checkpoint)
+    logger.info("merged %s into %s -> %s in %.1f s", job.lora_adapter, job.hf_checkpoint, job.save_hf,
+                time.monotonic() - start)  # fmt: skip
+    return 0
 
 
 # ---- worker side (one process per TP rank) ----

@@ -126,8 +126,17 @@ class ActorWorker(WeightSender):
     def save_hf(self, out_dir: str, max_shard_bytes: int | None = None) -> str:
         """Write the current weights as an HF checkpoint beside --hf-checkpoint's config and tokenizer.
 
-        Rank 0 writes (shards of ``max_shard_bytes``, default --max-shard-bytes); every rank gathers TP shards.
+        With LoRA: the adapters alone, as a PEFT folder (adapter_config.json + adapter_model.safetensors). Rank 0
+        writes (shards of ``max_shard_bytes``, default --max-shard-bytes); every rank gathers TP shards.
         """
+        if self.actor.lora is not None:  # a PEFT adapter folder (train convert merges it into the base)
+            from tidal.actor.lora_peft import gather_adapter_tensors, peft_adapter_config, write_peft_adapter
+
+            adapters = gather_adapter_tensors(self.actor.lora)
+            if self.rank == 0:
+                config = peft_adapter_config(self.actor.lora.settings, base_model=self.hf_checkpoint)
+                write_peft_adapter(out_dir, adapters, config)
+            return out_dir
         tensors = self.actor.named_hf_tensors()
         if self.rank != 0:
             for _ in tensors:
