@@ -85,3 +85,31 @@ def test_warm_start_lowers_the_loss_and_greedy_accuracy_is_a_share():
         assert 0.0 <= greedy_accuracy(model, tok, records[:8]) <= 1.0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_moe_spec_builds_a_qwen3_moe_whose_every_layer_is_moe_and_it_warm_starts():
+    import torch
+
+    records = read_jsonl(shipped_path(TRAIN_FILE))[:64]
+    tok = build_tokenizer([r["prompt"] + r["label"] for r in records])
+    spec = EmbeddedModelSpec(hidden_size=32, num_hidden_layers=2, num_experts=4, moe_intermediate_size=16,
+                             sft_steps=30, sft_batch_size=16, sft_check_every=1000)  # fmt: skip
+    model = new_model(tok, spec)
+    config = model.config
+    assert config.model_type == "qwen3_moe" and config.num_experts == 4 and config.num_experts_per_tok == 2
+    assert config.mlp_only_layers == [] and config.decoder_sparse_step == 1 and config.norm_topk_prob
+    assert config.tie_word_embeddings and config.head_dim == 8
+
+    def answer_loss():
+        ids = torch.tensor([tok.encode(r["prompt"] + r["label"]) for r in records[:16]])
+        with torch.no_grad():
+            return model(input_ids=ids, labels=ids).loss.item()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        before = answer_loss()
+        warm_start(model, tok, records, spec)
+        assert answer_loss() < before
+    finally:
+        torch.set_num_threads(threads)

@@ -79,7 +79,9 @@ def test_base_recipe_asks_for_what_it_does_not_set(tmp_path):
 
 
 def test_an_unknown_recipe_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"--recipe 'nope' is not a recipe; pick one of \['base', 'embedded'\]"):
+    with pytest.raises(
+        ValueError, match=r"--recipe 'nope' is not a recipe; pick one of \['base', 'embedded', 'embedded-moe'\]"
+    ):
         parse_job(["--recipe", "nope"])
 
 
@@ -97,3 +99,14 @@ def test_recipes_set_only_options_and_every_switch_they_turn_on_can_be_turned_of
             assert key in kinds, f"recipe {name} sets {key}, which is no option"
             if value is True:  # a store_true switch could not be undone on the command line
                 assert kinds[key].kwargs["action"].__name__ == "BooleanOptionalAction", (name, key)
+
+
+def test_the_embedded_moe_recipe_is_the_embedded_one_on_the_moe_model_with_the_balance_loss(tmp_path):
+    from tidal.train.embedded_model import MOE_SPEC, embedded_model_path, embedded_spec_of
+
+    job = parse_job(["--recipe", "embedded-moe", "--output-dir", str(tmp_path / "run")])
+    assert job.actor.hf_checkpoint == str(embedded_model_path(spec=MOE_SPEC)) == job.train.hf_checkpoint
+    assert embedded_spec_of(job.train.hf_checkpoint) == MOE_SPEC and MOE_SPEC.num_experts == 8
+    assert job.actor.moe_aux_loss_coeff == 0.01
+    assert {name: _value(job, name) for name in EMBEDDED} == EMBEDDED
+    assert embedded_spec_of(str(tmp_path)) is None  # a user's folder is checked, never built

@@ -196,11 +196,13 @@ def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], probl
 def _model(train: dict[str, Any], problems) -> tuple[str, dict[str, Any] | None]:
     """The model folder and its config.json (None when the embedded model is not built yet)."""
     from tidal.train import checks
-    from tidal.train.embedded_model import embedded_model_path
+    from tidal.train.embedded_model import embedded_model_path, embedded_spec_of
 
-    if train.get("hf_checkpoint"):
-        return train["hf_checkpoint"], problems.run(checks.check_hf_checkpoint, train["hf_checkpoint"])
-    hf = str(embedded_model_path())
+    hf = train.get("hf_checkpoint")
+    spec = embedded_spec_of(hf)
+    if spec is None:
+        return hf, problems.run(checks.check_hf_checkpoint, hf)
+    hf = str(embedded_model_path(spec=spec))
     config = Path(hf) / "config.json"  # built on first use: its layers are checked against the pipeline then
     return hf, read_hf_config_json(hf) if config.is_file() else None
 
@@ -292,10 +294,11 @@ def _run(job: JobConfig) -> int:
     setup_logging("train", plan, terminal_marks=True)
     shown = "" if job.train.verbose else "; -v shows their INFO lines here too"
     logger.info("run folder %s (each process logs in %s%s)", job.train.output_dir, plan.log_dir, shown, extra=TERMINAL)
-    if job.train.hf_checkpoint is None:
-        from tidal.train.embedded_model import ensure_embedded_model
+    from tidal.train.embedded_model import embedded_spec_of, ensure_embedded_model
 
-        ensure_embedded_model()
+    spec = embedded_spec_of(job.train.hf_checkpoint)
+    if spec is not None:  # an embedded model (the default, or --recipe embedded-moe's): built on first use
+        ensure_embedded_model(spec=spec)
     logger.info("model %s", job.actor.hf_checkpoint, extra=TERMINAL)
     from tidal.train.config_file import write_effective_config
     from tidal.train.run_folder import link_latest

@@ -1,4 +1,4 @@
-"""Build the embedded default model: a character tokenizer and a tiny Qwen2, warm-started with supervised steps.
+"""Build the embedded models: a character tokenizer and a tiny Qwen2 (or Qwen3-MoE), warm-started with supervised steps.
 
 No model hub is reachable, so ``uv run train`` with no ``--hf-checkpoint`` builds its own model once and caches it.
 The result is an ordinary Hugging Face checkpoint (``config.json``, ``model.safetensors``, tokenizer files,
@@ -41,7 +41,13 @@ class EmbeddedModelSpec:
     num_key_value_heads: int = 2
     """Key/value heads (GQA)."""
     intermediate_size: int = 512
-    """MLP width."""
+    """MLP width (of a dense model)."""
+    num_experts: int = 0
+    """Experts per layer: 0 builds a dense Qwen2; more, a Qwen3-MoE whose every layer is MoE (what SGLang serves)."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (MoE)."""
+    moe_intermediate_size: int = 128
+    """Each expert's MLP width (MoE)."""
     sft_steps: int = 1500
     """Length of the supervised warm-start schedule (one-cycle); it usually stops early, see below."""
     sft_target_accuracy: float = 0.3
@@ -82,6 +88,21 @@ def build_tokenizer(texts: list[str]):
     trainer = trainers.WordLevelTrainer(special_tokens=[EOS, UNK])
     tok.train_from_iterator([*texts, string.printable], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
+
+
+MOE_SPEC = EmbeddedModelSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+"""The embedded mixture-of-experts model (``--recipe embedded-moe``): the dense model's width and depth, 8 experts
+of a quarter of its MLP width each, 2 per token (so a token's MLP costs half the dense model's)."""
+
+
+def embedded_spec_of(hf_checkpoint: str | None) -> EmbeddedModelSpec | None:
+    """The spec whose cache folder ``hf_checkpoint`` is (None: the default embedded model's), or None if no spec's."""
+    if hf_checkpoint is None:
+        return EmbeddedModelSpec()
+    for spec in (EmbeddedModelSpec(), MOE_SPEC):
+        if Path(hf_checkpoint) == embedded_model_path(spec=spec):
+            return spec
+    return None
 
 
 def embedded_model_path(cache_dir: Path | None = None, spec: EmbeddedModelSpec | None = None) -> Path:
@@ -139,15 +160,17 @@ def _build(out: Path, spec: EmbeddedModelSpec) -> None:
 
 
 def new_model(tokenizer, spec: EmbeddedModelSpec):
-    """The spec's randomly initialised Qwen2 (seeded) for ``tokenizer``'s vocabulary, with tied embeddings."""
+    """The spec's randomly initialised model (seeded) for ``tokenizer``'s vocabulary, with tied embeddings.
+
+    A Qwen2 when ``spec.num_experts`` is 0, else a Qwen3-MoE (softmax top-k router, normalised top-k weights, q/k
+    norm) whose every layer is MoE.
+    """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(spec.seed)
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
@@ -158,7 +181,24 @@ def new_model(tokenizer, spec: EmbeddedModelSpec):
         pad_token_id=tokenizer.eos_token_id,
         rope_theta=10000.0,
     )
-    return Qwen2ForCausalLM(config)
+    if not spec.num_experts:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(intermediate_size=spec.intermediate_size, **common))
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        **common,
+    )
+    return Qwen3MoeForCausalLM(config)
 
 
 def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -> None:

@@ -20,8 +20,8 @@ RECIPES: dict[str, Recipe] = {}
 
 
 def register(fn: Recipe) -> Recipe:
-    """Register ``fn`` as the recipe named like the function (``embedded`` -> ``--recipe embedded``)."""
-    RECIPES[fn.__name__] = fn
+    """Register ``fn`` as the recipe named like the function (``embedded_moe`` -> ``--recipe embedded-moe``)."""
+    RECIPES[fn.__name__.replace("_", "-")] = fn
     return fn
 
 
@@ -56,6 +56,14 @@ def embedded() -> dict[str, Any]:
         "num_eval_prompts": 256,
         "colocate": True,  # one CPU box: actor and engine share the (logical) GPU
     }
+
+
+@register
+def embedded_moe() -> dict[str, Any]:
+    """The embedded recipe on a tiny Qwen3-MoE (8 experts, top-2), with the load-balancing loss on."""
+    from tidal.train.embedded_model import MOE_SPEC, embedded_model_path
+
+    return embedded() | {"hf_checkpoint": str(embedded_model_path(spec=MOE_SPEC)), "moe_aux_loss_coeff": 1e-2}
 
 
 DEFAULT_RECIPE = "embedded"
