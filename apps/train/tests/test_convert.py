@@ -144,7 +144,7 @@ def test_moe_round_trip_is_bit_exact(tmp_path):
 
 def test_a_peft_lora_folder_merges_into_the_base_and_sglang_reads_its_config(hf_dir, tmp_path, capsys):
     from sglang.srt.lora.lora_config import LoRAConfig
-    from tidal.actor.lora_peft import write_peft_adapter
+    from tidal.actor import write_peft_adapter
 
     base = hf_tensors(hf_dir)
     q, down = "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"

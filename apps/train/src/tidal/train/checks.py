@@ -378,7 +378,7 @@ def check_lora_load(actor, ckpt) -> None:
     """``--load``'s LoRA adapters have ``--lora-rank``'s rank (a full checkpoint: none), read from its metadata."""
     if not ckpt.load or not actor.lora_rank:
         return
-    from tidal.actor.lora_checkpoint import check_adapter_checkpoint
+    from tidal.actor import check_adapter_checkpoint
     from tidal.ckpt import CheckpointError
 
     try:

@@ -272,7 +272,7 @@ def convert_main(argv: list[str], *, timeout_s: float | None = None) -> int:
 
 def _merge_lora(job: ConvertJob) -> int:
     """Fold the adapter into the base, tensor by tensor, in this process (no model is built)."""
-    from tidal.actor.lora_peft import merged_hf_tensors
+    from tidal.actor import merged_hf_tensors
     from tidal.ckpt import HFCheckpointReader, save_hf_checkpoint
 
     start = time.monotonic()

@@ -85,7 +85,7 @@ class ActorWorker(WeightSender):
         self.actor = Actor(actor_cfg, weights="checkpoint" if resume else "hf")
         self.reference = None
         if (actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0) and actor_cfg.lora_rank:
-            from tidal.actor.lora import BaseReference  # the base model: the actor with its adapters off
+            from tidal.actor import BaseReference  # the base model: the actor with its adapters off
 
             self.reference = BaseReference(self.actor)
         elif actor_cfg.kl_loss_coef > 0 or actor_cfg.kl_coef > 0:  # frozen, offloaded to CPU between rollouts
@@ -130,7 +130,7 @@ class ActorWorker(WeightSender):
         writes (shards of ``max_shard_bytes``, default --max-shard-bytes); every rank gathers TP shards.
         """
         if self.actor.lora is not None:  # a PEFT adapter folder (train convert merges it into the base)
-            from tidal.actor.lora_peft import gather_adapter_tensors, peft_adapter_config, write_peft_adapter
+            from tidal.actor import gather_adapter_tensors, peft_adapter_config, write_peft_adapter
 
             adapters = gather_adapter_tensors(self.actor.lora)
             if self.rank == 0:

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     )
     from tidal.actor.hf_config import read_hf_config, to_transformer_config
     from tidal.actor.hf_export import HFTensorBucket
+    from tidal.actor.lora import BaseReference
+    from tidal.actor.lora_checkpoint import check_adapter_checkpoint
+    from tidal.actor.lora_peft import gather_adapter_tensors, merged_hf_tensors, peft_adapter_config, write_peft_adapter
     from tidal.actor.reference import ReferenceModel
     from tidal.actor.trainer import train_on_rollout
 
@@ -59,6 +62,12 @@ _LAZY = {
     "read_hf_config": "hf_config",
     "to_transformer_config": "hf_config",
     "HFTensorBucket": "hf_export",
+    "BaseReference": "lora",
+    "check_adapter_checkpoint": "lora_checkpoint",
+    "gather_adapter_tensors": "lora_peft",
+    "merged_hf_tensors": "lora_peft",
+    "peft_adapter_config": "lora_peft",
+    "write_peft_adapter": "lora_peft",
     "ReferenceModel": "reference",
     "train_on_rollout": "trainer",
 }
@@ -82,6 +91,7 @@ __all__ = [
     "ActorConfig",
     "ActorError",
     "ActorOutOfMemoryError",
+    "BaseReference",
     "Critic",
     "HFTensorBucket",
     "MemoryInputs",
@@ -89,15 +99,20 @@ __all__ = [
     "ModelShape",
     "ReferenceModel",
     "build_gpt_model",
+    "check_adapter_checkpoint",
     "data_parallel_rank_and_size",
     "destroy_distributed",
+    "gather_adapter_tensors",
     "init_distributed",
     "largest_fitting_tokens",
     "load_hf_weights",
+    "merged_hf_tensors",
     "named_hf_tensors",
+    "peft_adapter_config",
     "plan_memory",
     "read_hf_config",
     "stage_export_role",
     "to_transformer_config",
     "train_on_rollout",
+    "write_peft_adapter",
 ]

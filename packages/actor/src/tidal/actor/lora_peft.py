@@ -60,7 +60,7 @@ def gather_adapter_tensors(lora) -> dict[str, torch.Tensor]:
 def write_peft_adapter(out_dir: str | Path, tensors: Mapping[str, torch.Tensor], config: dict) -> Path:
     """Write the folder atomically (replaced only once complete); ``tensors`` by HF name, stored as given."""
     from safetensors.torch import save_file
-    from tidal.ckpt.atomic import fresh_tmp_dir, publish_dir
+    from tidal.ckpt import fresh_tmp_dir, publish_dir
 
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from tidal.ckpt.errors import (
 from tidal.ckpt.hf_config_file import read_hf_config_json
 
 if TYPE_CHECKING:
+    from tidal.ckpt.atomic import fresh_tmp_dir, publish_dir
     from tidal.ckpt.checkpoint import load_checkpoint, save_checkpoint
     from tidal.ckpt.checkpoint_io import CheckpointIO
     from tidal.ckpt.hf import HFCheckpointReader, save_hf_checkpoint
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from tidal.ckpt.state import TrainerState
 
 _LAZY = {
+    "fresh_tmp_dir": "atomic",
+    "publish_dir": "atomic",
     "CheckpointIO": "checkpoint_io",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
@@ -76,9 +79,11 @@ __all__ = [
     "TrackerFileMissingError",
     "TrainerState",
     "best_iteration",
+    "fresh_tmp_dir",
     "list_iterations",
     "load_checkpoint",
     "mark_best_iteration",
+    "publish_dir",
     "read_hf_config_json",
     "resolve_checkpoint",
     "save_checkpoint",
