@@ -611,6 +611,14 @@ def test_moe_with_dense_layers_is_refused_when_sglang_serves_it(tmp_path, paths)
         parse_job(argv)
     (moe / "config.json").write_text(json.dumps(config | {"mlp_only_layers": []}))  # every layer MoE: served right
     assert parse_job(argv).actor.hf_checkpoint == str(moe)
+    (moe / "config.json").write_text(json.dumps(config | {"mlp_only_layers": [], "tie_word_embeddings": True}))
+    with pytest.raises(
+        ValueError, match=r"ties the LM head to the embedding .* which SGLang 0.5.23's qwen3_moe ignores"
+    ):
+        parse_job(argv)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    assert parse_job([*argv, "--debug-train-only", "--load-debug-rollout-data", str(saved)]).actor
 
 
 def test_lora_on_a_moe_model_is_refused_before_start(tmp_path, paths):

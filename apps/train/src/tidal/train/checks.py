@@ -199,16 +199,27 @@ def check_lora_moe(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
 
 
 def check_moe_layers_servable(train, hf_config: dict[str, Any] | None, hf: str) -> None:
-    """A qwen3_moe with dense layers is refused when SGLang serves it: SGLang 0.5.23 makes every layer an MoE layer."""
+    """A qwen3_moe that SGLang 0.5.23 would serve as another model is refused when engines serve it.
+
+    Its qwen3_moe makes every layer an MoE layer (it reads neither ``mlp_only_layers`` nor ``decoder_sparse_step``)
+    and ignores ``tie_word_embeddings`` (its LM head is a separate weight, left random when the checkpoint ties it).
+    """
     if train.debug_train_only or not hf_config or hf_config.get("model_type") != "qwen3_moe":
         return
+    config = Path(hf) / "config.json"
     dense, step = hf_config.get("mlp_only_layers") or [], int(hf_config.get("decoder_sparse_step") or 1)
     if dense or step != 1:
         raise ValueError(
-            f"{Path(hf) / 'config.json'} has dense layers (mlp_only_layers {dense}, decoder_sparse_step {step}), "
+            f"{config} has dense layers (mlp_only_layers {dense}, decoder_sparse_step {step}), "
             "which SGLang 0.5.23's qwen3_moe does not read (it serves every layer as MoE, so the engines would "
             "generate from a different model than the actor trains); use a checkpoint whose every layer is MoE, or "
             "--debug-train-only"
+        )
+    if hf_config.get("tie_word_embeddings"):
+        raise ValueError(
+            f"{config} ties the LM head to the embedding (tie_word_embeddings true), which SGLang 0.5.23's qwen3_moe "
+            "ignores (its LM head would stay random, so the engines would generate from a different model than the "
+            "actor trains); save the checkpoint with an untied lm_head.weight, or --debug-train-only"
         )
 
 

@@ -63,8 +63,17 @@ class EmbeddedModelSpec:
     """Seed of initialisation and warm start."""
 
     def digest(self) -> str:
-        """Stable short hash of the spec and builder version."""
-        blob = json.dumps({"v": BUILDER_VERSION, **asdict(self)}, sort_keys=True).encode()
+        """Stable short hash of the spec and builder version (a dense spec's leaves the MoE fields out)."""
+        fields = asdict(self)
+        if not self.num_experts:  # the dense model's folder name predates the MoE fields
+            fields = {
+                k: v
+                for k, v in fields.items()
+                if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+            }
+        else:
+            fields["moe_builder"] = 2  # 2: an untied LM head
+        blob = json.dumps({"v": BUILDER_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -160,10 +169,10 @@ def _build(out: Path, spec: EmbeddedModelSpec) -> None:
 
 
 def new_model(tokenizer, spec: EmbeddedModelSpec):
-    """The spec's randomly initialised model (seeded) for ``tokenizer``'s vocabulary, with tied embeddings.
+    """The spec's randomly initialised model (seeded) for ``tokenizer``'s vocabulary.
 
-    A Qwen2 when ``spec.num_experts`` is 0, else a Qwen3-MoE (softmax top-k router, normalised top-k weights, q/k
-    norm) whose every layer is MoE.
+    A Qwen2 with tied embeddings when ``spec.num_experts`` is 0, else a Qwen3-MoE (softmax top-k router, normalised
+    top-k weights, q/k norm, its own LM head) whose every layer is MoE: what SGLang's qwen3_moe serves.
     """
     import torch
 
@@ -187,6 +196,7 @@ def new_model(tokenizer, spec: EmbeddedModelSpec):
         return Qwen2ForCausalLM(Qwen2Config(intermediate_size=spec.intermediate_size, **common))
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    common["tie_word_embeddings"] = False  # SGLang's qwen3_moe has no tied LM head
     config = Qwen3MoeConfig(
         intermediate_size=spec.intermediate_size,
         moe_intermediate_size=spec.moe_intermediate_size,
