@@ -46,6 +46,7 @@ def test_missing_key_names_the_flag(tmp_path):
 
 
 def test_apply_chat_template_renders_each_prompt_as_a_user_turn(tmp_path):
+    """--apply-chat-template renders each prompt with the tokenizer's chat template."""
     from tidal.train.data import PromptDataset
     from tidal.train.embedded_model import build_tokenizer
 

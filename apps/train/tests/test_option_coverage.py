@@ -23,6 +23,14 @@ E2E = "tests/test_train_e2e.py"
 LORA = "packages/actor/tests/test_lora.py"
 MOE = "packages/actor/tests/test_moe.py"
 WANDB = "apps/train/tests/test_wandb_run.py"
+BAD_CONFIG = "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"
+LOSS = "packages/actor/tests/test_loss.py"
+ADV = "packages/actor/tests/test_advantages.py"
+WEIGHTS = "packages/actor/tests/test_sample_weights.py"
+ACTOR = "packages/actor/tests/test_actor.py"
+MAIN = "packages/actor/tests/test_main_params.py"
+MICRO = "packages/batching/tests/test_micro_batches.py"
+ARITH = "packages/batching/tests/test_arithmetic.py"
 
 COVERED: dict[str, tuple[str, str]] = {
     # dynamic sampling and the custom generate function, through the router over two real engines
@@ -87,6 +95,80 @@ COVERED: dict[str, tuple[str, str]] = {
     "--wandb-mode": (WANDB, "test_disabled_logs_nothing_to_wandb"),
     "--wandb-group": (WANDB, "test_offline_run_holds_every_rollouts_metrics_and_says_where_it_is"),
     "--wandb-host": (WANDB, "test_online_goes_to_the_wandb_host_given"),
+    # the loss, the advantages and the per-sample weights, from the actor's config
+    "--eps-clip": (LOSS, "test_ppo_clip_low_high_separately"),
+    "--eps-clip-high": (LOSS, "test_ppo_clip_low_high_separately"),
+    "--eps-clip-c": (LOSS, "test_dual_clip_reaches_the_loss_through_the_settings"),
+    "--kl-loss-type": (LOSS, "test_kl_estimators"),
+    "--kl-loss-coef": (LOSS, "test_actor_loss_matches_plain_reference_and_gradients_flow"),
+    "--entropy-coef": (LOSS, "test_actor_loss_matches_plain_reference_and_gradients_flow"),
+    "--use-tis": (LOSS, "test_tis_weights_each_token_by_the_truncated_engine_ratio"),
+    "--tis-clip": (LOSS, "test_tis_weights_each_token_by_the_truncated_engine_ratio"),
+    "--loss-type": (LOSS, "test_sft_loss_is_the_mean_negative_log_likelihood_per_sample"),
+    "--advantage-estimator": (ADV, "test_reinforce_plus_plus_formula"),
+    "--gamma": (ADV, "test_reinforce_plus_plus_formula"),
+    "--kl-coef": (ADV, "test_kl_coef_shapes_the_advantage_per_token"),
+    "--disable-grpo-std-normalization": (
+        WEIGHTS,
+        "test_std_normalization_follows_the_config_unless_the_caller_overrides_it",
+    ),
+    "--calculate-per-token-loss": (WEIGHTS, "test_per_token_loss_packs_no_loss_weights"),
+    "--overlong-buffer-len": (WEIGHTS, "test_overlong_penalty_is_added_to_the_reward_before_the_advantage"),
+    "--overlong-penalty-factor": (WEIGHTS, "test_overlong_penalty_is_added_to_the_reward_before_the_advantage"),
+    # the actor's memory options, the optimizer and the checkpoint writer
+    "--recompute-activations": (ACTOR, "test_recompute_activations_gives_the_same_step"),
+    "--recompute-num-layers": (ACTOR, "test_recompute_num_layers_recomputes_only_the_first_layers"),
+    "--params-dtype": (MAIN, "test_same_update_as_fp32"),
+    "--fp32-main-params": (MAIN, "test_small_updates_survive_in_main_params"),
+    "--optimizer-cpu-offload": (
+        "packages/actor/tests/test_offload.py",
+        "test_actor_with_offloaded_optimizer_trains_like_on_device_adam",
+    ),
+    "--async-save": (
+        "packages/ckpt/tests/test_async_save.py",
+        "test_caller_regains_control_before_the_write_and_the_result_equals_a_sync_save",
+    ),
+    # batching: the micro-batches and the optimizer steps of a rollout
+    "--use-dynamic-batch-size": (MICRO, "test_plan_from_config_follows_the_mode"),
+    "--max-tokens-per-gpu": (MICRO, "test_plan_from_config_follows_the_mode"),
+    "--pad-to-multiple-of": (MICRO, "test_plan_from_config_follows_the_mode"),
+    "--micro-batch-size": (MICRO, "test_plan_from_config_follows_the_mode"),
+    "--global-batch-size": (ARITH, "test_derives_steps_from_global_batch_size_and_defaults_to_one_step"),
+    "--num-steps-per-rollout": (ARITH, "test_derives_global_batch_size_from_steps"),
+    "--gpu-memory-gib": (
+        "apps/train/tests/test_memory.py",
+        "test_a_budget_too_large_for_the_card_is_one_line_naming_the_budget_that_fits",
+    ),
+    # data, evaluation, monitors, the run folder, recipes, the config file and the engines' address and key
+    "--apply-chat-template": (
+        "apps/train/tests/test_embedded.py",
+        "test_apply_chat_template_renders_each_prompt_as_a_user_turn",
+    ),
+    "--eval-temperature": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
+    "--eval-top-p": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
+    "--eval-max-response-len": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
+    "--mismatch-warn-threshold": (
+        "apps/train/tests/test_monitors.py",
+        "test_engine_actor_gap_above_the_threshold_warns_with_the_figures_and_the_flags",
+    ),
+    "--output-dir": ("apps/train/tests/test_run_folder.py", "test_effective_config_reruns_into_a_new_folder"),
+    "--overwrite-output-dir": (
+        "apps/train/tests/test_run_folder.py",
+        "test_a_folder_holding_a_run_is_refused_in_one_line_naming_both_options",
+    ),
+    "--recipe": (
+        "apps/train/tests/test_recipes.py",
+        "test_the_embedded_moe_recipe_is_the_embedded_one_on_the_moe_model_with_the_balance_loss",
+    ),
+    "--list-recipes": ("apps/train/tests/test_recipes.py", "test_recipe_list_lists_them"),
+    "--config": ("apps/train/tests/test_config_file.py", "test_config_file_equals_flags"),
+    "--sglang-host": (
+        "apps/train/tests/test_handles.py",
+        "test_a_wildcard_sglang_host_is_advertised_at_the_engines_node_address",
+    ),
+    "--sglang-api-key": ("apps/train/tests/test_api_key.py", "test_clients_built_from_the_config_send_the_key"),
+    "--wandb-project": (WANDB, "test_offline_run_holds_every_rollouts_metrics_and_says_where_it_is"),
+    "--use-wandb": (WANDB, "test_offline_run_holds_every_rollouts_metrics_and_says_where_it_is"),
     # refusals where the option cannot act (their effect where it can is not named here yet)
     "--ref-load": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     "--critic-load": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
@@ -94,31 +176,53 @@ COVERED: dict[str, tuple[str, str]] = {
     "--lambd": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     "--tis-mode": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     "--update-weights-interval": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
+    # a bad value, or a combination the option cannot act in, refused in one line naming it
+    "--lr": (CLI, BAD_CONFIG),
+    "--rollout-temperature": (CLI, BAD_CONFIG),
+    "--rollout-top-p": (CLI, BAD_CONFIG),
+    "--rm-type": (CLI, BAD_CONFIG),
+    "--custom-rm-path": (CLI, BAD_CONFIG),
+    "--ray-env": (CLI, BAD_CONFIG),
+    "--colocate": (CLI, BAD_CONFIG),
+    "--rollout-num-gpus": (CLI, BAD_CONFIG),
+    "--hf-checkpoint": (CLI, BAD_CONFIG),
+    "--prompt-data": (CLI, BAD_CONFIG),
+    "--tensor-model-parallel-size": (CLI, BAD_CONFIG),
+    "--context-parallel-size": (CLI, BAD_CONFIG),
+    "--expert-tensor-parallel-size": (CLI, BAD_CONFIG),
+    "--moe-router-dtype": (CLI, BAD_CONFIG),
+    "--use-kl-loss": (CLI, BAD_CONFIG),
+    "--start-rollout-id": (CLI, BAD_CONFIG),
+    "--ckpt-step": (CLI, BAD_CONFIG),
+    "--keep-last": (CLI, BAD_CONFIG),
+    "--rollout-external": (CLI, BAD_CONFIG),
+    "--use-fault-tolerance": (CLI, BAD_CONFIG),
+    "--update-weight-transport": (CLI, BAD_CONFIG),
+    "--offload": (CLI, BAD_CONFIG),
+    "--update-weight-timeout": (CLI, BAD_CONFIG),
+    "--custom-loss-function-path": (CLI, BAD_CONFIG),
+    "--custom-advantage-function-path": (CLI, BAD_CONFIG),
+    "--sglang-startup-timeout-s": (CLI, BAD_CONFIG),
+    "--rollout-request-timeout-s": (CLI, BAD_CONFIG),
+    "--rollout-request-retries": (CLI, BAD_CONFIG),
+    "--generate-max-concurrency": (CLI, BAD_CONFIG),
+    "--adam-beta1": (CLI, BAD_CONFIG),
+    "--log-probs-chunk-size": (CLI, BAD_CONFIG),
+    "--max-shard-bytes": (CLI, BAD_CONFIG),
+    "--num-cpus-per-bundle": (CLI, BAD_CONFIG),
+    "--placement-timeout": (CLI, BAD_CONFIG),
+    "--num-gpus-local": (CLI, BAD_CONFIG),
+    "--lora-target-modules": (CLI, BAD_CONFIG),
 }
 
 _GAPS = """
-    --actor-num-gpus-per-node --actor-num-nodes --adam-beta1 --adam-beta2 --adam-eps --advantage-estimator
-    --apply-chat-template --async-save --bf16 --calculate-per-token-loss --check-weight-update-tolerance --ckpt-step
-    --clip-grad --colocate --config --context-parallel-size --cudnn-attention-min-tokens
-    --custom-advantage-function-path --custom-loss-function-path --custom-rm-path --disable-grpo-std-normalization
-    --entropy-coef --eps-clip --eps-clip-c --eps-clip-high --eval-interval --eval-max-response-len
-    --eval-temperature --eval-top-p --fp32-main-params --gamma --generate-max-concurrency --global-batch-size
-    --gpu-memory-gib --hf-checkpoint --input-key --keep-last --kl-coef --kl-loss-coef --kl-loss-type --label-key
-    --list-recipes --log-probs-chunk-size --loss-type --lr --lr-warmup-iters --mask-offpolicy-in-partial-rollout
-    --max-shard-bytes --max-tokens-per-gpu --micro-batch-size --mismatch-warn-threshold
-    --no-check-for-nan-in-loss-and-grad --no-load-optim --no-load-rng --no-recompute-lm-head --num-cpus-local
-    --num-cpus-per-bundle --num-eval-prompts --num-gpus-local --num-steps-per-rollout --offload --offload-rollout
-    --offload-train --optimizer-cpu-offload --output-dir --overlong-buffer-len --overlong-penalty-factor
-    --overwrite-output-dir --pad-to-multiple-of --params-dtype --placement-timeout --prompt-data --ray-address
-    --ray-env --ray-propagate-uv-env --recipe --recompute-activations --recompute-num-layers
-    --reward-sanity-rollouts --rm-type --rollout-external --rollout-health-check-interval
-    --rollout-health-check-timeout --rollout-max-response-len --rollout-num-gpus --rollout-num-gpus-per-engine
-    --rollout-request-retries --rollout-request-timeout-s --rollout-stop --rollout-stop-token-ids
-    --rollout-temperature --rollout-top-k --rollout-top-p --save-hf --save-interval --seed --sglang-api-key
-    --sglang-host --sglang-startup-timeout-s --start-rollout-id --tensor-model-parallel-size --tis-clip
-    --update-weight-buffer-size --update-weight-timeout --update-weight-transport --use-dynamic-batch-size
-    --use-fault-tolerance --use-kl-loss --use-router --use-tis --use-wandb --verbose --wandb-project --weight-decay
-    --lora-target-modules --expert-tensor-parallel-size --moe-router-dtype
+    --actor-num-gpus-per-node --actor-num-nodes --adam-beta2 --adam-eps --bf16 --check-weight-update-tolerance
+    --clip-grad --cudnn-attention-min-tokens --eval-interval --input-key --label-key --lr-warmup-iters
+    --mask-offpolicy-in-partial-rollout --no-check-for-nan-in-loss-and-grad --no-load-optim --no-load-rng
+    --no-recompute-lm-head --num-cpus-local --num-eval-prompts --offload-rollout --offload-train --ray-address
+    --ray-propagate-uv-env --reward-sanity-rollouts --rollout-health-check-interval --rollout-health-check-timeout
+    --rollout-max-response-len --rollout-num-gpus-per-engine --rollout-stop --rollout-stop-token-ids --rollout-top-k
+    --save-hf --save-interval --seed --update-weight-buffer-size --use-router --verbose --weight-decay
 """
 GAPS = frozenset(_GAPS.split())
 """Options no test is pointed at yet (many are exercised by tests not yet named here); each must move to COVERED."""

@@ -34,6 +34,7 @@ def test_grpo_advantages_rejects_bad_group_size(bad):
 
 
 def test_ppo_clip_low_high_separately():
+    """--eps-clip bounds the ratio from below, --eps-clip-high from above."""
     old = torch.zeros(4)
     lp = torch.log(torch.tensor([0.5, 1.5, 0.5, 1.5]))  # ratios
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
@@ -69,6 +70,7 @@ def plain_reference(lp, ent, old, adv, ref, mask, eps_lo, eps_hi, kl_coef, ent_c
 
 
 def test_actor_loss_matches_plain_reference_and_gradients_flow():
+    """--kl-loss-coef and --entropy-coef weigh their terms as in the plain reference."""
     torch.manual_seed(0)
     n = 12
     lp = (torch.randn(n) * 0.3 - 2).requires_grad_()
@@ -210,6 +212,7 @@ def test_dual_clip_bounds_negative_advantages():
 
 
 def test_tis_weights_each_token_by_the_truncated_engine_ratio():
+    """--use-tis weights each token by the engine ratio truncated at --tis-clip."""
     lp, old, adv, mask, _ = seg_batch(2)
     rollout = old + torch.randn(old.numel()) * 0.5
     n = float(mask.sum())
@@ -245,6 +248,7 @@ def test_per_sample_and_per_token_aggregation(per_token):
 
 
 def test_sft_loss_is_the_mean_negative_log_likelihood_per_sample():
+    """--loss-type sft_loss trains on the negative log-likelihood."""
     lp, _, _, mask, cu = seg_batch(4)
     fields = {"loss_weights": per_sample_weights(mask, cu)}
     settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, loss_type="sft_loss")
@@ -435,6 +439,7 @@ def test_clip_bounds_are_exclusive_and_dual_clip_spares_zero_and_positive_advant
 
 
 def test_dual_clip_reaches_the_loss_through_the_settings():
+    """--eps-clip-c bounds the loss of a negative advantage."""
     lp = torch.log(torch.tensor([5.0]))
     fields = {"old_log_probs": torch.zeros(1), "advantages": torch.tensor([-1.0])}
     settings = LossSettings(eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=3.0)

@@ -18,6 +18,7 @@ def _mains(actor):
 
 
 def test_same_update_as_fp32(dist_env, qwen2_dir, rl_batch):
+    """--params-dtype bfloat16 with --fp32-main-params: bf16 weights, the fp32 update."""
     # adam_eps=1 makes the first update ~ lr * grad, so it compares gradients, not their signs
     cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1e-2, adam_eps=1.0, clip_grad=0.0)
     ref, mixed = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg, **MIXED))

@@ -79,6 +79,7 @@ def _assert_same_mains(a, b):
 
 
 def test_actor_with_offloaded_optimizer_trains_like_on_device_adam(dist_env, qwen2_dir, tmp_path, rl_batch):
+    """--optimizer-cpu-offload keeps Adam's state on the CPU and trains as on-device Adam does."""
     from tidal.actor import Actor
     from tidal.ckpt import load_checkpoint, save_checkpoint
 

@@ -49,6 +49,7 @@ def test_grpo_advantages_and_per_sample_loss_weights_on_every_token():
 
 
 def test_std_normalization_follows_the_config_unless_the_caller_overrides_it():
+    """--disable-grpo-std-normalization leaves the group's std out of the advantage."""
     plain = _grpo(REWARDS, 3, std=False)
     off = sample_weights(_cfg(disable_grpo_std_normalization=True), loss_masks=MASKS, rewards=REWARDS, group_size=3)
     assert off.advantages.tolist() == pytest.approx(plain, abs=1e-6)
@@ -70,11 +71,13 @@ def test_rloo_baseline_leaves_each_sample_out():
 
 
 def test_per_token_loss_packs_no_loss_weights():
+    """--calculate-per-token-loss: no per-sample loss weights (each token weighs the same)."""
     w = sample_weights(_cfg(calculate_per_token_loss=True), loss_masks=MASKS, rewards=REWARDS, group_size=3)
     assert set(w.token_fields) == {"advantages"}
 
 
 def test_overlong_penalty_is_added_to_the_reward_before_the_advantage():
+    """--overlong-buffer-len and --overlong-penalty-factor shape the reward of long responses."""
     # L_max 6, buffer 4: 0 up to 2 response tokens, then -factor/4 per token past 2 (response from the first 1)
     cfg = _cfg(advantage_estimator="reinforce_plus_plus", max_response_len=6, overlong_buffer_len=4,
                overlong_penalty_factor=0.5)  # fmt: skip

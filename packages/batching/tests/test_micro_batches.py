@@ -93,6 +93,8 @@ def test_alignment_multiple():
 
 
 def test_plan_from_config_follows_the_mode():
+    """--use-dynamic-batch-size packs under --max-tokens-per-gpu, aligned by --pad-to-multiple-of."""
+    # without it: --micro-batch-size samples per micro-batch
     lengths = [100, 300, 50, 500, 20, 90, 400, 10]
     dynamic = BatchingConfig(
         rollout_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=512, pad_to_multiple_of=8

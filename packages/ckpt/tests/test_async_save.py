@@ -55,6 +55,8 @@ def _visible(save_dir: Path) -> list[str]:
 
 
 def test_caller_regains_control_before_the_write_and_the_result_equals_a_sync_save(ranks, tmp_path, gate_writer):
+    """--async-save returns before the write, and writes what a sync save does."""
+
     def body(rank, world, root):
         trainer = TrainerState(rollout_id=2, weight_version=3).to_dict()
         state = _state(rank, world)
