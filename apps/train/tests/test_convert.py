@@ -156,7 +156,7 @@ def test_a_peft_lora_folder_merges_into_the_base_and_sglang_reads_its_config(hf_
         adapters |= {f"{stem}.lora_A.weight": torch.randn(8, in_f), f"{stem}.lora_B.weight": torch.randn(out_f, 8)}
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 4.0, "target_modules": ["q_proj", "down_proj"]}
     adapter = write_peft_adapter(tmp_path / "adapter", adapters, config)
-    served = LoRAConfig(str(adapter))  # what SGLang's --lora-paths reads
+    served = LoRAConfig(str(adapter))  # how an SGLang server reads a LoRA adapter folder
     assert (served.r, served.lora_alpha, served.target_modules) == (8, 4.0, ["q_proj", "down_proj"])
 
     out = tmp_path / "merged"
