@@ -19,11 +19,15 @@ Sections (progress lines as they go; the JSON report is rewritten after each):
             RL mix packed into micro-batches of ``--tokens`` tokens: one ``train_step`` over all of them (PPO-clip
             loss, optimizer step included) and a ``compute_log_probs`` pass; peak memory; then one more training step
             under torch's profiler (kernels by device time in ``profile_moe_train.txt``; ``--no-profile`` skips it).
+  tidal_megatron_permute: the tidal section again with megatron-core's own unfused permute/unpermute in the token
+            dispatcher (index_select / scatter_add, atomic adds in backward and forward) instead of
+            ``tidal.actor.moe_permute`` (gathers by the permutation and its inverse): the A/B of that change.
   hf:       transformers' ``Qwen3MoeForCausalLM`` (bf16, SDPA, its default experts implementation, printed) on the
             same sequences one at a time (no padding), the same loss, AdamW(bf16) step; log-prob pass.
   parity:   a ``--parity-layers`` model of the same shape; a 16k sequence packed beside short ones: tidal fp32 vs HF
-            fp32 (both loaded from the same bf16 files, never cast), tidal bf16 and HF bf16 vs HF fp32, per position
-            bucket (mean and max |log-prob difference|).
+            fp32 (both loaded from the same bf16 files, never cast; HF fp32's attention exact math 1k queries at a time
+            and its LM head 2k positions at a time, HF bf16 with SDPA),
+            tidal bf16 and HF bf16 vs HF fp32, per position bucket (mean and max |log-prob difference|).
 
 MFU = model FLOPs / time / 989e12 (H100 SXM and H200 bf16 dense peak). Model FLOPs on the ACTIVE parameters, per
 sequence of length s: forward = 2 * N_active * s + 2 * L * s^2 * d (N_active: every matmul a token uses: q/k/v/o,
@@ -227,6 +231,24 @@ def tidal_section(args, ckpt: Path, work: dict, flops: dict) -> dict:
     return out  # the caller frees the actor (reset_peak)
 
 
+def megatron_permute_section(args, ckpt: Path, work: dict, flops: dict) -> dict:
+    """The tidal section again with megatron-core's own permute/unpermute in the token dispatcher (the A/B of
+    ``tidal.actor.moe_permute``), unprofiled."""
+    from megatron.core.transformer.moe import token_dispatcher
+    from tidal.actor import moe_permute
+
+    install, profile = moe_permute.install, args.no_profile
+    moe_permute.install, args.no_profile = (lambda: None), True
+    saved = token_dispatcher.permute, token_dispatcher.unpermute
+    megatron = moe_permute._megatron_permute, moe_permute._megatron_unpermute
+    token_dispatcher.permute, token_dispatcher.unpermute = megatron
+    try:
+        return tidal_section(args, ckpt, work, flops)
+    finally:
+        moe_permute.install, args.no_profile = install, profile
+        token_dispatcher.permute, token_dispatcher.unpermute = saved
+
+
 def profile_step(fn, out: Path) -> None:
     """One call of ``fn`` under torch's profiler; the kernels by total device time to ``out``, the top 8 logged."""
     from torch.profiler import ProfilerActivity, profile
@@ -292,13 +314,41 @@ def hf_section(args, ckpt: Path, work: dict, flops: dict) -> dict:
     return out  # the caller frees the model (reset_peak)
 
 
+def chunked_causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Exact causal attention of one unpadded sequence, 1024 queries at a time, in the inputs' dtype: HF's
+    attention-interface signature (``query [b, h, s, d]``, key/value with grouped heads). The fp32 reference at 16k
+    cannot use SDPA, whose fp32 path materialises every head's 16k x 16k scores (out of memory on 80 GB)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    n, out = query.shape[2], []
+    for lo in range(0, n, 1024):
+        hi = min(lo + 1024, n)
+        scores = query[:, :, lo:hi] @ key[:, :, :hi].transpose(-1, -2) * scaling
+        rows = torch.arange(lo, hi, device=query.device)[:, None]
+        scores.masked_fill_(torch.arange(hi, device=query.device)[None, :] > rows, float("-inf"))
+        out.append(scores.softmax(-1) @ value[:, :, :hi])
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+def hf_chunked_log_probs(model, ids: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    """HF's log-probs with the LM head applied ``chunk`` positions at a time (a 16k x 152k fp32 logit tensor is
+    10 GB, twice over with its log-softmax): the decoder's hidden states once, the head in the model's dtype."""
+    hidden = model.model(input_ids=ids[None]).last_hidden_state[0, :-1]
+    out = [hidden.new_zeros(1, dtype=torch.float32)]
+    for lo in range(0, hidden.shape[0], chunk):
+        logits = model.lm_head(hidden[lo : lo + chunk]).float()
+        out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[lo + 1 : lo + 1 + chunk, None]).squeeze(-1))
+    return torch.cat(out)
+
+
 BUCKETS = [(1, 512), (512, 2048), (2048, 8192), (8192, 16384)]
 
 
 def parity_section(args, cfg: dict, tmp: Path) -> dict:
     from tidal.actor import Actor, ActorConfig
     from tidal.batching import pack
-    from transformers import AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
     ckpt = tmp / "parity"
     save_model(cfg, args.parity_layers, ckpt, seed=1)
@@ -307,11 +357,13 @@ def parity_section(args, cfg: dict, tmp: Path) -> dict:
     seqs = [torch.randint(0, cfg["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
     n = sum(lengths)
 
+    AttentionInterface.register("chunked_causal", chunked_causal_attention)
+
     def hf(dtype):
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa").to(DEV).eval()
+        attention = "chunked_causal" if dtype == torch.float32 else "sdpa"
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attention).to(DEV).eval()
         with torch.no_grad():
-            out = [hf_log_probs(model(input_ids=torch.tensor([s], device=DEV)).logits[0], torch.tensor(s, device=DEV))
-                   for s in seqs]  # fmt: skip
+            out = [hf_chunked_log_probs(model, torch.tensor(s, device=DEV)) for s in seqs]
         del model
         reset_peak()
         return torch.cat(out).double().cpu()
@@ -350,7 +402,8 @@ def main() -> None:
     p.add_argument("--no-profile", action="store_true", help="skip the profiled tidal training step")
     p.add_argument("--parity-layers", type=int, default=2)
     p.add_argument("--parity-len", type=int, default=16384)
-    p.add_argument("--skip", nargs="*", default=[], help="sections to skip: experts tidal hf parity")
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="sections to skip: experts tidal tidal_megatron_permute hf parity")  # fmt: skip
     args = p.parse_args()
     cfg = TINY if args.tiny else QWEN3_30B_A3B
     if args.tiny:
@@ -383,6 +436,7 @@ def main() -> None:
         sections = [
             ("experts", lambda: experts_section(cfg, args.tokens, args.steps)),
             ("tidal", lambda: tidal_section(args, tmp / "model", work, flops)),
+            ("tidal_megatron_permute", lambda: megatron_permute_section(args, tmp / "model", work, flops)),
             ("hf", lambda: hf_section(args, tmp / "model", work, flops)),
             ("parity", lambda: parity_section(args, cfg, tmp)),
         ]

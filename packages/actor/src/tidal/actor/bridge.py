@@ -37,6 +37,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tidal.actor import moe_permute
 from tidal.actor.attention import PackedCoreAttention
 from tidal.actor.cp_attention import ContextParallelCoreAttention
 from tidal.actor.fused import (
@@ -134,6 +135,7 @@ def _layer_spec(spec: HFModelSpec, config: TransformerConfig, *, moe: bool) -> M
     if config.context_parallel_size == 1:  # q/k/v split + RoPE in one pass (tidal.actor.fused)
         layer_spec.submodules.self_attention.module = PackedSelfAttention
     if moe:  # megatron's MoE layer (top-k router, token dispatcher) around tidal's stacked experts
+        moe_permute.install()  # the dispatcher's permutation without atomic adds
         layer_spec.submodules.mlp = functools.partial(MoELayer, submodules=MoESubmodules(experts=GroupedExperts))
     else:  # megatron's MLP with SwiGLU as Triton kernels (fused_kernels); the spec's mlp is a partial of MLP's
         mlp = layer_spec.submodules.mlp
