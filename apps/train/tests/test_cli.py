@@ -415,11 +415,11 @@ def test_hf_checkpoint_without_recipe_reports_the_folder_as_well():
     assert problems[1] == "--hf-checkpoint /no/such/dir has no config.json; point it at a Hugging Face model directory"
 
 
-def test_wandb_flags_reach_the_train_section_and_warn_without_use_wandb(tmp_path, caplog):
+def test_wandb_flags_reach_the_logging_section_and_warn_without_use_wandb(tmp_path, caplog):
     flags = ["--wandb-mode", "offline", "--wandb-project", "p", "--wandb-group", "g", "--wandb-host", "http://h:1"]
     job = parse_job(["--output-dir", str(tmp_path / "a"), "--use-wandb", *flags])
-    train = job.train
-    assert (train.use_wandb, train.wandb_mode, train.wandb_project, train.wandb_group, train.wandb_host) == (
+    log = job.logging
+    assert (log.use_wandb, log.wandb_mode, log.wandb_project, log.wandb_group, log.wandb_host) == (
         True, "offline", "p", "g", "http://h:1",
     )  # fmt: skip
     assert "no effect" not in caplog.text
@@ -526,7 +526,7 @@ def test_pipeline_stages_must_divide_the_layers(tmp_path, paths):
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2 does not divide the model's 3 layers"):
         parse_job([*argv, "--pipeline-model-parallel-size", "2"])
     job = parse_job([*argv, "--pipeline-model-parallel-size", "3", "--actor-num-gpus-per-node", "3"])
-    assert job.train.pipeline_model_parallel_size == 3
+    assert job.parallel.pipeline_model_parallel_size == 3
 
 
 def test_ray_address_from_the_environment_connects_like_the_flag(monkeypatch, tmp_path):
@@ -565,14 +565,14 @@ def test_named_eval_sets_parse_and_name_their_keys(tmp_path):
     held_out, train = str(shipped_path(EVAL_FILE)), str(shipped_path(TRAIN_FILE))
     argv = ["--eval-prompt-data", "add", held_out, "seen", train, "--n-samples-per-eval-prompt", "4"]
     job = parse_job([*argv, "--output-dir", str(tmp_path / "a"), "--keep-best-by", "eval/seen/pass@4"])
-    assert job.train.eval_prompt_data == ("add", held_out, "seen", train)
-    assert eval_metric_keys(job.train) == [
+    assert job.eval.eval_prompt_data == ("add", held_out, "seen", train)
+    assert eval_metric_keys(job.train, job.eval) == [
         "eval/accuracy",
         *(f"eval/add/{m}" for m in ("mean@4", "pass@1", "pass@2", "pass@4")),
         *(f"eval/seen/{m}" for m in ("mean@4", "pass@1", "pass@2", "pass@4")),
     ]
     one = parse_job(["--output-dir", str(tmp_path / "b")])  # the embedded recipe's one PATH, named by its stem
-    assert eval_metric_keys(one.train)[1] == "eval/addition_eval/mean@1"
+    assert eval_metric_keys(one.train, one.eval)[1] == "eval/addition_eval/mean@1"
 
 
 def test_help_lists_the_lora_options():
@@ -596,7 +596,7 @@ def test_expert_parallel_size_is_checked_against_the_model_before_start(tmp_path
     with pytest.raises(ValueError, match="--expert-model-parallel-size 4 needs a mixture-of-experts model"):
         parse_job([*argv, "--hf-checkpoint", str(dense)])
     ep2 = parse_job([*argv[:-1], "2", "--hf-checkpoint", str(moe)])
-    assert ep2.train.expert_model_parallel_size == 2
+    assert ep2.parallel.expert_model_parallel_size == 2
     with pytest.raises(ValueError, match="--context-parallel-size 2 with a mixture-of-experts model"):
         parse_job([*argv[:-1], "1", "--context-parallel-size", "2", "--hf-checkpoint", str(moe)])
 

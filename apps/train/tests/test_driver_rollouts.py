@@ -16,7 +16,16 @@ NO_ENGINES = SimpleNamespace(engines=[], router=None)  # the strategy choice onl
 
 
 def _rollouts(*flags: str) -> DriverRollouts:
-    return DriverRollouts(parse_job(list(flags)), NO_ENGINES, None, None, tokenizer=None)
+    job = parse_job(list(flags))
+    return DriverRollouts(
+        job.rollout,
+        NO_ENGINES,
+        None,
+        None,
+        rollout_batch_size=job.batching.rollout_batch_size,
+        fault_tolerant=job.train.use_fault_tolerance,
+        tokenizer=None,
+    )
 
 
 def _group(prompt: list[int], label: str, n: int) -> list[Sample]:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from tidal.rollout import Sample, save_rollout_data
 from tidal.train.actor_group import rollout_data
 from tidal.train.cli import parse_job
-from tidal.train.rollout_manager import RolloutManager
+from tidal.train.cluster import rollout_manager_of
 
 
 def _sample(prompt: list[int], response: list[int], reward: float) -> Sample:
@@ -37,7 +37,7 @@ def test_replayed_rollouts_come_from_disk_without_engines(tmp_path: Path):
     job = parse_job(
         ["--debug-train-only", "--load-debug-rollout-data", str(tmp_path), "--output-dir", str(tmp_path / "o")]
     )
-    rollouts = RolloutManager(job, SimpleNamespace(tokenizer=None), log_dir=tmp_path / "logs")
+    rollouts = rollout_manager_of(job, SimpleNamespace(tokenizer=None), tmp_path)
     rollouts.wait_ready()  # nothing was started: no engine, no router
     assert not rollouts.has_engines and not rollouts.external
     samples, times = rollouts.generate(5)
@@ -52,7 +52,7 @@ def test_sync_plan_defaults_follow_the_placement():
 
     def plan(*flags):
         job = parse_job(["--output-dir", "/tmp/unused-tidal-run", *flags])
-        return resolve_sync_plan(job.train, job.placement, job.rollout)
+        return resolve_sync_plan(job.sync, job.offload, job.placement, job.rollout)
 
     colocated = plan()  # the embedded recipe: co-located on one (logical) GPU
     assert (colocated.transport, colocated.offload_train, colocated.offload_rollout) == ("tensor", True, True)
@@ -108,5 +108,5 @@ def test_a_wildcard_sglang_host_is_advertised_at_the_engines_node_address(tmp_pa
     placement = SimpleNamespace(bundles=[], engine_node_ip=lambda engine: f"10.0.0.{engine + 1}")
     for host, expected in (("0.0.0.0", "10.0.0.2"), ("::", "10.0.0.2"), ("10.9.9.9", "10.9.9.9")):
         job = parse_job(["--sglang-host", host, "--output-dir", str(tmp_path / "o")])
-        rollouts = RolloutManager(job, SimpleNamespace(tokenizer=None), log_dir=tmp_path / "logs")
+        rollouts = rollout_manager_of(job, SimpleNamespace(tokenizer=None), tmp_path)
         assert rollouts._engine_host(placement, 1) == expected, host

@@ -72,7 +72,7 @@ def test_without_dynamic_batch_size_the_plan_names_the_micro_batch_size(user):
     (line,) = [p for p in _problems(argv) if "memory plan" in p]
     assert "lower --micro-batch-size" in line
     job = parse_job([*user, "--micro-batch-size", "2", "--rollout-max-response-len", "4096"])
-    assert memory_inputs(job.train, job.actor, job.batching, job.rollout).train_tokens == 2 * (4096 + 1024)
+    assert memory_inputs(job.parallel, job.actor, job.batching, job.rollout).train_tokens == 2 * (4096 + 1024)
 
 
 def test_co_located_engines_take_their_share(user):
@@ -80,20 +80,24 @@ def test_co_located_engines_take_their_share(user):
     job = parse_job(
         [*argv, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--sglang-mem-fraction-static", "0.5"]
     )
-    plan = job_memory_plan(job.train, job.actor, job.batching, job.rollout, job.placement, QWEN3_1_7B, 80 * GIB)
+    plan = job_memory_plan(
+        job.parallel, job.offload, job.actor, job.batching, job.rollout, job.placement, QWEN3_1_7B, 80 * GIB
+    )
     assert plan.engine_bytes == 40 * GIB
     saver = parse_job(
         [*argv, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--sglang-enable-memory-saver"]
     )
     freed = job_memory_plan(
-        saver.train, saver.actor, saver.batching, saver.rollout, saver.placement, QWEN3_1_7B, 80 * GIB
+        saver.parallel, saver.offload, saver.actor, saver.batching, saver.rollout, saver.placement, QWEN3_1_7B, 80 * GIB
     )
     assert freed.engine_bytes == 0
 
 
 def test_no_gpu_and_no_flag_means_no_verdict(user):
     job = parse_job([*user, "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1000000"])  # nothing to check against
-    plan = job_memory_plan(job.train, job.actor, job.batching, job.rollout, job.placement, QWEN3_1_7B, None)
+    plan = job_memory_plan(
+        job.parallel, job.offload, job.actor, job.batching, job.rollout, job.placement, QWEN3_1_7B, None
+    )
     assert plan.fits() is None
     shape = ModelShape.from_hf_config(QWEN3_1_7B)
     assert largest_fitting_tokens(shape, plan.inputs, gpu_bytes=80 * GIB) < 1000000

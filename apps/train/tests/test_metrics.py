@@ -145,11 +145,11 @@ def test_eval_sampling_params_follow_the_eval_flags(tmp_path):
 
     base = ["--output-dir", str(tmp_path / "a"), "--rollout-temperature", "0.8", "--rollout-max-response-len", "32"]
     job = parse_job(base)
-    params = eval_sampling_params(job.rollout, job.train)  # defaults: one greedy sample, the rollout's length
+    params = eval_sampling_params(job.rollout, job.eval)  # defaults: one greedy sample, the rollout's length
     assert (params["n"], params["temperature"], params["top_p"], params["max_new_tokens"]) == (1, 0.0, 1.0, 32)
     flags = ["--n-samples-per-eval-prompt", "4", "--eval-temperature", "0.6", "--eval-top-p", "0.95"]
     job = parse_job([*base[:1], str(tmp_path / "b"), *base[2:], *flags, "--eval-max-response-len", "16"])
-    params = eval_sampling_params(job.rollout, job.train)
+    params = eval_sampling_params(job.rollout, job.eval)
     assert (params["n"], params["temperature"], params["top_p"], params["max_new_tokens"]) == (4, 0.6, 0.95, 16)
 
 

@@ -15,7 +15,7 @@ def test_each_shared_value_reaches_every_section_that_needs_it(out):
     assert job.rollout.n_samples_per_prompt == job.batching.n_samples_per_prompt == 4
     assert job.batching.rollout_batch_size == 16
     assert job.rollout.rollout_temperature == job.actor.temperature == 0.7
-    assert job.train.context_parallel_size == job.batching.context_parallel_size == 2
+    assert job.parallel.context_parallel_size == job.batching.context_parallel_size == 2
     assert job.actor.hf_checkpoint == job.ckpt.hf_checkpoint  # the embedded model's folder
     assert job.train.hf_checkpoint is None
 

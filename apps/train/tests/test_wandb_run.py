@@ -71,7 +71,7 @@ def test_offline_run_holds_every_rollouts_metrics_and_says_where_it_is(tmp_path,
         assert "note" not in h["item"] and "rollout" not in h["item"]
     (run,) = [r["run"] for r in logged if r["type"] == "run"]
     assert (run["project"], run["run_group"], run["run_id"]) == ("proj", "grp", where["id"])
-    assert run["config"]["update"]["train"]["wandb_group"] == "grp"  # the job's options travel with the run
+    assert run["config"]["update"]["logging"]["wandb_group"] == "grp"  # the job's options travel with the run
 
 
 def test_disabled_logs_nothing_to_wandb(tmp_path, wandb_env):

@@ -21,8 +21,10 @@ from tidal.train.logs import LogPlan
 from tidal.train.workers import ActorWorker, RolloutData
 
 if TYPE_CHECKING:
-    from tidal.ckpt import TrainerState
-    from tidal.train.config import JobConfig
+    from tidal.actor import ActorConfig
+    from tidal.batching import BatchingConfig
+    from tidal.ckpt import CkptConfig, TrainerState
+    from tidal.train.config import ParallelConfig
     from tidal.train.handoff import HandOffLog
     from tidal.train.weight_sync import SyncPlan
 
@@ -32,13 +34,29 @@ logger = logging.getLogger(__name__)
 class ActorGroup:
     """All ranks of the actor; built by :meth:`start`, ready after :meth:`wait_ready`, stopped by :meth:`kill`."""
 
-    def __init__(self, job: JobConfig, *, plan: SyncPlan, off_policy_correction: bool, handoff: HandOffLog) -> None:
-        """Describe the group; no rank starts until :meth:`start`.
+    def __init__(
+        self,
+        actor: ActorConfig,
+        batching: BatchingConfig,
+        ckpt: CkptConfig,
+        parallel: ParallelConfig,
+        *,
+        num_ranks: int,
+        seed: int,
+        n_samples_per_prompt: int,
+        log: LogPlan,
+        plan: SyncPlan,
+        off_policy_correction: bool,
+        handoff: HandOffLog,
+    ) -> None:
+        """Describe the group of ``num_ranks`` ranks (the actor GPUs); no rank starts until :meth:`start`.
 
         ``off_policy_correction`` is the job's ``AsyncPlan``'s: the ranks' loss uses it for --use-tis left unset.
+        ``seed`` seeds initialisation and the data order; ``log`` is where the ranks' log lines go.
         """
-        self.job = job
-        self.actor_cfg = dataclasses.replace(job.actor, use_tis=off_policy_correction)
+        self.actor_cfg = dataclasses.replace(actor, use_tis=off_policy_correction)
+        self.batching, self.ckpt, self.parallel = batching, ckpt, parallel
+        self.num_ranks, self.seed, self.n_samples_per_prompt, self.log = num_ranks, seed, n_samples_per_prompt, log
         self.plan = plan
         self.handoff = handoff
         self.workers: list = []
@@ -56,8 +74,7 @@ class ActorGroup:
 
     def start(self, placement) -> None:
         """Create one ``ActorWorker`` per actor GPU in its bundle; returns before the models are built."""
-        job = self.job
-        world = job.placement.num_actor_gpus
+        world, parallel = self.num_ranks, self.parallel
         if world == 0:
             return
         rendezvous = placement.rendezvous()
@@ -65,18 +82,18 @@ class ActorGroup:
             self.workers.append(
                 ActorWorker.options(**placement.actor_options(rank)).remote(
                     self.actor_cfg,
-                    job.batching,
-                    job.ckpt,
+                    self.batching,
+                    self.ckpt,
                     rank=rank,
                     world_size=world,
                     master_addr=rendezvous.master_addr,
                     master_port=rendezvous.master_port,
-                    seed=job.train.seed,
-                    tensor_model_parallel_size=job.train.tensor_model_parallel_size,
-                    context_parallel_size=job.train.context_parallel_size,
-                    pipeline_model_parallel_size=job.train.pipeline_model_parallel_size,
-                    expert_model_parallel_size=job.train.expert_model_parallel_size,
-                    log=LogPlan.of_run(job.train.output_dir, job.train.verbose),
+                    seed=self.seed,
+                    tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+                    context_parallel_size=parallel.context_parallel_size,
+                    pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+                    expert_model_parallel_size=parallel.expert_model_parallel_size,
+                    log=self.log,
                 )
             )
         if self.plan.offload_train:  # runs after each constructor, while the engines start (no-op without CUDA)
@@ -99,9 +116,8 @@ class ActorGroup:
         """
         with self.lock:
             moved = self.onload() if self.plan.offload_train else {}
-            metrics = self.call_all("train", rollout_data(samples, self.job.rollout.n_samples_per_prompt, rollout_id))[
-                0
-            ]
+            data = rollout_data(samples, self.n_samples_per_prompt, rollout_id)
+            metrics = self.call_all("train", data)[0]
             self.version += 1
             self.handoff.add("actor.train")
         return metrics | moved
@@ -111,13 +127,13 @@ class ActorGroup:
 
         The driver's own RNG states come back too, unless --no-load-rng.
         """
-        if not self.job.ckpt.load:
+        if not self.ckpt.load:
             return None
         from tidal.ckpt import TrainerState
 
         state = TrainerState.from_dict(self.call_all("load_checkpoint")[0])
         self.version = state.weight_version
-        if state.rng_state is not None and not self.job.ckpt.no_load_rng:
+        if state.rng_state is not None and not self.ckpt.no_load_rng:
             state.restore_rng()
         return state
 
@@ -130,7 +146,7 @@ class ActorGroup:
         state = TrainerState.capture(
             rollout_id=rollout_id,
             weight_version=weight_version,
-            data_seed=self.job.train.seed,
+            data_seed=self.seed,
             rollout_carry=carry,
             rollout_buffer=buffer,
         )

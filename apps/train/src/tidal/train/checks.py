@@ -138,31 +138,32 @@ def check_import_path(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path!r}: importing it raised {type(e).__name__}: {e}; {fix}") from e
 
 
-def check_model_parallel(train, placement) -> int:
+def check_model_parallel(parallel, placement) -> int:
     """TP x CP x PP divides the actor's GPUs; returns the data-parallel size."""
     gpus = placement.num_actor_gpus
-    pp = train.pipeline_model_parallel_size
-    model_parallel = train.tensor_model_parallel_size * train.context_parallel_size * pp
+    pp = parallel.pipeline_model_parallel_size
+    model_parallel = parallel.tensor_model_parallel_size * parallel.context_parallel_size * pp
     if gpus % model_parallel:
         raise ValueError(
-            f"--tensor-model-parallel-size {train.tensor_model_parallel_size} x --context-parallel-size "
-            f"{train.context_parallel_size} x --pipeline-model-parallel-size {pp} = {model_parallel} does not divide "
+            f"--tensor-model-parallel-size {parallel.tensor_model_parallel_size} x --context-parallel-size "
+            f"{parallel.context_parallel_size} x --pipeline-model-parallel-size {pp} = {model_parallel} does not "
+            f"divide "
             f"the {gpus} actor GPU(s) (--actor-num-nodes x --actor-num-gpus-per-node)"
         )
     return gpus // model_parallel
 
 
-def check_expert_parallel(train, placement, hf_config: dict[str, Any] | None, hf: str) -> None:
+def check_expert_parallel(parallel, placement, hf_config: dict[str, Any] | None, hf: str) -> None:
     """The expert-parallel size divides the GPUs of a pipeline stage and the model's experts (a dense model: 1)."""
-    ep = train.expert_model_parallel_size
+    ep = parallel.expert_model_parallel_size
     if ep == 1:
         return
-    per_stage = placement.num_actor_gpus // train.pipeline_model_parallel_size
+    per_stage = placement.num_actor_gpus // parallel.pipeline_model_parallel_size
     if per_stage % ep:
         raise ValueError(
             f"--expert-model-parallel-size {ep} does not divide the {per_stage} actor GPU(s) of a pipeline stage "
             f"({placement.num_actor_gpus} actor GPU(s) / --pipeline-model-parallel-size "
-            f"{train.pipeline_model_parallel_size}); pick a divisor of {per_stage}"
+            f"{parallel.pipeline_model_parallel_size}); pick a divisor of {per_stage}"
         )
     if hf_config is None:  # the embedded model may not exist yet: the actor checks it when it builds the model
         return
@@ -179,9 +180,9 @@ def check_expert_parallel(train, placement, hf_config: dict[str, Any] | None, hf
         )
 
 
-def check_moe_context_parallel(train, hf_config: dict[str, Any] | None, hf: str) -> None:
+def check_moe_context_parallel(parallel, hf_config: dict[str, Any] | None, hf: str) -> None:
     """Context parallelism is refused with a mixture-of-experts model (tidal.actor refuses it too, seconds later)."""
-    cp = train.context_parallel_size
+    cp = parallel.context_parallel_size
     if cp > 1 and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
         raise ValueError(
             f"--context-parallel-size {cp} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
@@ -223,12 +224,12 @@ def check_moe_layers_servable(train, hf_config: dict[str, Any] | None, hf: str) 
         )
 
 
-def check_pipeline(train, hf_config: dict[str, Any] | None, hf: str) -> None:
+def check_pipeline(parallel, hf_config: dict[str, Any] | None, hf: str) -> None:
     """Pipeline stages are allowed with this CP size and divide the model's layers (when the model exists)."""
-    pp = train.pipeline_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
     if pp == 1:
         return
-    cp = train.context_parallel_size
+    cp = parallel.context_parallel_size
     if cp > 1:  # tidal.actor.distributed refuses it too, but importing it means torch and megatron: seconds
         raise ValueError(
             f"--pipeline-model-parallel-size {pp} with --context-parallel-size {cp} is not supported by tidal-actor "
@@ -344,7 +345,7 @@ def check_router(rollout, placement) -> None:
         )
 
 
-def check_async(train, rollout, placement) -> None:
+def check_async(train, sync, rollout, placement) -> None:
     """``--max-staleness K >= 1`` overlaps generation with training: engines of their own, a weight sync per rollout."""
     k = train.max_staleness
     if k == 0:
@@ -366,10 +367,10 @@ def check_async(train, rollout, placement) -> None:
     ]
     if clash:
         raise ValueError(f"--max-staleness {k} overlaps generation with training; {clash[0]} has only one of them")
-    if train.update_weights_interval != 1:
+    if sync.update_weights_interval != 1:
         raise ValueError(
             f"--max-staleness {k} counts staleness in weight versions, one per rollout; --update-weights-interval "
-            f"{train.update_weights_interval} would make it {train.update_weights_interval} times looser: drop it"
+            f"{sync.update_weights_interval} would make it {sync.update_weights_interval} times looser: drop it"
         )
 
 
@@ -437,7 +438,7 @@ def check_critic(actor, ckpt) -> None:
         raise ValueError(str(e)) from e
 
 
-def check_data_files(train: dict[str, Any], problems: Problems) -> None:
+def check_data_files(train: dict[str, Any], evaluation: dict[str, Any], problems: Problems) -> None:
     """``--prompt-data`` is given, and each prompt file's first record holds the keys.
 
     ``--eval-prompt-data`` left unset is ``--prompt-data``, filled in here.
@@ -452,14 +453,14 @@ def check_data_files(train: dict[str, Any], problems: Problems) -> None:
         return
     from tidal.train.config import eval_sets
 
-    train.setdefault("eval_prompt_data", (train["prompt_data"],))
+    evaluation.setdefault("eval_prompt_data", (train["prompt_data"],))
     defaults = section_defaults("train")
     keys = {key: train.get(key) or defaults[key] for key in ("input_key", "label_key")}
     problems.run(check_prompt_file, "--prompt-data", train["prompt_data"], **keys)
     try:
-        sets = eval_sets(train["eval_prompt_data"])
+        sets = eval_sets(evaluation["eval_prompt_data"])
     except ValueError:
-        return  # TrainConfig reports it
+        return  # EvalConfig reports it
     for _, path in sets:
         problems.run(check_prompt_file, "--eval-prompt-data", path, **keys)
 
@@ -496,6 +497,11 @@ def check_job(
     problems: Problems,
     *,
     train,
+    eval,
+    parallel,
+    sync,
+    offload,
+    logging,
     placement,
     rollout,
     batching,
@@ -508,32 +514,29 @@ def check_job(
     """The checks that span sections, on every section that could be built (None: it already has a problem)."""
     if rollout is not None and placement is not None:
         problems.run(check_router, rollout, placement)
-        if train is not None:
-            problems.run(check_async, train, rollout, placement)
+        if train is not None and sync is not None:
+            problems.run(check_async, train, sync, rollout, placement)
+    if parallel is not None:
+        _check_layout(problems, parallel, placement, batching, hf_config, hf)
+    if logging is not None:
+        _warn_without_wandb(given["logging"], logging)
     if train is not None:
-        problems.run(check_pipeline, train, hf_config, hf)
         problems.run(check_moe_layers_servable, train, hf_config, hf)
-        problems.run(check_moe_context_parallel, train, hf_config, hf)
-        _warn_without_wandb(given["train"], train)
         if rollout is not None:
             if placement is not None:
                 problems.run(check_modes, train, rollout, placement)
-                from tidal.train.weight_sync import resolve_sync_plan
+                if sync is not None and offload is not None:
+                    from tidal.train.weight_sync import resolve_sync_plan
 
-                problems.run(resolve_sync_plan, train, placement, rollout)
+                    problems.run(resolve_sync_plan, sync, offload, placement, rollout)
             _warn_without_fault_tolerance(given["rollout"], train)
-        if placement is not None:
-            problems.run(check_expert_parallel, train, placement, hf_config, hf)
-            dp = problems.run(check_model_parallel, train, placement)
-            if dp is not None and batching is not None:
-                problems.run(batching.resolve, dp_size=dp)
     if batching is not None and rollout is not None:
         problems.run(check_token_budget, batching, rollout)
         problems.run(check_dynamic_sampling_rounds, batching, rollout)
-        if train is not None and actor is not None and placement is not None:
+        if None not in (parallel, offload, actor, placement):
             from tidal.train.memory import check_memory
 
-            problems.run(check_memory, train, actor, batching, rollout, placement, hf_config)
+            problems.run(check_memory, parallel, offload, actor, batching, rollout, placement, hf_config)
     if actor is not None:
         problems.run(check_lora_moe, actor, hf_config, hf)
     if ckpt is not None:
@@ -542,22 +545,33 @@ def check_job(
             problems.run(check_lora_load, actor, ckpt)
             problems.run(check_ref_load, actor, ckpt)
             problems.run(check_critic, actor, ckpt)
-        if train is not None:
-            problems.run(check_keep_best_by, train, ckpt)
+        if train is not None and eval is not None:
+            problems.run(check_keep_best_by, train, eval, ckpt)
 
 
-def check_keep_best_by(train, ckpt) -> None:
+def _check_layout(problems: Problems, parallel, placement, batching, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """The actor's parallel layout against the model and the GPUs; resolves the batch arithmetic with its DP size."""
+    problems.run(check_pipeline, parallel, hf_config, hf)
+    problems.run(check_moe_context_parallel, parallel, hf_config, hf)
+    if placement is not None:
+        problems.run(check_expert_parallel, parallel, placement, hf_config, hf)
+        dp = problems.run(check_model_parallel, parallel, placement)
+        if dp is not None and batching is not None:
+            problems.run(batching.resolve, dp_size=dp)
+
+
+def check_keep_best_by(train, evaluation, ckpt) -> None:
     """``--keep-best-by eval/...`` names a metric the evaluation records."""
     from tidal.train.config import eval_metric_keys
 
     key = ckpt.keep_best_by
-    if key is not None and key.startswith("eval/") and key not in (keys := eval_metric_keys(train)):
+    if key is not None and key.startswith("eval/") and key not in (keys := eval_metric_keys(train, evaluation)):
         raise ValueError(f"--keep-best-by {key} is no metric this run's evaluation records; one of {keys}")
 
 
-def _warn_without_wandb(given: dict[str, Any], train) -> None:
+def _warn_without_wandb(given: dict[str, Any], logging_config) -> None:
     for key in ("wandb_mode", "wandb_project", "wandb_group", "wandb_host"):
-        if key in given and not train.use_wandb:
+        if key in given and not logging_config.use_wandb:
             logger.warning("--%s has no effect without --use-wandb", key.replace("_", "-"))
 
 

@@ -117,7 +117,8 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     from tidal.placement import PlacementConfig
     from tidal.rollout import RolloutConfig
     from tidal.train import checks
-    from tidal.train.config import JobConfig, TrainConfig
+    from tidal.train.config import APP_SECTIONS, JobConfig, TrainConfig
+    from tidal.train.flags import SECTIONS
     from tidal.train.run_folder import default_output_dir
     from tidal.train.shared import propagate_shared
 
@@ -133,7 +134,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     for section, key in paths:
         if sections[section].get(key):
             sections[section][key] = str(Path(sections[section][key]).absolute())
-    checks.check_data_files(train, problems)
+    checks.check_data_files(train, sections["eval"], problems)
     hf, hf_config = _model(train, problems)
     propagate_shared(sections, {("train", "hf_checkpoint"): hf})
     checks.check_import_paths(rollout, problems, actor)
@@ -150,6 +151,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     batching = sections["batching"]
     job = {  # in the order their problems are listed
         "train": problems.run(TrainConfig, **train),
+        **{name: problems.run(SECTIONS[name], **sections[name]) for name in APP_SECTIONS},
         "actor": problems.run(ActorConfig, **actor),
         "batching": problems.run(BatchingConfig, **batching) if "rollout_batch_size" in batching else None,
         "ckpt": problems.run(CkptConfig, **ckpt),
@@ -290,9 +292,9 @@ def _run(job: JobConfig) -> int:
     from tidal.train.loop import run
 
     start = time.monotonic()
-    plan = LogPlan.of_run(job.train.output_dir, job.train.verbose)
+    plan = LogPlan.of_run(job.train.output_dir, job.logging.verbose)
     setup_logging("train", plan, terminal_marks=True)
-    shown = "" if job.train.verbose else "; -v shows their INFO lines here too"
+    shown = "" if job.logging.verbose else "; -v shows their INFO lines here too"
     logger.info("run folder %s (each process logs in %s%s)", job.train.output_dir, plan.log_dir, shown, extra=TERMINAL)
     from tidal.train.embedded_model import embedded_spec_of, ensure_embedded_model
 

@@ -19,20 +19,19 @@ WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
 """The values of --update-weight-transport."""
 WANDB_MODES = ("online", "offline", "disabled")
 """The values of --wandb-mode."""
+APP_SECTIONS = ("eval", "parallel", "sync", "offload", "logging")
+"""The app's sections besides ``train``, each its own config (JobConfig has one attribute per section)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    """What the training loop itself owns: data, the number of rollouts, evaluation and outputs."""
+    """What the training loop itself owns: the model and data, the number of rollouts, outputs and modes."""
 
     hf_checkpoint: str | None = None
     """HF model dir to train (config.json, tokenizer, weights); None: the embedded tiny Qwen2, built on first use
     and cached."""
     prompt_data: str | None = None
     """JSONL of training prompts and labels (required; the embedded recipe gives the shipped addition task)."""
-    eval_prompt_data: tuple[str, ...] | None = field(default=None, metadata={"metavar": "[NAME] PATH"})
-    """Held-out prompt sets (JSONL): one PATH (named by its file stem), or NAME PATH [NAME PATH ...] as slime;
-    None: --prompt-data. The first set's mean@k is also logged as eval/accuracy."""
     input_key: str = "prompt"
     """Key of the prompt text in each JSONL record."""
     label_key: str = "label"
@@ -41,6 +40,45 @@ class TrainConfig:
     """Rollouts to run, counted from rollout 0 (a resumed run stops at the same place)."""
     start_rollout_id: int | None = None
     """First rollout id; None: 0, or the one after the rollout --load's checkpoint finished."""
+    output_dir: str | None = None
+    """Run folder: metrics, logs, weights handed to SGLang, checkpoints; None: a new runs/DATE-TIME, which
+    runs/latest links to."""
+    overwrite_output_dir: bool = False
+    """Let a new run write over an earlier run's records in --output-dir."""
+    seed: int = 1234
+    """Seed of data order and initialisation."""
+    max_staleness: int = 0
+    """Asynchronous training: rollouts are generated ahead of training by weights at most this many versions older
+    than the actor's (0: synchronous, generate then train; >= 1 needs engines on their own GPUs, --no-colocate)."""
+    save_hf: str | None = None
+    """Also write an HF checkpoint at every save (with --lora-rank: the adapters as a PEFT folder, which
+    `train convert --lora-adapter` merges); "{rollout_id}" in the path is filled in."""
+    debug_rollout_only: bool = False
+    """Generate and score only: no actor is built and nothing trains."""
+    debug_train_only: bool = False
+    """Train only, on rollouts saved by --save-debug-rollout-data: no engine starts."""
+    use_fault_tolerance: bool = False
+    """Restart an engine that died, give it the actor's current weights, then resend its requests."""
+
+    def __post_init__(self) -> None:
+        _at_least(("--num-rollout", self.num_rollout, 1), ("--max-staleness", self.max_staleness, 0))
+        if self.start_rollout_id is not None and not 0 <= self.start_rollout_id < self.num_rollout:
+            raise ValueError(
+                f"--start-rollout-id must be in [0, --num-rollout={self.num_rollout}), got {self.start_rollout_id}"
+            )
+        if self.debug_rollout_only and self.debug_train_only:
+            raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
+        if not self.input_key or not self.label_key:
+            raise ValueError("--input-key and --label-key must be non-empty")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    """Held-out evaluation: which sets, how often, how sampled."""
+
+    eval_prompt_data: tuple[str, ...] | None = field(default=None, metadata={"metavar": "[NAME] PATH"})
+    """Held-out prompt sets (JSONL): one PATH (named by its file stem), or NAME PATH [NAME PATH ...] as slime;
+    None: --prompt-data. The first set's mean@k is also logged as eval/accuracy."""
     eval_interval: int = 0
     """Evaluate on held-out prompts every this many rollouts, and before the first; 0 only before and after."""
     num_eval_prompts: int = 64
@@ -53,13 +91,25 @@ class TrainConfig:
     """Top-p of evaluation sampling."""
     eval_max_response_len: int | None = None
     """Most tokens an evaluation response may have; None: --rollout-max-response-len."""
-    output_dir: str | None = None
-    """Run folder: metrics, logs, weights handed to SGLang, checkpoints; None: a new runs/DATE-TIME, which
-    runs/latest links to."""
-    overwrite_output_dir: bool = False
-    """Let a new run write over an earlier run's records in --output-dir."""
-    seed: int = 1234
-    """Seed of data order and initialisation."""
+
+    def __post_init__(self) -> None:
+        _at_least(
+            ("--eval-interval", self.eval_interval, 0),
+            ("--num-eval-prompts", self.num_eval_prompts, 1),
+            ("--n-samples-per-eval-prompt", self.n_samples_per_eval_prompt, 1),
+            ("--eval-max-response-len", self.eval_max_response_len or 1, 1),
+        )
+        if self.eval_temperature < 0 or not 0 < self.eval_top_p <= 1:
+            got = f"{self.eval_temperature}/{self.eval_top_p}"
+            raise ValueError(f"--eval-temperature must be >= 0 and --eval-top-p in (0, 1], got {got}")
+        if self.eval_prompt_data is not None:
+            eval_sets(self.eval_prompt_data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """The actor's parallel layout (each engine's is --rollout-num-gpus-per-engine)."""
+
     tensor_model_parallel_size: int = 1
     """Tensor-parallel size of the actor."""
     context_parallel_size: int = 1
@@ -71,15 +121,31 @@ class TrainConfig:
     (tokens exchanged all-to-all); divides the experts and the GPUs of a stage."""
     expert_tensor_parallel_size: int = 1
     """Tensor-parallel size inside each expert; only 1 (the experts are split by --expert-model-parallel-size)."""
+
+    def __post_init__(self) -> None:
+        _at_least(
+            ("--tensor-model-parallel-size", self.tensor_model_parallel_size, 1),
+            ("--context-parallel-size", self.context_parallel_size, 1),
+            ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, 1),
+            ("--expert-model-parallel-size", self.expert_model_parallel_size, 1),
+        )
+        if self.expert_tensor_parallel_size != 1:
+            raise ValueError(
+                f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not supported (only 1): split "
+                "the experts with --expert-model-parallel-size instead"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How and how often the actor's weights reach the engines, and the check after each sync."""
+
     update_weights_interval: int = 1
     """Hand the actor's weights to the engines every this many rollouts."""
     update_weight_transport: str | None = None
     """How new weights reach the engines: "tensor" (in-memory handles, CUDA IPC on GPU; co-located engines only),
     "nccl" (the actor's rank 0 broadcasts buckets to every engine rank; gloo on CPU) or "disk" (an HF checkpoint
     each engine reloads); None: tensor with --colocate, nccl without it or with --rollout-external-engine-addrs."""
-    max_staleness: int = 0
-    """Asynchronous training: rollouts are generated ahead of training by weights at most this many versions older
-    than the actor's (0: synchronous, generate then train; >= 1 needs engines on their own GPUs, --no-colocate)."""
     update_weight_buffer_size: int = 512 * 1024**2
     """Bytes per weight-sync bucket (tensor, nccl) or safetensors shard (disk)."""
     update_weight_timeout: float = 600.0
@@ -91,6 +157,29 @@ class TrainConfig:
     check_weight_update_tolerance: float = 0.05
     """Largest mean |engine - actor| log-prob gap (nats) --check-weight-update-equal accepts (bf16 serving next to
     an fp32 actor sits around 0.005-0.015, fp32 serving below 1e-3)."""
+
+    def __post_init__(self) -> None:
+        _at_least(
+            ("--update-weights-interval", self.update_weights_interval, 1),
+            ("--update-weight-buffer-size", self.update_weight_buffer_size, 1),
+        )
+        if self.update_weight_transport not in (None, *WEIGHT_TRANSPORTS):
+            raise ValueError(
+                f"--update-weight-transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
+                f"got {self.update_weight_transport!r}"
+            )
+        for flag, value in (
+            ("--update-weight-timeout", self.update_weight_timeout),
+            ("--check-weight-update-tolerance", self.check_weight_update_tolerance),
+        ):
+            if not value > 0:  # NaN too
+                raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """What leaves the GPU while the other side runs (co-located actor and engines)."""
+
     offload: bool | None = None
     """Offload both the actor and the engines (each also has its own option, which wins); None: on with --colocate
     and engines this job launches."""
@@ -100,13 +189,12 @@ class TrainConfig:
     offload_rollout: bool | None = None
     """Have the engines release their weights and KV cache while the actor trains (resumed before generation:
     weights, then the sync, then the KV cache; frees GPU memory with --sglang-enable-memory-saver); None: --offload."""
-    save_hf: str | None = None
-    """Also write an HF checkpoint at every save (with --lora-rank: the adapters as a PEFT folder, which
-    `train convert --lora-adapter` merges); "{rollout_id}" in the path is filled in."""
-    debug_rollout_only: bool = False
-    """Generate and score only: no actor is built and nothing trains."""
-    debug_train_only: bool = False
-    """Train only, on rollouts saved by --save-debug-rollout-data: no engine starts."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogConfig:
+    """Where metrics go, what the terminal shows, and the warnings a run raises about itself."""
+
     use_tensorboard: bool = False
     """Write TensorBoard event files into the run folder's tensorboard/."""
     use_wandb: bool = False
@@ -124,8 +212,6 @@ class TrainConfig:
     verbose: bool = field(default=False, metadata={"short": "-v"})
     """Also show every process's INFO log lines on the terminal (generation progress, weight-sync timings,
     checkpoint writes); they are always in the run folder's logs/."""
-    use_fault_tolerance: bool = False
-    """Restart an engine that died, give it the actor's current weights, then resend its requests."""
     reward_sanity_rollouts: int = 3
     """Warn when every reward was identical for this many rollouts in a row; 0 disables."""
     mismatch_warn_threshold: float = 0.05
@@ -133,57 +219,19 @@ class TrainConfig:
     serving next to an fp32 actor sits around 0.005-0.015, same-precision serving near 0); 0 disables."""
 
     def __post_init__(self) -> None:
-        for flag, value, low in (
-            ("--num-rollout", self.num_rollout, 1),
-            ("--eval-interval", self.eval_interval, 0),
-            ("--num-eval-prompts", self.num_eval_prompts, 1),
-            ("--n-samples-per-eval-prompt", self.n_samples_per_eval_prompt, 1),
-            ("--eval-max-response-len", self.eval_max_response_len or 1, 1),
-            ("--tensor-model-parallel-size", self.tensor_model_parallel_size, 1),
-            ("--context-parallel-size", self.context_parallel_size, 1),
-            ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size, 1),
-            ("--expert-model-parallel-size", self.expert_model_parallel_size, 1),
-            ("--update-weights-interval", self.update_weights_interval, 1),
-            ("--max-staleness", self.max_staleness, 0),
-            ("--reward-sanity-rollouts", self.reward_sanity_rollouts, 0),
-            ("--update-weight-buffer-size", self.update_weight_buffer_size, 1),
-        ):
-            if value < low:
-                raise ValueError(f"{flag} must be >= {low}, got {value}")
-        if self.expert_tensor_parallel_size != 1:
-            raise ValueError(
-                f"--expert-tensor-parallel-size {self.expert_tensor_parallel_size} is not supported (only 1): split "
-                "the experts with --expert-model-parallel-size instead"
-            )
+        _at_least(("--reward-sanity-rollouts", self.reward_sanity_rollouts, 0))
         if self.wandb_mode not in (None, *WANDB_MODES):
             raise ValueError(f"--wandb-mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
-        if self.update_weight_transport not in (None, *WEIGHT_TRANSPORTS):
-            raise ValueError(
-                f"--update-weight-transport must be one of {', '.join(WEIGHT_TRANSPORTS)}, "
-                f"got {self.update_weight_transport!r}"
-            )
-        for flag, value in (
-            ("--update-weight-timeout", self.update_weight_timeout),
-            ("--check-weight-update-tolerance", self.check_weight_update_tolerance),
-        ):
-            if not value > 0:  # NaN too
-                raise ValueError(f"{flag} must be > 0, got {value}")
         if not self.mismatch_warn_threshold >= 0:  # NaN too
             value = self.mismatch_warn_threshold
             raise ValueError(f"--mismatch-warn-threshold must be >= 0 nats (0 disables the warning), got {value}")
-        if self.start_rollout_id is not None and not 0 <= self.start_rollout_id < self.num_rollout:
-            raise ValueError(
-                f"--start-rollout-id must be in [0, --num-rollout={self.num_rollout}), got {self.start_rollout_id}"
-            )
-        if self.eval_temperature < 0 or not 0 < self.eval_top_p <= 1:
-            got = f"{self.eval_temperature}/{self.eval_top_p}"
-            raise ValueError(f"--eval-temperature must be >= 0 and --eval-top-p in (0, 1], got {got}")
-        if self.eval_prompt_data is not None:
-            eval_sets(self.eval_prompt_data)
-        if self.debug_rollout_only and self.debug_train_only:
-            raise ValueError("--debug-rollout-only and --debug-train-only exclude each other; pick one")
-        if not self.input_key or not self.label_key:
-            raise ValueError("--input-key and --label-key must be non-empty")
+
+
+def _at_least(*checks: tuple[str, float, float]) -> None:
+    """Raise naming the first ``(flag, value, low)`` whose value is below ``low``."""
+    for flag, value, low in checks:
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
 
 
 def eval_sets(value: str | Sequence[str]) -> list[tuple[str, str]]:
@@ -206,13 +254,13 @@ def eval_sets(value: str | Sequence[str]) -> list[tuple[str, str]]:
     return sets
 
 
-def eval_metric_keys(train: TrainConfig) -> list[str]:
-    """The ``eval/...`` keys an evaluation of ``train``'s held-out sets records (as ``RolloutManager.evaluate``)."""
+def eval_metric_keys(train: TrainConfig, evaluation: EvalConfig) -> list[str]:
+    """The ``eval/...`` keys an evaluation of the held-out sets records (as ``RolloutManager.evaluate``)."""
     from tidal.train.metrics import pass_ks
 
-    n = train.n_samples_per_eval_prompt
+    n = evaluation.n_samples_per_eval_prompt
     keys = ["eval/accuracy"]
-    for name, _ in eval_sets(train.eval_prompt_data or train.prompt_data or ""):
+    for name, _ in eval_sets(evaluation.eval_prompt_data or train.prompt_data or ""):
         keys += [f"eval/{name}/mean@{n}", *(f"eval/{name}/pass@{k}" for k in pass_ks(n))]
     return keys
 
@@ -222,7 +270,17 @@ class JobConfig:
     """Every package's section, as the command line produced them; components receive only their own."""
 
     train: TrainConfig
-    """The loop's own section."""
+    """The loop's own section: model, data, rollouts, outputs."""
+    eval: EvalConfig
+    """Held-out evaluation."""
+    parallel: ParallelConfig
+    """The actor's parallel layout."""
+    sync: WeightSyncConfig
+    """Weight sync to the engines."""
+    offload: OffloadConfig
+    """GPU memory handed between the actor and the engines."""
+    logging: LogConfig
+    """Metrics sinks, terminal, self-warnings."""
     placement: PlacementConfig
     """Where the actor and the engines run."""
     rollout: RolloutConfig

@@ -23,30 +23,33 @@ class DriverRollouts:
     one engine.
     """
 
-    def __init__(self, job, engines, train_data, reward_fn, *, tokenizer) -> None:
+    def __init__(
+        self, rollout, engines, train_data, reward_fn, *, rollout_batch_size: int, fault_tolerant: bool, tokenizer
+    ) -> None:
         """Load the group filter, if any; nothing starts here.
 
-        ``engines`` is the rollout manager: its ``engines`` and ``router`` decide the path, its
-        ``driver_target()`` and ``restart_dead_engines()`` reach them.
+        ``rollout`` is the RolloutConfig; ``engines`` is the rollout manager: its ``engines`` and ``router`` decide
+        the path, its ``driver_target()`` and ``restart_dead_engines()`` reach them. ``fault_tolerant``: a dead
+        engine is restarted and its requests resent (--use-fault-tolerance) rather than stopping the run.
         """
-        self.job, self.engines, self.data, self.reward_fn = job, engines, train_data, reward_fn
-        self.tokenizer = tokenizer
+        self.cfg, self.engines, self.data, self.reward_fn = rollout, engines, train_data, reward_fn
+        self.rollout_batch_size, self.fault_tolerant, self.tokenizer = rollout_batch_size, fault_tolerant, tokenizer
         self.carry: list = []
         self.group_filter = None
-        if job.rollout.dynamic_sampling_filter_path is not None:
+        if rollout.dynamic_sampling_filter_path is not None:
             from tidal.rollout import resolve_group_filter
 
-            self.group_filter = resolve_group_filter(job.rollout.dynamic_sampling_filter_path)
+            self.group_filter = resolve_group_filter(rollout.dynamic_sampling_filter_path)
         self.generate_fn = None
-        if job.rollout.custom_generate_function_path:  # runs here, in the driver, on the router or the one engine
+        if rollout.custom_generate_function_path:  # runs here, in the driver, on the router or the one engine
             from tidal.rollout import load_generate_fn
 
-            self.generate_fn = load_generate_fn(job.rollout.custom_generate_function_path)
+            self.generate_fn = load_generate_fn(rollout.custom_generate_function_path)
 
     @property
     def driver_side(self) -> bool:
         """Whether rollouts take this path: engines run, and partial rollout, dynamic sampling or a router is on."""
-        rollout = self.job.rollout
+        rollout = self.cfg
         wanted = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
         return bool(self.engines.engines) and (wanted or self.engines.router is not None)
 
@@ -62,7 +65,7 @@ class DriverRollouts:
         """Resume with the groups ``carry_state`` saved: the next rollout continues them first, as without a stop."""
         if not state:
             return
-        if not self.job.rollout.partial_rollout:
+        if not self.cfg.partial_rollout:
             logger.warning(
                 "the checkpoint carries %d unfinished partial-rollout group(s) but --partial-rollout is off: dropped",
                 len(state),
@@ -77,11 +80,11 @@ class DriverRollouts:
         """Scored samples of ``rollout_batch_size`` finished groups, and the strategy's metrics."""
         from tidal.rollout import RolloutError, generate_partial_rollout
 
-        job = self.job
-        wanted = job.batching.rollout_batch_size
-        size = job.rollout.over_sampling_batch_size or wanted
+        rollout = self.cfg
+        wanted = self.rollout_batch_size
+        size = rollout.over_sampling_batch_size or wanted
         prompts = self.data.batch(rollout_id, size)
-        max_rounds = job.rollout.dynamic_sampling_max_rounds
+        max_rounds = rollout.dynamic_sampling_max_rounds
 
         def more_prompts(round_no: int) -> list[tuple[tuple[int, ...], object]]:  # dynamic sampling's rounds 2, 3, ...
             return [(p.ids, p.label) for p in self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)]
@@ -90,18 +93,18 @@ class DriverRollouts:
             return generate_partial_rollout(
                 self.engines.driver_target(),
                 [list(p.ids) for p in prompts],
-                job.rollout.sampling_params(),
+                rollout.sampling_params(),
                 num_groups=wanted,
-                carry_over=self.carry if job.rollout.partial_rollout else (),
+                carry_over=self.carry if rollout.partial_rollout else (),
                 labels=[p.label for p in prompts],
                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                 reward_fn=self.reward_fn,
                 group_filter=self.group_filter,
-                mask_offpolicy=job.rollout.mask_offpolicy_in_partial_rollout,
+                mask_offpolicy=rollout.mask_offpolicy_in_partial_rollout,
                 # --max-staleness: a weight update aborts the engines' requests; the cut samples go out again
                 resume_interrupted=self.engines.async_plan.resume_interrupted,
                 generate_fn=self.generate_fn,
-                max_concurrency=job.rollout.generate_max_concurrency if self.generate_fn else 64,
+                max_concurrency=rollout.generate_max_concurrency if self.generate_fn else 64,
                 max_rounds=max_rounds,
                 more_prompts=more_prompts,
             )
@@ -109,14 +112,14 @@ class DriverRollouts:
         try:
             result = attempt()
         except RolloutError as e:
-            if not job.train.use_fault_tolerance:
+            if not self.fault_tolerant:
                 raise
             # The engines live in their Ray actors: restart the dead ones there, then the router (its circuit
             # breaker keeps a restarted engine marked unhealthy), and run the rollout once more from its start.
             logger.warning("rollout %d failed (%s); restarting dead engines and retrying it", rollout_id, e)
             self.engines.restart_dead_engines()
             result = attempt()
-        self.carry = list(result.carry_over) if job.rollout.partial_rollout else []
+        self.carry = list(result.carry_over) if rollout.partial_rollout else []
         # Dynamic sampling raised already when its rounds came up short; every prompt batch holds enough groups.
-        assert len(result.samples) == wanted * job.rollout.n_samples_per_prompt, (len(result.samples), wanted)
+        assert len(result.samples) == wanted * rollout.n_samples_per_prompt, (len(result.samples), wanted)
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}

@@ -36,11 +36,16 @@ from tidal.batching import BatchingConfig
 from tidal.ckpt import CkptConfig
 from tidal.placement import PlacementConfig
 from tidal.rollout import RolloutConfig
-from tidal.train.config import TrainConfig
+from tidal.train.config import EvalConfig, LogConfig, OffloadConfig, ParallelConfig, TrainConfig, WeightSyncConfig
 
 # section -> its config class, in the order of `train --help`; JobConfig has one attribute per section.
 SECTIONS: dict[str, type] = {
     "train": TrainConfig,
+    "eval": EvalConfig,
+    "parallel": ParallelConfig,
+    "sync": WeightSyncConfig,
+    "offload": OffloadConfig,
+    "logging": LogConfig,
     "ckpt": CkptConfig,
     "placement": PlacementConfig,
     "rollout": RolloutConfig,
@@ -50,6 +55,11 @@ SECTIONS: dict[str, type] = {
 
 TITLES = {
     "train": "run (apps/train)",
+    "eval": "evaluation (apps/train)",
+    "parallel": "actor parallel layout (apps/train)",
+    "sync": "weight sync (apps/train)",
+    "offload": "offload (apps/train)",
+    "logging": "logging and warnings (apps/train)",
     "ckpt": "checkpoints (tidal-ckpt)",
     "placement": "placement (tidal-placement)",
     "rollout": "rollout (tidal-rollout); any other --sglang-<option> VALUE is passed to the SGLang server as "

@@ -38,8 +38,8 @@ def run(job: JobConfig) -> RunResult:
     out = Path(job.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train_data, eval_data = _datasets(job)
-    held_out = {name: data.head(job.train.num_eval_prompts) for name, data in eval_data.items()}
-    tensorboard, wandb = job.train.use_tensorboard, wandb_options(job, out)
+    held_out = {name: data.head(job.eval.num_eval_prompts) for name, data in eval_data.items()}
+    tensorboard, wandb = job.logging.use_tensorboard, wandb_options(job, out)
     with (
         MetricsLog(out / "metrics.jsonl", tensorboard=tensorboard, wandb=wandb) as metrics_log,  # W&B: before Ray
         start_cluster(job, out, train_data) as cluster,
@@ -79,12 +79,12 @@ def _train(
         if actors:
             bar.phase(rollout_id, "train")
             metrics, times["time/actor_call"] = timed(actors.train, samples, rollout_id)
-            if rollouts.has_engines and _due(rollout_id, job.train.update_weights_interval):
+            if rollouts.has_engines and _due(rollout_id, job.sync.update_weights_interval):
                 version = rollout_id + 1
                 bar.phase(rollout_id, "sync weights")
                 result.weights_dir, times["time/weight_sync"] = timed(weights.sync, rollouts, version)
                 metrics |= weights.last  # weight_sync/transport, weight_sync/mb_per_s, ...
-        if rollouts.has_engines and (last or _due(rollout_id, job.train.eval_interval)):
+        if rollouts.has_engines and (last or _due(rollout_id, job.eval.eval_interval)):
             bar.phase(rollout_id, "evaluate")
             evals, times["time/eval"] = timed(rollouts.evaluate, held_out)
             metrics |= evals
@@ -125,7 +125,7 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
         keys["apply_chat_template"] = True
     train_data = PromptDataset(job.train.prompt_data, tokenizer, **keys)
     check_prompt_chat_template(train_data.raw_texts, tokenizer, apply_chat_template=job.rollout.apply_chat_template)
-    sets = eval_sets(job.train.eval_prompt_data or job.train.prompt_data)
+    sets = eval_sets(job.eval.eval_prompt_data or job.train.prompt_data)
     return train_data, {name: PromptDataset(path, tokenizer, **keys) for name, path in sets}
 
 

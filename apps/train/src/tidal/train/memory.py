@@ -26,12 +26,14 @@ SGLANG_DEFAULT_FRACTION = 0.9
 """The engines' share of a co-located GPU assumed when --sglang-mem-fraction-static is not given."""
 
 
-def engine_fraction(train, rollout, placement) -> float:
+def engine_fraction(offloading, rollout, placement) -> float:
     """The share of a trainer GPU co-located engines hold while the actor trains (0 when they do not)."""
     args = list(rollout.sglang_server_args)
     if not placement.colocate:
         return 0.0
-    released = (train.offload_rollout if train.offload_rollout is not None else train.offload) is not False
+    released = (
+        offloading.offload_rollout if offloading.offload_rollout is not None else offloading.offload
+    ) is not False
     if released and "--enable-memory-saver" in args:
         return 0.0  # the engines release weights and KV cache while the actor trains
     if "--mem-fraction-static" in args:
@@ -39,9 +41,9 @@ def engine_fraction(train, rollout, placement) -> float:
     return SGLANG_DEFAULT_FRACTION
 
 
-def memory_inputs(train, actor, batching, rollout) -> MemoryInputs:
+def memory_inputs(parallel, actor, batching, rollout) -> MemoryInputs:
     """The plan's inputs of one job's configs."""
-    cp = train.context_parallel_size
+    cp = parallel.context_parallel_size
     sequence = rollout.rollout_max_response_len + PROMPT_TOKENS
     if batching.use_dynamic_batch_size:
         train_tokens = batching.max_tokens_per_gpu * cp
@@ -53,22 +55,23 @@ def memory_inputs(train, actor, batching, rollout) -> MemoryInputs:
         train_tokens=train_tokens,
         logprob_tokens=logprob_tokens,
         longest_sequence=sequence,
-        tensor_parallel=train.tensor_model_parallel_size,
-        pipeline_parallel=train.pipeline_model_parallel_size,
+        tensor_parallel=parallel.tensor_model_parallel_size,
+        pipeline_parallel=parallel.pipeline_model_parallel_size,
         context_parallel=cp,
-        expert_parallel=train.expert_model_parallel_size,
+        expert_parallel=parallel.expert_model_parallel_size,
         reference_model=actor.use_kl_loss or actor.kl_coef > 0,
         critic=actor.advantage_estimator == "ppo",
     )
 
 
 def job_memory_plan(
-    train, actor, batching, rollout, placement, hf_config: dict[str, Any], gpu_bytes: int | None
+    parallel, offloading, actor, batching, rollout, placement, hf_config: dict[str, Any], gpu_bytes: int | None
 ) -> MemoryPlan:
     """The plan of one job on a GPU of ``gpu_bytes`` (None: unknown, no verdict)."""
     shape = ModelShape.from_hf_config(hf_config)
-    inputs = memory_inputs(train, actor, batching, rollout)
-    return plan_memory(shape, inputs, gpu_bytes=gpu_bytes, engine_fraction=engine_fraction(train, rollout, placement))
+    inputs = memory_inputs(parallel, actor, batching, rollout)
+    fraction = engine_fraction(offloading, rollout, placement)
+    return plan_memory(shape, inputs, gpu_bytes=gpu_bytes, engine_fraction=fraction)
 
 
 def plannable(hf_config: dict[str, Any] | None) -> bool:
@@ -82,12 +85,12 @@ def gpu_bytes_of(actor) -> int | None:
     return int(actor.gpu_memory_gib * GIB) if actor.gpu_memory_gib else gpu_memory_bytes()
 
 
-def check_memory(train, actor, batching, rollout, placement, hf_config: dict[str, Any] | None) -> None:
+def check_memory(parallel, offloading, actor, batching, rollout, placement, hf_config: dict[str, Any] | None) -> None:
     """Refuse a job whose memory plan exceeds the trainer GPU, naming the budget (or option) that fits."""
     gpu = gpu_bytes_of(actor)
     if not plannable(hf_config) or gpu is None:
         return  # no model yet (the embedded one is built at start), no shape to plan, or no GPU to check against
-    plan = job_memory_plan(train, actor, batching, rollout, placement, hf_config, gpu)
+    plan = job_memory_plan(parallel, offloading, actor, batching, rollout, placement, hf_config, gpu)
     if plan.fits():
         return
     shape = ModelShape.from_hf_config(hf_config)
@@ -98,9 +101,9 @@ def check_memory(train, actor, batching, rollout, placement, hf_config: dict[str
     if plan.logprob_peak > plan.train_peak:
         fits = largest_fitting_tokens(shape, plan.inputs, gpu_bytes=gpu, engine_fraction=frac, logprob=True)
         flag = "--log-probs-max-tokens-per-gpu"
-        raise ValueError(f"{head}: {_budget_advice(flag, fits, train.context_parallel_size)}")
+        raise ValueError(f"{head}: {_budget_advice(flag, fits, parallel.context_parallel_size)}")
     fits = largest_fitting_tokens(shape, plan.inputs, gpu_bytes=gpu, engine_fraction=frac)
-    advice = [_budget_advice("--max-tokens-per-gpu", fits, train.context_parallel_size, batching)]
+    advice = [_budget_advice("--max-tokens-per-gpu", fits, parallel.context_parallel_size, batching)]
     if not plan.inputs.recompute_activations:
         recomputed = replace(plan.inputs, recompute_activations=True, recompute_num_layers=0)
         more = largest_fitting_tokens(shape, recomputed, gpu_bytes=gpu, engine_fraction=frac)
@@ -129,7 +132,9 @@ def write_memory_plan(job, hf_config: dict[str, Any], out_dir: str | Path) -> Me
     if not plannable(hf_config):
         return None
     gpu = gpu_bytes_of(job.actor)
-    plan = job_memory_plan(job.train, job.actor, job.batching, job.rollout, job.placement, hf_config, gpu)
+    plan = job_memory_plan(
+        job.parallel, job.offload, job.actor, job.batching, job.rollout, job.placement, hf_config, gpu
+    )
     path = Path(out_dir) / "memory_plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(plan.to_json() + "\n")

@@ -43,7 +43,7 @@ class RolloutRecorder:
         """Record into ``log`` and ``result``; the HTTP retries of start-up count towards the first rollout."""
         self.job, self.out, self.log, self.result, self.rollouts = job, out, log, result, rollouts
         self.start, self.num_rollout = start, job.train.num_rollout
-        self.sanity = RewardSanity(job.train.reward_sanity_rollouts)
+        self.sanity = RewardSanity(job.logging.reward_sanity_rollouts)
         self.retries_seen = 0
         self.loop_start = self.drawn = time.monotonic()
 
@@ -70,7 +70,7 @@ class RolloutRecorder:
         record["rollout/http_retries"], self.retries_seen = float(retries - self.retries_seen), retries
         record["time/rollout"] = time.monotonic() - started - times.get("time/eval", 0.0)
         record["time/overhead_share"] = overhead_share(record)
-        check_engine_agreement(record, self.job.train.mismatch_warn_threshold)
+        check_engine_agreement(record, self.job.logging.mismatch_warn_threshold)
         self.log.write(record)
         self.result.history.append(record)
         return record
@@ -81,7 +81,7 @@ class RolloutRecorder:
         last = rollout_id == self.num_rollout - 1
         if last or "eval/accuracy" in record or time.monotonic() - self.drawn >= CURVES_EVERY_S:
             write_curves(self.out / "curves.png", self.result.history, eval_before=self.result.eval_before,
-                         mismatch_threshold=self.job.train.mismatch_warn_threshold)  # fmt: skip
+                         mismatch_threshold=self.job.logging.mismatch_warn_threshold)  # fmt: skip
             self.drawn = time.monotonic()
         done = rollout_id + 1 - self.start
         eta = (time.monotonic() - self.loop_start) / done * (self.num_rollout - rollout_id - 1)

@@ -30,8 +30,10 @@ from tidal.train.engine_worker import EngineWorker
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from tidal.placement import PlacementConfig
+    from tidal.rollout import RolloutConfig
     from tidal.train.async_plan import AsyncPlan
-    from tidal.train.config import JobConfig
+    from tidal.train.config import EvalConfig
     from tidal.train.data import Prompt, PromptDataset
     from tidal.train.handoff import HandOffLog
     from tidal.train.weight_sync import SyncPlan
@@ -46,6 +48,22 @@ logger = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutRun:
+    """What the rollout side needs of the run around it (from the train, logging and sync sections)."""
+
+    run_dir: Path
+    """The run folder (the engines' API key is kept there)."""
+    log_dir: Path
+    """Where the engines' log files go."""
+    verbose: bool = False
+    """The engines' INFO lines also reach the terminal (--verbose)."""
+    fault_tolerant: bool = False
+    """Restart a dead engine and resend its requests (--use-fault-tolerance)."""
+    resync_timeout: float | None = None
+    """How long a restarted engine waits for the actor's weights (--update-weight-timeout); None: no actor."""
+
+
 def _new_api_key(run_dir: Path) -> str:
     """A key for this run's servers, router and clients, kept only in ``run_dir/sglang_api_key`` (mode 0600)."""
     key = secrets.token_hex(32)  # not token_urlsafe: a key starting with "-" reads as a flag to SGLang's parser
@@ -58,12 +76,12 @@ def _new_api_key(run_dir: Path) -> str:
     return key
 
 
-def eval_sampling_params(rollout, train) -> dict[str, Any]:
+def eval_sampling_params(rollout, evaluation) -> dict[str, Any]:
     """The rollout's sampling parameters with evaluation's n, temperature, top-p and length (``--eval-*``)."""
-    params = {**rollout.sampling_params(), "n": train.n_samples_per_eval_prompt}
-    params |= {"temperature": train.eval_temperature, "top_p": train.eval_top_p}
-    if train.eval_max_response_len is not None:
-        params["max_new_tokens"] = train.eval_max_response_len
+    params = {**rollout.sampling_params(), "n": evaluation.n_samples_per_eval_prompt}
+    params |= {"temperature": evaluation.eval_temperature, "top_p": evaluation.eval_top_p}
+    if evaluation.eval_max_response_len is not None:
+        params["max_new_tokens"] = evaluation.eval_max_response_len
     return params
 
 
@@ -75,27 +93,31 @@ class RolloutManager:
 
     def __init__(
         self,
-        job: JobConfig,
+        rollout: RolloutConfig,
+        placement: PlacementConfig,
+        evaluation: EvalConfig,
         train_data: PromptDataset,
         *,
-        log_dir: Path,
+        model: str,
+        rollout_batch_size: int,
+        run: RolloutRun,
+        async_plan: AsyncPlan,
         plan: SyncPlan | None = None,
-        async_plan: AsyncPlan | None = None,
         handoff: HandOffLog | None = None,
     ) -> None:
-        """Describe the rollout side; nothing starts until :meth:`start`.
+        """Describe the rollout side of the engines serving ``model``; nothing starts until :meth:`start`.
 
         ``plan`` says whether the engines release their memory while the actor trains (--offload-rollout);
-        ``async_plan`` whether a weight update interrupts generation (None: the job's own, resolved here);
-        ``handoff`` records those calls.
+        ``async_plan`` whether a weight update interrupts generation; ``handoff`` records those calls.
         """
         from tidal.rollout import resolve_reward_fn
-        from tidal.train.async_plan import resolve_async_plan
         from tidal.train.handoff import HandOffLog
 
-        self.job, self.cfg, self.data, self.log_dir = job, job.rollout, train_data, log_dir
+        self.cfg, self.placement_cfg, self.eval_cfg, self.data = rollout, placement, evaluation, train_data
+        self.model, self.rollout_batch_size, self.run = model, rollout_batch_size, run
+        self.log_dir = run.log_dir
         self.offload = plan is not None and plan.offload_rollout
-        self.async_plan = async_plan or resolve_async_plan(job.train, job.rollout, job.actor)
+        self.async_plan = async_plan
         self.handoff = handoff or HandOffLog(None)
         self._released: list[str] = []  # memory tags the engines have released now
         self.reward_fn = resolve_reward_fn(self.cfg.custom_rm_path or self.cfg.rm_type)
@@ -108,7 +130,15 @@ class RolloutManager:
         self._starting: list = []
         self.weight_source: Callable[[RestartedEngines], Any] | None = None
         """Gives restarted engines the current weights (the actor group's ``resync``); None: no actor."""
-        self.driver = DriverRollouts(job, self, train_data, self.reward_fn, tokenizer=train_data.tokenizer)
+        self.driver = DriverRollouts(
+            rollout,
+            self,
+            train_data,
+            self.reward_fn,
+            rollout_batch_size=rollout_batch_size,
+            fault_tolerant=run.fault_tolerant,
+            tokenizer=train_data.tokenizer,
+        )
 
     @property
     def has_engines(self) -> bool:
@@ -125,16 +155,16 @@ class RolloutManager:
         from tidal.placement import PortAllocator
         from tidal.rollout import WILDCARD_HOSTS
 
-        model, logs, cfg = self.job.actor.hf_checkpoint, str(self.log_dir), self.cfg
+        model, logs, cfg = self.model, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
             flush = self.async_plan.flush_after_update
             worker = EngineWorker.options(num_cpus=0).remote(
-                cfg, model, log_dir=logs, external_url=url, flush_after_update=flush, verbose=self.job.train.verbose
+                cfg, model, log_dir=logs, external_url=url, flush_after_update=flush, verbose=self.run.verbose
             )
             self._launch(worker)
-        hosts = [self._engine_host(placement, e) for e in range(self.job.placement.num_engines)]
+        hosts = [self._engine_host(placement, e) for e in range(self.placement_cfg.num_engines)]
         if cfg.sglang_api_key is None and any(h not in LOOPBACK for h in hosts):
-            self.cfg = cfg = dataclasses.replace(cfg, sglang_api_key=_new_api_key(Path(self.job.train.output_dir)))
+            self.cfg = cfg = dataclasses.replace(cfg, sglang_api_key=_new_api_key(self.run.run_dir))
         for e, host in enumerate(hosts):  # none with external engines
             ports = PortAllocator(placement.engine_node_ip(e)).engine_ports()
             worker = EngineWorker.options(**placement.engine_options(e)).remote(
@@ -144,13 +174,13 @@ class RolloutManager:
                 port=ports.http_port,
                 nccl_port=ports.nccl_port,
                 log_dir=logs,
-                env=dict(self.job.placement.ray_env),
-                fault_tolerant=self.job.train.use_fault_tolerance,
+                env=dict(self.placement_cfg.ray_env),
+                fault_tolerant=self.run.fault_tolerant,
                 resync_timeout_s=self._resync_timeout(),
-                tp_size=self.job.placement.rollout_num_gpus_per_engine,
+                tp_size=self.placement_cfg.rollout_num_gpus_per_engine,
                 interruptible=self.async_plan.interruptible_updates,
                 flush_after_update=self.async_plan.flush_after_update,
-                verbose=self.job.train.verbose,
+                verbose=self.run.verbose,
             )
             self._launch(worker)
 
@@ -171,8 +201,7 @@ class RolloutManager:
 
     def _resync_timeout(self) -> float | None:
         """How long a restarted engine waits for its weights from the actor (None: there is no actor)."""
-        train = self.job.train
-        return None if train.debug_rollout_only else train.update_weight_timeout
+        return self.run.resync_timeout
 
     def begin_update(self) -> None:
         """A weight sync starts: interruptible engines abort their requests in flight (``AsyncPlan``)."""
@@ -217,7 +246,7 @@ class RolloutManager:
         elif self.driver.driver_side:
             (samples, extra), engine_s = self.driver.generate(rollout_id), None
         else:
-            prompts = self.data.batch(rollout_id, self.job.batching.rollout_batch_size)
+            prompts = self.data.batch(rollout_id, self.rollout_batch_size)
             samples, engine_s = self._generate_on_engines(prompts, self.cfg.sampling_params())
         times = {"time/generate": time.monotonic() - tick}
         if not self.cfg.load_debug_rollout_data:  # the driver-side path waits on the engines all along
@@ -281,8 +310,8 @@ class RolloutManager:
         """
         from tidal.train.metrics import eval_metrics
 
-        n = self.job.train.n_samples_per_eval_prompt
-        params = eval_sampling_params(self.cfg, self.job.train)
+        n = self.eval_cfg.n_samples_per_eval_prompt
+        params = eval_sampling_params(self.cfg, self.eval_cfg)
         self.resume_memory(["weights", "kv_cache"])
         out: dict[str, float] = {}
         for index, (name, prompts) in enumerate(held_out.items()):
@@ -319,7 +348,7 @@ class RolloutManager:
 
         A restarted engine holds its requests until :meth:`resync_restarted` gave it the weights.
         """
-        if self.weight_source is None or not self.job.train.use_fault_tolerance:
+        if self.weight_source is None or not self.run.fault_tolerant:
             return ray.get(futures)
         while ray.wait(futures, num_returns=len(futures), timeout=RESYNC_POLL_S)[1]:
             self.resync_restarted()
@@ -386,7 +415,7 @@ class RolloutManager:
 
         They serve the initial weights until the caller syncs the current ones and calls :meth:`weights_restored`.
         """
-        if not self.job.train.use_fault_tolerance or not self.engines:
+        if not self.run.fault_tolerant or not self.engines:
             return []
         restarted = [i for i, r in enumerate(ray.get([e.ensure_alive.remote() for e in self.engines])) if r]
         if restarted and self.router is not None:

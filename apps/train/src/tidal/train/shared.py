@@ -20,7 +20,7 @@ SHARED: dict[Field, tuple[Field, ...]] = {
     ("rollout", "n_samples_per_prompt"): (("batching", "n_samples_per_prompt"),),
     ("rollout", "rollout_temperature"): (("actor", "temperature"),),
     ("rollout", "rollout_max_response_len"): (("actor", "max_response_len"),),
-    ("train", "context_parallel_size"): (("batching", "context_parallel_size"),),
+    ("parallel", "context_parallel_size"): (("batching", "context_parallel_size"),),
 }
 """Each shared option (the owner's field) -> the fields of the other sections that receive its value."""
 

@@ -21,15 +21,15 @@ logger = logging.getLogger(__name__)
 
 def wandb_options(job, out: Path) -> dict[str, Any] | None:
     """The W&B run's options for ``job`` writing into the run folder ``out``; None without ``--use-wandb``."""
-    train = job.train
-    if not train.use_wandb:
+    log = job.logging
+    if not log.use_wandb:
         return None
     config = {f.name: dataclasses.asdict(getattr(job, f.name)) for f in dataclasses.fields(job)}
     return {
-        "project": train.wandb_project,
-        "group": train.wandb_group,
-        "mode": train.wandb_mode,
-        "host": train.wandb_host,
+        "project": log.wandb_project,
+        "group": log.wandb_group,
+        "mode": log.wandb_mode,
+        "host": log.wandb_host,
         "dir": str(out),
         "config": config,
     }

@@ -32,8 +32,8 @@ class SyncPlan:
     """The engines release their memory while the actor trains."""
 
 
-def resolve_sync_plan(train, placement, rollout) -> SyncPlan:
-    """The plan of a job's TrainConfig, PlacementConfig and RolloutConfig.
+def resolve_sync_plan(sync, offloading, placement, rollout) -> SyncPlan:
+    """The plan of a job's WeightSyncConfig, OffloadConfig, PlacementConfig and RolloutConfig.
 
     Raises:
         ValueError: --update-weight-transport tensor without co-located engines, or --offload-rollout with
@@ -41,16 +41,16 @@ def resolve_sync_plan(train, placement, rollout) -> SyncPlan:
     """
     external = bool(rollout.rollout_external_engine_addrs)
     colocated = placement.colocate and not external
-    transport = train.update_weight_transport or ("tensor" if colocated else "nccl")
+    transport = sync.update_weight_transport or ("tensor" if colocated else "nccl")
     if transport == "tensor" and not colocated:
         where = "--rollout-external-engine-addrs" if external else "--no-colocate"
         raise ValueError(
             f"--update-weight-transport tensor hands the engines handles to the actor's own memory, so the engines "
             f"must share its GPUs; with {where} use --update-weight-transport nccl (or disk)"
         )
-    offload = colocated if train.offload is None else train.offload
-    offload_train = offload if train.offload_train is None else train.offload_train
-    offload_rollout = offload if train.offload_rollout is None else train.offload_rollout
+    offload = colocated if offloading.offload is None else offloading.offload
+    offload_train = offload if offloading.offload_train is None else offloading.offload_train
+    offload_rollout = offload if offloading.offload_rollout is None else offloading.offload_rollout
     if offload_rollout and external:
         raise ValueError(
             "--offload-rollout (or --offload) releases the engines' memory, but --rollout-external-engine-addrs "
@@ -61,10 +61,10 @@ def resolve_sync_plan(train, placement, rollout) -> SyncPlan:
                        "only costs time")  # fmt: skip
     return SyncPlan(
         transport=transport,
-        bucket_bytes=train.update_weight_buffer_size,
-        timeout_s=train.update_weight_timeout,
-        check_equal=train.check_weight_update_equal,
-        tolerance=train.check_weight_update_tolerance,
+        bucket_bytes=sync.update_weight_buffer_size,
+        timeout_s=sync.update_weight_timeout,
+        check_equal=sync.check_weight_update_equal,
+        tolerance=sync.check_weight_update_tolerance,
         offload_train=offload_train,
         offload_rollout=offload_rollout,
     )
