@@ -358,6 +358,7 @@ def test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_al
     prompt, greedy = [[11, 12, 13]], {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     first, second = (s.generate(prompt, greedy)[0]["output_ids"] for s in servers)
     assert first == second  # the same weights
+    assert "starting sglang-router" not in log  # --no-use-router: two engines and no router in front
 
 
 def test_async_run_killed_after_a_checkpoint_with_a_buffered_rollout_leaves_no_process(one_step_off, external_engine):
