@@ -128,6 +128,8 @@ def resumed(tmp_path_factory, external_engine):
         "--use-tensorboard",
         "--check-weight-update-equal",  # its own engine: tensors; the external one: broadcast over gloo
         "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",  # each stage sends its own share
+        "--save-hf", str(out / "hf" / "{rollout_id}"),  # an HF copy beside every checkpoint
+        "--eval-interval", "2",  # after rollout 1 and the last, not after rollout 0
     ]  # fmt: skip
 
     def mid_third_rollout(run_dir: Path, _log: Path) -> bool:
@@ -144,6 +146,26 @@ def resumed(tmp_path_factory, external_engine):
     code, log, leftovers = _train([*args, *external, "--load", str(out / "ckpt")], out=out)
     assert code == 0, log[-6000:]
     return out, killed_code, killed_log, records_at_kill, log, leftovers, killed_leftovers
+
+
+def test_checkpoints_hf_copies_and_evaluations_follow_their_options(resumed):
+    """--save-interval 1: a checkpoint after every rollout (without it, only after the last); --save-hf: an HF copy
+    at each save, "{rollout_id}" filled in; --eval-interval 2: held-out evaluation after rollout 1 and the last only;
+    --num-eval-prompts 8: each evaluation generated 8 responses (1 per prompt); --verbose: the workers' INFO lines
+    reached the terminal (test_train_e2e's run, without it, shows none)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out, _, killed_log, _, log, *_ = resumed
+    assert sorted(p.name for p in (out / "ckpt").glob("iter_*")) == ["iter_0000001", "iter_0000002", "iter_0000003"]
+    # rollout 1's copy may be cut short by the kill, which comes once its checkpoint is complete
+    first, last = (load_file(next((out / "hf" / r).glob("*.safetensors"))) for r in ("0", "2"))
+    assert (out / "hf" / "2" / "config.json").exists() and first.keys() == last.keys()
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # trained between the two
+    assert ["eval/accuracy" in r for r in _records(out)] == [False, True, True]
+    engine_logs = "".join(p.read_text() for p in (out / "logs").glob("engine_*.log"))
+    assert "generate: 8/8 samples" in engine_logs and "generate: 16/16 samples" in engine_logs
+    assert "generate: 16/16 samples" in killed_log and "generate: 16/16 samples" in log  # --verbose
 
 
 def test_killed_run_died_mid_rollout(resumed):
@@ -336,6 +358,7 @@ def test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_al
     prompt, greedy = [[11, 12, 13]], {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     first, second = (s.generate(prompt, greedy)[0]["output_ids"] for s in servers)
     assert first == second  # the same weights
+    assert "starting sglang-router" not in log  # --no-use-router: two engines and no router in front
 
 
 def test_async_run_killed_after_a_checkpoint_with_a_buffered_rollout_leaves_no_process(one_step_off, external_engine):

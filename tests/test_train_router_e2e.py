@@ -35,6 +35,7 @@ ARGS = [
     "--dynamic-sampling-filter-path", "tidal_train_plugins:keep_listed_prompts",
     "--dynamic-sampling-max-rounds", "2",
     "--custom-generate-function-path", "tidal_train_plugins:two_turns_with_a_tool",
+    "--use-router",  # the default with two engines; test_train_modes_e2e's --no-use-router run starts none
     "--sglang-router-policy", "round_robin",
 ]  # fmt: skip
 

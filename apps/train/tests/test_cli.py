@@ -636,3 +636,22 @@ def test_rounds_that_can_never_fill_the_batch_are_refused(paths):
                        r"never fill --rollout-batch-size 8: raise either"):  # fmt: skip
         parse_job([*argv, "--dynamic-sampling-max-rounds", "3"])
     assert parse_job([*argv, "--dynamic-sampling-max-rounds", "4"]).rollout.dynamic_sampling_max_rounds == 4  # 4 x 2
+
+
+def test_placement_flags_shape_the_bundles_and_the_local_ray(paths):
+    """--actor-num-nodes x --actor-num-gpus-per-node actor ranks and engines of --rollout-num-gpus-per-engine GPUs
+    are the bundles the placement group reserves (each engine's GPUs side by side); on a CPU box --num-cpus-local
+    bounds the logical GPUs a local Ray can hold."""
+    from tidal.placement.plan import ResourcePlan
+    from tidal.train.cli import check_local_gpus
+
+    argv = [*_fill(USER, paths), "--no-colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2",
+            "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"]  # fmt: skip
+    argv += ["--num-cpus-per-bundle", "0.5"]
+    job = parse_job([*argv, "--num-cpus-local", "4"])
+    assert (job.placement.num_actor_gpus, job.placement.num_engines, job.placement.num_gpus) == (4, 2, 8)
+    plan = ResourcePlan.from_config(job.placement)
+    assert plan.actor_positions == [0, 1, 2, 3] and plan.engine_positions == [[4, 5], [6, 7]]
+    assert check_local_gpus(job, detected_gpus=0).num_gpus == 8  # 4 CPUs hold 8 bundles of 0.5
+    with pytest.raises(ResourceShortageError, match=r"--num-cpus-local 3 CPUs holds at most 6 GPU bundles"):
+        check_local_gpus(parse_job([*argv, "--num-cpus-local", "3"]), detected_gpus=0)

@@ -114,3 +114,36 @@ def test_the_moe_spec_builds_a_qwen3_moe_whose_every_layer_is_moe_and_it_warm_st
         assert answer_loss() < before
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_data_flags_pick_the_keys_and_the_order_train_reads(tmp_path):
+    """--input-key and --label-key name the JSONL keys `train` reads prompts and labels from (training and held-out
+    sets); --seed sets the order of the prompts: the same seed, the same batches; another, others."""
+    from tidal.train.cli import parse_job
+    from tidal.train.loop import _datasets
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+
+    def datasets(seed: int, name: str):
+        argv = [
+            "--prompt-data",
+            str(path),
+            "--eval-prompt-data",
+            str(path),
+            "--input-key",
+            "question",
+            "--label-key",
+            "answer",
+            "--seed",
+            str(seed),
+        ]
+        return _datasets(parse_job([*argv, "--output-dir", str(tmp_path / name)]))
+
+    (train, held_out), (again, _), (other, _) = datasets(7, "a"), datasets(7, "b"), datasets(8, "c")
+    assert {(p.text, p.label) for p in train.prompts} == {(f"{i}+1=", str(i + 1)) for i in range(40)}
+    assert [p.label for p in held_out["qa"].prompts] == [str(i + 1) for i in range(40)]
+    order = [p.text for k in range(4) for p in train.batch(k, 10)]
+    assert order == [p.text for k in range(4) for p in again.batch(k, 10)]
+    assert order != [p.text for k in range(4) for p in other.batch(k, 10)]
+    assert sorted(order) == sorted(p.text for p in train.prompts)

@@ -48,6 +48,8 @@ def test_replayed_rollouts_come_from_disk_without_engines(tmp_path: Path):
 
 
 def test_sync_plan_defaults_follow_the_placement():
+    """The plan both handles follow: --offload-train and --offload-rollout each override --offload for their side,
+    --update-weight-buffer-size is the bucket (or shard) size, --check-weight-update-tolerance the probe's bound."""
     from tidal.train.weight_sync import resolve_sync_plan
 
     def plan(*flags):
@@ -61,6 +63,37 @@ def test_sync_plan_defaults_follow_the_placement():
     assert plan("--no-offload-rollout").offload_train and not plan("--no-offload-rollout").offload_rollout
     assert plan("--no-offload").transport == "tensor" and not plan("--no-offload").offload_train
     assert plan("--update-weight-transport", "disk", "--update-weight-buffer-size", "1024").bucket_bytes == 1024
+    train_only = plan("--no-offload", "--offload-train")
+    assert (train_only.offload_train, train_only.offload_rollout) == (True, False)
+    rollout_only = plan("--no-offload", "--offload-rollout")
+    assert (rollout_only.offload_train, rollout_only.offload_rollout) == (False, True)
+    checked = plan("--check-weight-update-equal", "--check-weight-update-tolerance", "0.01")
+    assert checked.check_equal and checked.tolerance == 0.01
+
+
+def test_a_probe_gap_above_the_tolerance_stops_the_sync_with_one_line(tmp_path: Path):
+    """--check-weight-update-tolerance bounds the mean probe gap after each sync: 0.05 nats passes at 0.1 and
+    stops the run, naming both flags, at 0.01."""
+    import pytest
+    from tidal.rollout import RolloutError
+    from tidal.train.handoff import HandOffLog
+    from tidal.train.weight_sync import WeightExport, WeightSync, resolve_sync_plan
+
+    # the engine's response log-probs and the actor's of the same tokens: gaps 0.1 and 0.0, mean 0.05
+    engines = SimpleNamespace(probe=lambda: [[([1, 2, 3, 4], [-0.5, -1.0])]])
+    actors = SimpleNamespace(call_all=lambda name, tokens: [[[0.0, -9.0, -0.4, -1.0]] * len(tokens)])
+
+    def check(tolerance: str) -> dict:
+        job = parse_job(["--output-dir", str(tmp_path / tolerance), "--check-weight-update-equal",
+                         "--check-weight-update-tolerance", tolerance])  # fmt: skip
+        plan = resolve_sync_plan(job.sync, job.offload, job.placement, job.rollout)
+        export = WeightExport(root=tmp_path / "weights", max_shard_bytes=plan.bucket_bytes)
+        sync = WeightSync(plan, export, actors, HandOffLog(None), pipeline_stages=1)
+        return sync._check_equal(engines, 1)
+
+    assert check("0.1")["weight_sync/probe_logprob_abs_diff/mean"] == pytest.approx(0.05)
+    with pytest.raises(RolloutError, match=r"differ .* by 0\.05 nats .*above --check-weight-update-tolerance 0\.01"):
+        check("0.01")
 
 
 def test_hand_off_log_writes_one_line_per_call(tmp_path: Path):

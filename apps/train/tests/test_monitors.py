@@ -102,3 +102,21 @@ def test_templated_prompts_with_apply_chat_template_warn_about_double_wrapping()
 
 def test_raw_prompts_never_warn():
     assert check_prompt_chat_template(["1+2=", "hello"], _tokenizer(), apply_chat_template=False) is None
+
+
+def test_the_recorder_warns_after_reward_sanity_rollouts_identical_rewards(tmp_path, caplog):
+    """--reward-sanity-rollouts is the recorder's patience: 2 warns at the second tied rollout, 0 never."""
+    from tidal.train.cli import parse_job
+    from tidal.train.recorder import RolloutRecorder
+
+    def recorder(patience: str) -> RolloutRecorder:
+        job = parse_job(["--reward-sanity-rollouts", patience, "--output-dir", str(tmp_path / patience)])
+        return RolloutRecorder(job, tmp_path, log=None, result=None, rollouts=None, start=0)
+
+    with caplog.at_level(logging.WARNING):
+        two, off = recorder("2"), recorder("0")
+        for seen in range(1, 4):
+            two.samples(_samples([0.0, 0.0]))
+            off.samples(_samples([0.0, 0.0]))
+            assert ("for 2 rollouts in a row" in caplog.text) is (seen >= 2)
+    assert caplog.text.count("rollouts in a row") == 1

@@ -190,6 +190,7 @@ def test_a_non_finite_step_stops_the_run_by_default(dist_env, qwen2_dir, value):
 
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
 def test_a_non_finite_step_is_skipped_and_counted_when_asked(dist_env, qwen2_dir, value):
+    """--no-check-for-nan-in-loss-and-grad: the step is skipped (nothing applied) and counted, the run goes on."""
     actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, check_for_nan_in_loss_and_grad=False))
     good = rl_batch(actor, SEQS)
     assert actor.train_step([good])["train/skipped_steps"] == 0.0
@@ -203,3 +204,64 @@ def test_a_non_finite_step_is_skipped_and_counted_when_asked(dist_env, qwen2_dir
     metrics = actor.train_step([good])  # the next finite step trains, and the total stays
     assert metrics["train/skipped"] == 0.0 and metrics["train/skipped_steps"] == 2.0 and actor.num_steps == 2
     assert any(not torch.equal(p, weights[n]) for n, p in actor.model.named_parameters())
+
+
+def test_optimizer_flags_reach_adamw_and_shape_the_step(dist_env, qwen2_dir):
+    """--adam-beta2, --adam-eps and --weight-decay are AdamW's; --lr-warmup-iters ramps the step's learning rate.
+
+    Two actors differing only in weight decay take the same Adam update, so their parameters differ by exactly the
+    decoupled decay of the learning rate the warm-up gave: lr x step / warm-up x decay x the initial weight.
+    """
+    cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1e-2, adam_beta2=0.95, adam_eps=1e-5, lr_warmup_steps=4)
+    decayed, plain = Actor(ActorConfig(**cfg, weight_decay=0.5)), Actor(ActorConfig(**cfg))
+    for group in decayed.optimizer.param_groups:
+        assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.95), 1e-5, 0.5)
+    assert all(group["weight_decay"] == 0.0 for group in plain.optimizer.param_groups)
+    start = {n: p.detach().clone() for n, p in decayed.model.named_parameters()}
+    batch = rl_batch(decayed, SEQS)
+    for step, expected_lr in enumerate((2.5e-3, 5e-3)):
+        m1, m2 = decayed.train_step([batch]), plain.train_step([batch])
+        assert m1["train/lr"] == m2["train/lr"] == pytest.approx(expected_lr)
+        assert [g["lr"] for g in decayed.optimizer.param_groups] == [pytest.approx(expected_lr)] * len(
+            decayed.optimizer.param_groups
+        )
+        if step == 0:
+            for (name, p1), p2 in zip(decayed.model.named_parameters(), plain.model.parameters(), strict=True):
+                torch.testing.assert_close(p2 - p1, expected_lr * 0.5 * start[name], atol=1e-7, rtol=1e-3, msg=name)
+
+
+def test_clip_grad_bounds_the_gradient_the_step_applies(dist_env, qwen2_dir):
+    """--clip-grad scales the gradient to that norm before the update (0: no clipping); the norm is logged unclipped.
+
+    With adam_eps=1 Adam's first update is ~ lr x gradient, so a gradient clipped to a tenth of its norm moves the
+    weights a tenth as far.
+    """
+    cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0)
+    free = Actor(ActorConfig(**cfg, clip_grad=0.0))
+    start = [p.detach().clone() for p in free.model.parameters()]
+    batch = rl_batch(free, SEQS)
+    norm = free.train_step([batch])["train/grad_norm"]
+    clipped = Actor(ActorConfig(**cfg, clip_grad=norm / 10))
+    assert clipped.train_step([batch])["train/grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+    def moved(actor):
+        pairs = zip(actor.model.parameters(), start, strict=True)
+        return math.sqrt(sum(float(((p.detach() - s) ** 2).sum()) for p, s in pairs))
+
+    assert moved(clipped) == pytest.approx(moved(free) / 10, rel=0.05)
+
+
+def test_bf16_autocast_is_a_cuda_option_and_says_so_on_cpu(dist_env, qwen2_dir, caplog):
+    """--bf16 autocasts forward and backward on CUDA; on a CPU it warns that it has no effect, and the memory plan
+    counts its activations at 2 bytes."""
+    from tidal.actor import MemoryInputs
+
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), bf16=True))
+    assert actor._autocast == torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert "--bf16 has no effect on CPU" in caplog.text
+    from tidal.actor.memory_plan import _activation_bytes
+
+    tokens = {"train_tokens": 64, "logprob_tokens": 64, "longest_sequence": 64}
+    assert _activation_bytes(MemoryInputs.from_actor_config(actor.cfg, **tokens)) == 2
+    assert _activation_bytes(MemoryInputs.from_actor_config(ActorConfig(hf_checkpoint="x"), **tokens)) == 4

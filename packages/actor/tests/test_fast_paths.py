@@ -62,10 +62,17 @@ def test_fused_rope_arithmetic_equals_megatron(dtype):
 
 
 def test_keeping_lm_head_logits_gives_the_same_step(dist_env, qwen2_dir, rl_batch):
+    """--no-recompute-lm-head keeps each LM-head chunk's logits: the head runs once per chunk, not again in
+    backward, and the step is the same."""
     cfg = dict(hf_checkpoint=str(qwen2_dir), lr=1.0, adam_eps=1.0, clip_grad=0.0, log_probs_chunk_size=5)
     a, b = Actor(ActorConfig(**cfg)), Actor(ActorConfig(**cfg, recompute_lm_head=False))
     batch = rl_batch(a, SEQS)
+    calls = {"a": 0, "b": 0}
+    a.model.output_layer.register_forward_hook(lambda *_: calls.__setitem__("a", calls["a"] + 1))
+    b.model.output_layer.register_forward_hook(lambda *_: calls.__setitem__("b", calls["b"] + 1))
     ma, mb = a.train_step([batch]), b.train_step([batch])
+    chunks = -(-batch.num_tokens // 5)
+    assert calls == {"a": 2 * chunks, "b": chunks}, calls
     assert ma["train/grad_norm"] == pytest.approx(mb["train/grad_norm"], rel=1e-6)
     for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0, msg=name)

@@ -341,3 +341,17 @@ def test_peft_folder_merges_back_into_the_base_as_the_actor_exports(dist_env, qw
         match=r"does not fit model\.layers\.0\.mlp\.down_proj\.weight \(64, 128\): lora_A \(4, 127\).* another shape",
     ):
         merged_hf_tensors(HFCheckpointReader(qwen2_dir), tmp_path / "other")
+
+
+def test_the_seed_draws_the_initial_a_matrices(dist_env, qwen2_dir):
+    """The app's --seed reaches the adapters' initialisation: another seed, other A matrices (B starts at zero)."""
+    from tidal.actor import Actor
+
+    def initial(seed):
+        actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lora_rank=4, seed=seed))
+        return {n: t for n, t in actor.lora.adapter_tensors().items() if ".lora_A." in n}
+
+    one, again, other = initial(1), initial(1), initial(2)
+    assert one.keys() == other.keys() and one
+    assert all(torch.equal(t, again[n]) for n, t in one.items())
+    assert all(not torch.equal(t, other[n]) for n, t in one.items())

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 from tidal.placement import PlacementConfig
-from tidal.placement.lifecycle import runtime_env
+from tidal.placement.lifecycle import runtime_env, uv_run_propagation
 
 
 def _processes_of(session):
@@ -27,6 +27,21 @@ def _processes_of(session):
 def test_runtime_env_carries_ray_env():
     assert runtime_env(PlacementConfig(ray_env={"A": "1"})) == {"env_vars": {"A": "1"}}
     assert runtime_env(PlacementConfig()) == {}
+
+
+def test_ray_ships_the_uv_environment_only_with_the_flag(monkeypatch):
+    """--ray-propagate-uv-env: the switch Ray's init reads to `uv run` every worker is off inside start_ray's
+    ray.init unless the flag is given (and Ray's own environment variable leaves it on); restored after."""
+    from ray._private import ray_constants
+
+    monkeypatch.setattr(ray_constants, "RAY_ENABLE_UV_RUN_RUNTIME_ENV", True)
+    for flag in (False, True):
+        with uv_run_propagation(PlacementConfig(ray_propagate_uv_env=flag)):
+            assert ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV is flag
+        assert ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV is True
+    monkeypatch.setattr(ray_constants, "RAY_ENABLE_UV_RUN_RUNTIME_ENV", False)  # RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+    with uv_run_propagation(PlacementConfig(ray_propagate_uv_env=True)):
+        assert ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV is False
 
 
 @pytest.mark.slow

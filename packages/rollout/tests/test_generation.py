@@ -108,6 +108,7 @@ def test_filter_uniform_groups_drops_groups_without_signal() -> None:
 def test_rollout_stop_strings_end_responses_and_keep_the_tokens(
     sglang_server: SGLangEngine, tiny_model_dir: Path
 ) -> None:
+    """--rollout-stop: a response ends at the first stop string the engine samples, which stays in it."""
     from tidal.rollout import RolloutConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -124,6 +125,39 @@ def test_rollout_stop_strings_end_responses_and_keep_the_tokens(
             assert s.response_text.endswith("1")
         else:
             assert s.finish_reason == "length" and len(s.response_ids) == 8 and one not in s.response_ids
+
+
+def test_top_k_max_response_len_and_stop_token_ids_reach_the_engine(
+    sglang_server: SGLangEngine, tiny_model_dir: Path
+) -> None:
+    """--rollout-top-k, --rollout-max-response-len and --rollout-stop-token-ids, as RolloutConfig sends them.
+
+    Top-k 1 samples greedily at any temperature: the 4 samples of a prompt are the greedy response, of exactly
+    --rollout-max-response-len tokens (EOS ignored); a stop token id taken from that response then ends it there.
+    """
+    from tidal.rollout import RolloutConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = [tokenizer.encode("what is two plus two ?")]
+    base = {"n_samples_per_prompt": 4, "rollout_max_response_len": 7, "rollout_temperature": 1.0}
+
+    def sample(ignore_eos=True, **flags):
+        params = {**RolloutConfig(**{**base, **flags}).sampling_params(), "ignore_eos": ignore_eos}
+        return generate_samples(sglang_server, prompt, params)
+
+    greedy = generate_samples(
+        sglang_server, prompt, {"n": 1, "max_new_tokens": 7, "temperature": 0.0, "ignore_eos": True}
+    )
+    expected = list(greedy[0].response_ids)
+    assert len({tuple(s.response_ids) for s in sample(n_samples_per_prompt=16)}) > 1  # without top-k: random
+    top1 = sample(rollout_top_k=1)
+    assert all(s.finish_reason == "length" and list(s.response_ids) == expected for s in top1)
+    assert len(top1) == 4
+    short = sample(rollout_top_k=1, rollout_max_response_len=3)
+    assert all(s.finish_reason == "length" and list(s.response_ids) == expected[:3] for s in short)
+    # SGLang's ignore_eos also ignores stop token ids: EOS counts here, but the greedy first token comes before it
+    ended = sample(ignore_eos=False, rollout_top_k=1, rollout_stop_token_ids=(expected[0],))
+    assert all(s.finish_reason == "stop" and list(s.response_ids) == expected[:1] for s in ended)
 
 
 def test_check_chat_template(tiny_model_dir: Path) -> None:

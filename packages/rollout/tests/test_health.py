@@ -47,6 +47,26 @@ def test_a_server_that_stops_answering_fails_once_until_resumed(proxy) -> None:
         heartbeat.stop()
 
 
+def test_the_health_check_flags_set_the_heartbeat(proxy) -> None:
+    """--rollout-health-check-interval is the beat (0: no heartbeat), --rollout-health-check-timeout how long a
+    beat may go unanswered: a server that stops answering fails after it."""
+    from tidal.rollout import RolloutConfig
+
+    hung = SGLangClient(proxy(["stall"] * 10, stall_s=5.0).url)
+    assert Heartbeat.from_config(RolloutConfig(rollout_health_check_interval=0), hung, on_failure=print) is None
+    cfg = RolloutConfig(rollout_health_check_interval=0.2, rollout_health_check_timeout=0.3)
+    reasons: list[str] = []
+    failed = threading.Event()
+    heartbeat = Heartbeat.from_config(cfg, hung, on_failure=lambda r: (reasons.append(r), failed.set()))
+    assert (heartbeat.interval_s, heartbeat.timeout_s) == (0.2, 0.3)
+    heartbeat.start()
+    try:
+        assert failed.wait(10.0)
+        assert reasons == ["no healthy /health answer within 0.3 s"]
+    finally:
+        heartbeat.stop()
+
+
 def test_a_launched_server_whose_process_is_gone_fails_at_once(tmp_path: Path, free_port) -> None:
     engine = SGLangEngine(tmp_path / "model", port=free_port(), log_dir=tmp_path)  # never started: no process
     with pytest.raises(ValueError, match="must be > 0"):

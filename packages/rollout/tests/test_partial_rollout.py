@@ -133,6 +133,8 @@ def test_resume_keeps_the_length_limit_and_validates_versions() -> None:
 
 
 def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_server: SGLangEngine, tiny_model_dir):
+    """The carried group fills the batch first; with mask_offpolicy (the train app's
+    --mask-offpolicy-in-partial-rollout) its tokens sampled by older weights leave the loss, without it they stay."""
     from tidal.rollout import generate_partial_rollout
     from tidal.rollout.rewards import numeric_match
 

@@ -77,7 +77,7 @@ class EngineWorker:
                 listen_host=listen_host,
             )
         )
-        self.health_check = (rollout_cfg.rollout_health_check_interval, rollout_cfg.rollout_health_check_timeout)
+        self.rollout_cfg = rollout_cfg  # its --rollout-health-check-* build the heartbeat once the server is up
         # --max-staleness >= 1: a weight update aborts the requests in flight; they resume under the new weights
         self.interrupt = InterruptibleUpdates(self.engine) if interruptible else None
         # SGLang flushes its cache in the update itself; the second flush waits for an idle server, which under
@@ -109,14 +109,14 @@ class EngineWorker:
             )
             return self.engine.url
         self.engine.start(wait=True)
-        interval, timeout = self.health_check
-        if self.fault_tolerant and interval > 0:
+        if self.fault_tolerant:
             from tidal.rollout import Heartbeat
 
-            self.heartbeat = Heartbeat(
-                self.engine, interval_s=interval, timeout_s=timeout, on_failure=lambda _: self.engine.kill()
+            self.heartbeat = Heartbeat.from_config(
+                self.rollout_cfg, self.engine, on_failure=lambda _: self.engine.kill()
             )
-            self.heartbeat.start()
+            if self.heartbeat is not None:
+                self.heartbeat.start()
         return self.engine.url
 
     def ensure_alive(self) -> bool:

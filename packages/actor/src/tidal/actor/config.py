@@ -149,6 +149,8 @@ class ActorConfig:
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """The linear layers that get adapters: all-linear, or HF names q_proj k_proj v_proj o_proj gate_proj up_proj
     down_proj (space- or comma-separated), or Megatron's linear_qkv linear_proj linear_fc1 linear_fc2."""
+    seed: int = field(default=1234, metadata={"flag": None})
+    """Seed of what the actor initialises itself (the LoRA A matrices); the app's ``--seed``."""
 
     def _check_model(self) -> None:
         if self.cudnn_attention_min_tokens < 0:

@@ -69,7 +69,7 @@ class LoRASettings:
     def from_config(cls, cfg) -> LoRASettings:
         """The settings of an ``ActorConfig`` with ``lora_rank`` > 0."""
         modules = resolve_target_modules(cfg.lora_target_modules)
-        return cls(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, modules=modules)
+        return cls(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, modules=modules, seed=cfg.seed)
 
 
 class LoRAAdapter(torch.nn.Module):

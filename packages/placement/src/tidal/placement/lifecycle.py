@@ -45,12 +45,7 @@ def start_ray(cfg: PlacementConfig) -> None:
         logger.warning("Ray is already initialized in this process; start_ray(%s) reuses it", cfg.cluster_address)
         return
     common: dict[str, Any] = {"runtime_env": runtime_env(cfg), "include_dashboard": False}
-    # Under `uv run`, Ray by default uploads the working directory and starts every worker through `uv run`,
-    # which rebuilds the workspace per worker (seen: tens of seconds, 231 packages). Ray reads this switch
-    # from ray_constants at init time; it only affects this ray.init call.
-    saved = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
-    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved and cfg.ray_propagate_uv_env
-    try:
+    with uv_run_propagation(cfg):
         if cfg.cluster_address:
             how = "--ray-address" if cfg.ray_address else "RAY_ADDRESS"
             logger.info("connecting to the Ray cluster at %s (%s)", cfg.cluster_address, how)
@@ -60,6 +55,22 @@ def start_ray(cfg: PlacementConfig) -> None:
             logger.info("starting a local Ray: %d CPUs, %s", cfg.num_cpus_local, local.describe())
             # "local" forces a fresh instance even when RAY_ADDRESS points elsewhere.
             ray.init(address="local", num_cpus=cfg.num_cpus_local, num_gpus=local.num_gpus, **common)
+
+
+@contextmanager
+def uv_run_propagation(cfg: PlacementConfig) -> Iterator[None]:
+    """Within it, ``ray.init`` ships a `uv run` driver's environment only with ``--ray-propagate-uv-env``.
+
+    (And only when Ray's own ``RAY_ENABLE_UV_RUN_RUNTIME_ENV`` leaves it on.)
+
+    Under `uv run`, Ray by default uploads the working directory and starts every worker through `uv run`, which
+    rebuilds the workspace per worker (tens of seconds, hundreds of packages). Ray reads the switch from
+    ray_constants at init time; it is restored on exit, so it only affects the ``ray.init`` inside.
+    """
+    saved = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved and cfg.ray_propagate_uv_env
+    try:
+        yield
     finally:
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved
 

@@ -44,6 +44,14 @@ class Heartbeat:
         self._paused = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat {server.url}", daemon=True)
 
+    @classmethod
+    def from_config(cls, cfg, server: SGLangClient, *, on_failure: Callable[[str], None]) -> Heartbeat | None:
+        """The heartbeat of ``cfg``'s ``--rollout-health-check-interval``/``-timeout`` (None at interval 0)."""
+        if cfg.rollout_health_check_interval <= 0:
+            return None
+        interval, timeout = cfg.rollout_health_check_interval, cfg.rollout_health_check_timeout
+        return cls(server, interval_s=interval, timeout_s=timeout, on_failure=on_failure)
+
     def start(self) -> None:
         """Start beating (first check after one interval)."""
         self._thread.start()
