@@ -61,6 +61,7 @@ def _new_api_key(run_dir: Path) -> str:
 def eval_sampling_params(rollout, train) -> dict[str, Any]:
     """The rollout's sampling parameters with evaluation's n, temperature, top-p and length (``--eval-*``)."""
     params = {**rollout.sampling_params(), "n": train.n_samples_per_eval_prompt}
+    params.pop("return_routed_experts", None)  # evaluation trains on nothing
     params |= {"temperature": train.eval_temperature, "top_p": train.eval_top_p}
     if train.eval_max_response_len is not None:
         params["max_new_tokens"] = train.eval_max_response_len
