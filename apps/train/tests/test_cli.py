@@ -46,6 +46,7 @@ BAD = [
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 does not divide the 1 actor GPU"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--moe-router-dtype", "bf16"], "--moe-router-dtype"),
+    (["--use-rollout-routing-replay"], "--use-rollout-routing-replay replays the experts of a mixture-of-experts"),
     (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
     (["--advantage-estimator", "magic"], "--advantage-estimator"),
     (["--eps-clip-c", "0.5"], "--eps-clip-c"),

@@ -143,3 +143,17 @@ def test_a_wildcard_sglang_host_is_advertised_at_the_engines_node_address(tmp_pa
         job = parse_job(["--sglang-host", host, "--output-dir", str(tmp_path / "o")])
         rollouts = rollout_manager_of(job, SimpleNamespace(tokenizer=None), tmp_path)
         assert rollouts._engine_host(placement, 1) == expected, host
+
+
+def test_training_data_carries_the_routed_experts_and_refuses_a_sample_without_under_replay():
+    import dataclasses
+
+    import numpy as np
+    import pytest
+
+    routed = dataclasses.replace(_sample([1, 2], [3, 4], 1.0), rollout_routed_experts=np.zeros((3, 4), np.int16))
+    data = rollout_data([routed, routed], group_size=2, routing_replay=True)
+    assert [r.shape for r in data.routed_experts] == [(3, 4), (3, 4)]
+    assert rollout_data([routed, _sample([1], [6], 0.0)], group_size=2).routed_experts is None  # off: not needed
+    with pytest.raises(ValueError, match=r"--use-rollout-routing-replay: 1 of 2 samples .* \(e\.g\. sample 1\)"):
+        rollout_data([routed, _sample([1], [6], 0.0)], group_size=2, rollout_id=3, routing_replay=True)

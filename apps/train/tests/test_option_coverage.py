@@ -95,6 +95,10 @@ COVERED: dict[str, tuple[str, str]] = {
     "--lora-alpha": (LORA, "test_merged_export_is_w_plus_scaled_ba"),
     "--lora-dropout": (LORA, "test_dropout_acts_in_training_only"),
     "--moe-aux-loss-coeff": (MOE, "test_expert_load_metric_counts_transformers_routing"),
+    "--use-rollout-routing-replay": (
+        "packages/actor/tests/test_routing_replay.py",
+        "test_mismatch_metric_and_train_on_rollout_under_replay",
+    ),
     "--expert-model-parallel-size": (CLI, "test_expert_parallel_size_is_checked_against_the_model_before_start"),
     "--wandb-mode": (WANDB, "test_disabled_logs_nothing_to_wandb"),
     "--wandb-group": (WANDB, "test_offline_run_holds_every_rollouts_metrics_and_says_where_it_is"),

@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from rl_batches import rl_batch  # same folder: on sys.path as a script and when the tests import it
 from safetensors.torch import load_file
@@ -22,6 +23,7 @@ from tidal.actor import (
     plan_memory,
     stage_export_role,
 )
+from tidal.actor.routing_replay import FIELD, routed_experts_field
 from tidal.batching import pack
 from tidal.ckpt import read_hf_config_json, save_checkpoint
 
@@ -29,6 +31,16 @@ _GEN = torch.Generator().manual_seed(7)
 SEQS = [torch.randint(0, 128, (n,), generator=_GEN).tolist() for n in (23, 9, 31, 14)]
 # adam_eps 1 and no clipping: the first update is lr * g / (|g| + 1), so equal weights after it mean equal gradients
 CFG = dict(lr=0.1, adam_eps=1.0, clip_grad=0.0, moe_aux_loss_coeff=0.01, log_probs_chunk_size=16)
+
+
+def replayed_routing(layers: int = 3, top_k: int = 2, experts: int = 8) -> list:
+    """Token t of each sequence to experts (t + l) % E and (t + l + 3) % E in layer l (the R3 token field)."""
+    rows = []
+    for seq in SEQS:
+        t = np.arange(len(seq) - 1)[:, None, None]
+        ids = (t + np.arange(layers)[None, :, None] + np.array([0, 3])[None, None, :top_k]) % experts
+        rows.append(routed_experts_field(ids.reshape(len(seq) - 1, layers * top_k), len(seq)))
+    return rows
 
 
 def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path | None = None, pp: int = 1) -> dict:
@@ -43,6 +55,10 @@ def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path |
     actor = Actor(ActorConfig(hf_checkpoint=hf_dir, **CFG))
     probe = pack(SEQS)
     result = {"log_probs": actor.compute_log_probs(probe)}
+    # rollout routing replay: every token sent to the experts of a fixed routing (not the routers' own), all-to-all
+    actor.routing_replay.replay = True
+    result["replay_log_probs"] = actor.compute_log_probs(pack(SEQS, token_fields={FIELD: replayed_routing()}))
+    actor.routing_replay.replay = False
     result["local_experts"] = tuple(actor.model.decoder.layers[0].mlp.experts.weight1.shape) if pp == 1 else None
     shape = ModelShape.from_hf_config(read_hf_config_json(hf_dir))
     inputs = MemoryInputs.from_actor_config(actor.cfg, train_tokens=64, logprob_tokens=64, longest_sequence=32)

@@ -60,9 +60,11 @@ def test_ep2_matches_ep1_and_transformers(tmp_path, dist_env, moe_dir, hf_refere
         assert r["plan_param_bytes"] == r["param_bytes"]
     assert results[0]["param_bytes"] < single["param_bytes"]
     torch.testing.assert_close(single["log_probs"], torch.cat(ref), atol=1e-5, rtol=0)
+    assert (single["replay_log_probs"] - single["log_probs"]).abs().max() > 1e-3  # replayed experts: other values
     for r in results:
         assert r["export_equal"] and r["buckets_equal"]  # every expert gathered back under its HF name
         torch.testing.assert_close(r["log_probs"], single["log_probs"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(r["replay_log_probs"], single["replay_log_probs"], atol=1e-6, rtol=0)
         keys = ("train/loss", "train/pg_loss", "train/grad_norm", "train/num_loss_tokens", "train/moe_expert_load_max")
         for key in keys:
             assert r["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5), key
@@ -101,6 +103,7 @@ def test_pp2_moe_with_balance_loss_matches_pp1(tmp_path, dist_env):
     for r in _spawn(tmp_path, 2, 1, moe_dir, pp=2):
         assert r["export_equal"] and r["buckets_equal"]
         torch.testing.assert_close(r["log_probs"], single["log_probs"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(r["replay_log_probs"], single["replay_log_probs"], atol=1e-6, rtol=0)
         for key in ("train/loss", "train/grad_norm", "train/moe_load_balancing_loss", "train/moe_expert_load_max"):
             assert r["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5), key
         for name, tensor in r["weights"].items():

@@ -80,3 +80,15 @@ def test_errors():
         split_for_context_parallel(batch, cp_size=0, cp_rank=0)
     with pytest.raises(ValueError, match="rank 1 gave 3 values"):
         gather_from_context_parallel([torch.zeros(2), torch.zeros(3)], batch)
+
+
+def test_a_token_field_with_trailing_dims_is_split_row_by_row():
+    rows = torch.arange(11 * 3, dtype=torch.float32).reshape(11, 3)
+    batch = pack([list(range(7)), list(range(4))], token_fields={"experts": [rows[:7], rows[7:]]})
+    for rank in range(2):
+        shard = split_for_context_parallel(batch, cp_size=2, cp_rank=rank)
+        field = shard.token_fields["experts"]
+        assert field.shape == (shard.num_tokens, 3)
+        real = shard.source_index >= 0
+        assert torch.equal(field[real], rows[shard.source_index[real]])
+        assert not field[~real].any()

@@ -154,3 +154,16 @@ def test_every_input_kind_packs_to_the_same_dtypes(kind):
     assert batch.token_fields["adv"].dtype == torch.float32
     assert batch.position_ids.dtype == torch.int64 and batch.position_ids.tolist() == [0, 1, 0, 1, 2]
     assert batch.sample_indices.dtype == torch.int64 and batch.sample_indices.tolist() == [4, 9]
+
+
+def test_a_token_field_of_per_token_arrays_keeps_its_trailing_dims():
+    ids = [np.arange(3 * 2 * 2).reshape(3, 2, 2), np.arange(2 * 2 * 2).reshape(2, 2, 2) + 100]
+    batch = pack([[5, 6, 7], [8, 9]], token_fields={"experts": ids, "lp": [[0.0, -1.0, -2.0], [0.0, -3.0]]},
+                 pad_to_multiple_of=8)  # fmt: skip
+    field = batch.token_fields["experts"]
+    assert field.shape == (8, 2, 2) and field.dtype == torch.float32
+    assert field[:5].tolist() == np.concatenate(ids).tolist()
+    assert not field[5:].any()  # the padding tail is 0
+    assert batch.token_fields["lp"].shape == (8,)
+    with pytest.raises(ValueError, match=r"token_fields\['experts'\]"):
+        pack([[5, 6, 7], [8, 9]], token_fields={"experts": [ids[0], np.zeros((2, 3, 2))]})

@@ -95,3 +95,36 @@ print("ok")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
     assert "[tidal cpu_stub] release_memory_occupation without torch.cuda.synchronize" in result.stderr
+
+
+def test_host_pool_patch_is_still_needed_and_allocates_cpu_buffers_unpinned() -> None:
+    # Why CpuHostPoolFinder exists: --enable-return-routed-experts allocates its host buffer through
+    # ALLOC_MEMORY_FUNCS[device], whose default pins it with cudaHostRegister (torch.cuda.cudart(): raises without
+    # CUDA). When SGLang stops doing that for device "cpu", the patch in cpu_stub/sitecustomize.py may go. The real
+    # module is imported through the finder (it imports in seconds); test_routing_replay.py serves a model with it.
+    code = """
+import importlib, importlib.util, sys, torch, sitecustomize
+assert any(isinstance(f, sitecustomize.CpuHostPoolFinder) for f in sys.meta_path)
+spec = importlib.util.find_spec(sitecustomize.HOST_POOL)
+src = open(spec.origin).read()
+assert "_cuda_host_register(buffer" in src and "lambda: alloc_with_host_register" in src, "drop the patch"
+module = importlib.import_module(sitecustomize.HOST_POOL)
+assert module.ALLOC_MEMORY_FUNCS["cpu"] is sitecustomize._alloc_unpinned
+assert module.ALLOC_MEMORY_FUNCS["cuda"] is module.alloc_with_host_register  # other devices untouched
+buf = module.ALLOC_MEMORY_FUNCS["cpu"]((4, 3, 2), dtype=torch.int32, device="cpu", pin_memory=True,
+                                       allocator=module.HostTensorAllocator())
+assert buf.shape == (4, 3, 2) and buf.dtype == torch.int32 and not buf.is_pinned()
+if not torch.cuda.is_available():
+    try:
+        module.alloc_with_host_register((4,), dtype=torch.int32, device="cpu", pin_memory=True,
+                                        allocator=module.HostTensorAllocator())
+    except (RuntimeError, AssertionError):
+        pass
+    else:
+        raise SystemExit("pinned host buffers work without CUDA now: drop the patch")
+print("ok")
+"""
+    result = _python(code, stub=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+    assert "[tidal cpu_stub] unpinned host buffers for device cpu" in result.stderr

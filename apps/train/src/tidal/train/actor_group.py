@@ -116,7 +116,12 @@ class ActorGroup:
         """
         with self.lock:
             moved = self.onload() if self.plan.offload_train else {}
-            data = rollout_data(samples, self.n_samples_per_prompt, rollout_id)
+            data = rollout_data(
+                samples,
+                self.n_samples_per_prompt,
+                rollout_id,
+                routing_replay=self.actor_cfg.use_rollout_routing_replay,
+            )
             metrics = self.call_all("train", data)[0]
             self.version += 1
             self.handoff.add("actor.train")
@@ -199,8 +204,23 @@ class ActorGroup:
             ) from e
 
 
-def rollout_data(samples: Sequence, group_size: int, rollout_id: int = 0) -> RolloutData:
-    """What the ranks train on, from scored samples: tidal's log-prob convention puts 0 on the prompt tokens."""
+def rollout_data(
+    samples: Sequence, group_size: int, rollout_id: int = 0, *, routing_replay: bool = False
+) -> RolloutData:
+    """What the ranks train on, from scored samples: tidal's log-prob convention puts 0 on the prompt tokens.
+
+    Raises:
+        ValueError: ``routing_replay`` (--use-rollout-routing-replay) and a sample without routed experts.
+    """
+    routed = [s.rollout_routed_experts for s in samples]
+    missing = [i for i, r in enumerate(routed) if r is None]
+    if routing_replay and missing:
+        raise ValueError(
+            f"--use-rollout-routing-replay: {len(missing)} of {len(samples)} samples of rollout {rollout_id} carry no "
+            f"routed experts (e.g. sample {missing[0]}); generate with engines that return them (tidal launches its "
+            "own with --enable-return-routed-experts; a custom generate function must fill "
+            "Sample.rollout_routed_experts, and --load-debug-rollout-data must hold them), or drop the flag"
+        )
     return RolloutData(
         tokens=[s.tokens for s in samples],
         loss_masks=[s.loss_mask for s in samples],
@@ -208,4 +228,5 @@ def rollout_data(samples: Sequence, group_size: int, rollout_id: int = 0) -> Rol
         rewards=[float(s.reward) for s in samples],
         group_size=group_size,
         rollout_id=rollout_id,
+        routed_experts=None if missing else routed,
     )

@@ -493,6 +493,16 @@ def check_output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: d
     )
 
 
+def check_routing_replay(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """--use-rollout-routing-replay is refused on a dense model (tidal.actor refuses it too, later)."""
+    moe = hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+    if actor.use_rollout_routing_replay and hf_config is not None and not moe:
+        raise ValueError(
+            f"--use-rollout-routing-replay replays the experts of a mixture-of-experts model, but "
+            f"{Path(hf) / 'config.json'} describes a dense one ({hf_config.get('model_type')}); drop the flag"
+        )
+
+
 def check_job(
     problems: Problems,
     *,
@@ -539,6 +549,7 @@ def check_job(
             problems.run(check_memory, parallel, offload, actor, batching, rollout, placement, hf_config)
     if actor is not None:
         problems.run(check_lora_moe, actor, hf_config, hf)
+        problems.run(check_routing_replay, actor, hf_config, hf)
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:

@@ -79,6 +79,7 @@ def _new_api_key(run_dir: Path) -> str:
 def eval_sampling_params(rollout, evaluation) -> dict[str, Any]:
     """The rollout's sampling parameters with evaluation's n, temperature, top-p and length (``--eval-*``)."""
     params = {**rollout.sampling_params(), "n": evaluation.n_samples_per_eval_prompt}
+    params.pop("return_routed_experts", None)  # evaluation trains on nothing
     params |= {"temperature": evaluation.eval_temperature, "top_p": evaluation.eval_top_p}
     if evaluation.eval_max_response_len is not None:
         params["max_new_tokens"] = evaluation.eval_max_response_len

@@ -22,6 +22,7 @@ SHARED: dict[Field, tuple[Field, ...]] = {
     ("rollout", "rollout_max_response_len"): (("actor", "max_response_len"),),
     ("parallel", "context_parallel_size"): (("batching", "context_parallel_size"),),
     ("train", "seed"): (("actor", "seed"),),
+    ("actor", "use_rollout_routing_replay"): (("rollout", "return_routed_experts"),),
 }
 """Each shared option (the owner's field) -> the fields of the other sections that receive its value."""
 

@@ -35,6 +35,8 @@ class RolloutData:
     """Samples per prompt (consecutive samples form one group)."""
     rollout_id: int = 0
     """The rollout's index (the actor waits during the first --num-critic-only-steps)."""
+    routed_experts: list | None = None
+    """Per sample, the engine's expert ids of every token but the last (--use-rollout-routing-replay), else None."""
 
 
 @ray.remote
@@ -121,6 +123,7 @@ class ActorWorker(WeightSender):
             reference=self.reference,
             critic=self.critic,
             rollout_id=rollout.rollout_id,
+            routed_experts=rollout.routed_experts,
         )
 
     def save_hf(self, out_dir: str, max_shard_bytes: int | None = None) -> str:

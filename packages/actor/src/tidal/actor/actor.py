@@ -36,6 +36,7 @@ from tidal.actor.pipeline import (
     broadcast_object_from_last_stage,
     run_schedule,
 )
+from tidal.actor.routing_replay import RoutingReplay
 from tidal.actor.transfer import to_device, to_host_async
 from tidal.batching import PackedBatch
 from tidal.ckpt import read_hf_config_json
@@ -108,9 +109,13 @@ class Actor:
         model = build_gpt_model(self.spec, config, self.stage, fused_kernels=self._fused, value_head=self.value_head)
         self.model = model.to(device=self.device, dtype=_DTYPES[cfg.params_dtype])
         self._expert_load = None
+        self.routing_replay: RoutingReplay | None = None
+        """The MoE routers' hooks: replay the engine's experts (--use-rollout-routing-replay), count mismatches."""
         if self.spec.moe is not None:
             moe_loss.prepare_model(self.model)
             self._expert_load = moe_loss.ExpertLoad(self.model)
+            self.routing_replay = RoutingReplay(self.model, replay=cfg.use_rollout_routing_replay)
+        self._check_routing_replay()
         self._awaiting_checkpoint = False
         self.hf_bytes_read = self._init_weights(weights)
         """Bytes of HF weights this rank read while it was built (0 on every rank but rank 0, and without "hf")."""
@@ -192,6 +197,20 @@ class Actor:
         logger.info("%s weights: %s; this rank read %d bytes of HF weights", self.kind, how, read)
         return read
 
+    def _check_routing_replay(self) -> None:
+        if not self.cfg.use_rollout_routing_replay:
+            return
+        if self.spec.moe is None:
+            raise ValueError(
+                f"--use-rollout-routing-replay replays the experts of a mixture-of-experts model, but "
+                f"{self.cfg.hf_checkpoint} is dense; drop the flag"
+            )
+        if self.stage.size > 1 and self.cfg.recompute_activations:
+            raise ValueError(
+                "--use-rollout-routing-replay with pipeline stages and --recompute-activations is not supported (a "
+                "layer recomputed in backward would see another micro-batch's experts); drop one of them"
+            )
+
     def require_weights(self) -> None:
         """Raise unless the model holds real weights (built with ``weights="checkpoint"``: once one is loaded)."""
         if self._awaiting_checkpoint:
@@ -205,6 +224,8 @@ class Actor:
 
         On a pipeline stage other than the last: its output hidden states (what the schedule sends on).
         """
+        if self.routing_replay is not None:
+            self.routing_replay.set_batch(batch, self.device)
         tokens = to_device(batch.tokens, self.device)
         cu = to_device(batch.cu_seqlens, self.device, torch.int32)
         params = HostPackedSeqParams(

@@ -48,6 +48,9 @@ class ActorConfig:
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the load-balancing loss (Switch Transformer's, per MoE layer, averaged
     over the step's micro-batches), logged as train/moe_load_balancing_loss; 0: off."""
+    use_rollout_routing_replay: bool = False
+    """Mixture-of-experts models: route every token of a rollout to the experts the engine routed it to (R3), in the
+    log-prob and training passes; the router still learns from its probabilities of those experts."""
     moe_router_dtype: str = "fp32"
     """Mixture-of-experts models: dtype of the router's logits and softmax: "fp32", "fp64", or "none" (the
     parameters' dtype)."""

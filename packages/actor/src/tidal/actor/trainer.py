@@ -31,6 +31,7 @@ from tidal.actor.advantages import (
     whiten_sums,
 )
 from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
+from tidal.actor.routing_replay import FIELD, routed_experts_field
 from tidal.actor.sample_weights import sample_weights
 from tidal.batching import (
     BatchingConfig,
@@ -74,6 +75,7 @@ def train_on_rollout(
     critic=None,
     rollout_id: int = 0,
     reuse_step_log_probs: bool = True,
+    routed_experts: Sequence | None = None,
 ) -> dict[str, float]:
     """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
 
@@ -99,6 +101,10 @@ def train_on_rollout(
         reuse_step_log_probs: take the old log-probs from the training forward when that is exact (one optimizer
             step, no reference, no critic, a sample-level estimator, one pipeline stage); False: always a separate
             pass.
+        routed_experts: per sample, the engine's expert ids of each token but the last (``[tokens - 1, layers x
+            top-k]``, ``Sample.rollout_routed_experts``): every pass routes the tokens to them under
+            ``--use-rollout-routing-replay``, and "rollout/routing_mismatch_share" says how often the actor's router
+            chose otherwise in the pass that computed the old log-probs (replay on or off).
 
     Returns:
         Mean of the steps' train metrics, batching statistics (the first step's plan, and
@@ -122,6 +128,11 @@ def train_on_rollout(
         raise ValueError("--advantage-estimator ppo and a critic go together: pass critic=Critic(cfg) with ppo only")
     if rollout_log_probs is not None:
         token_fields["rollout_log_probs"] = [list(map(float, lp)) for lp in rollout_log_probs]
+    inputs = _routing_fields(cfg, routed_experts, tokens)
+    token_fields |= inputs
+    replay = actor.routing_replay if inputs else None  # counts from here on
+    if replay is not None:
+        replay.reset()
 
     # Every forward-only pass (old and reference log-probs, critic values) runs before any update: on micro-batches of
     # its own under --log-probs-max-tokens-per-gpu, else on this rank's training micro-batches of every step.
@@ -132,7 +143,9 @@ def train_on_rollout(
     passes = _forward_passes(actor, reference, critic, old_log_probs=not reuse)
     own = bool(passes) and batching.log_probs_token_budget is not None
     if own:
-        fields, num_forward = _forward_only_fields(passes, batching, steps, tokens, rank=rank, dp_size=dp_size)
+        fields, num_forward = _forward_only_fields(
+            passes, batching, steps, tokens, rank=rank, dp_size=dp_size, inputs=inputs
+        )
         token_fields |= fields
     packed: list[list[PackedBatch]] = []
     for indices, plan in steps:
@@ -161,8 +174,10 @@ def train_on_rollout(
         packed, gae_metrics = _gae(packed, cfg, device=actor.device)
         metrics |= gae_metrics
     log_probs_time = time.monotonic() - start
+    metrics |= _mismatch(replay, actor, now=not reuse)  # the old log-probs' pass ran (the reference's: its own)
 
     packed = _train_steps(actor, critic, packed, metrics, rollout_id=rollout_id, reuse=reuse)
+    metrics |= _mismatch(replay, actor, now=reuse)  # the old log-probs came from the step's own forward
     metrics["time/log_probs"] = log_probs_time
     if cfg.overlong_buffer_len:
         metrics["train/overlong_penalty/mean"] = float(weights.penalty.mean())
@@ -170,6 +185,28 @@ def train_on_rollout(
         metrics |= _agreement(packed, device=actor.device)
     metrics |= plan_stats(steps[0][1], pad_to_multiple_of=batching.pad_to_multiple_of)
     return metrics
+
+
+def _routing_fields(cfg, routed_experts: Sequence | None, tokens: Sequence[Sequence[int]]) -> dict[str, list]:
+    """The token field of the engine's routed experts, when given; {} without them (an error under replay)."""
+    if routed_experts is None and not cfg.use_rollout_routing_replay:
+        return {}
+    if routed_experts is None:
+        routed_experts = [None] * len(tokens)
+    if len(routed_experts) != len(tokens):
+        raise ValueError(f"routed_experts has {len(routed_experts)} entries for {len(tokens)} samples")
+    if not cfg.use_rollout_routing_replay and any(r is None for r in routed_experts):
+        return {}  # only measured when every sample has them
+    return {
+        FIELD: [
+            routed_experts_field(r, len(t), sample=i)
+            for i, (r, t) in enumerate(zip(routed_experts, tokens, strict=True))
+        ]
+    }
+
+
+def _mismatch(replay, actor, *, now: bool) -> dict[str, float]:
+    return replay.metrics(actor.device) if replay is not None and now else {}
 
 
 def _forward_passes(actor, reference, critic, *, old_log_probs: bool) -> list[tuple[str, Callable, Callable]]:
@@ -192,11 +229,14 @@ def _forward_only_fields(
     *,
     rank: int,
     dp_size: int,
+    inputs: dict[str, list] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], int]:
     """The forward-only passes on micro-batches of their own, packed under --log-probs-max-tokens-per-gpu.
 
     Each rank computes the samples it trains on, every step's at once (all of them before the first update), so no
     value crosses ranks; every rank plans every rank's pass (lengths only) to report the same count.
+
+    ``inputs`` are token fields the passes read (the engine's routed experts), one entry per sample of the rollout.
 
     Returns:
         Per token field, one tensor per sample of the rollout (None for the other ranks' samples), and the most
@@ -209,7 +249,13 @@ def _forward_only_fields(
         counts.append(plan.num_micro_batches)
         if r == rank:
             mine, own_plan = samples, plan
-    batches = pack_micro_batches(own_plan, 0, [tokens[i] for i in mine], pad_to_multiple_of=batching.pad_to_multiple_of)
+    batches = pack_micro_batches(
+        own_plan,
+        0,
+        [tokens[i] for i in mine],
+        token_fields={k: [v[i] for i in mine] for k, v in (inputs or {}).items()},
+        pad_to_multiple_of=batching.pad_to_multiple_of,
+    )
     fields: dict[str, list[torch.Tensor | None]] = {}
     for field, compute, held in passes:
         with held():

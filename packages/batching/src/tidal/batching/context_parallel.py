@@ -111,7 +111,8 @@ def split_for_context_parallel(
     src = source.clamp(min=0)
 
     def take(values: torch.Tensor) -> torch.Tensor:
-        return torch.where(real, values[src], torch.zeros((), dtype=values.dtype))
+        keep = real.view(-1, *[1] * (values.dim() - 1))  # a field of [T, *shape] keeps its trailing dims
+        return torch.where(keep, values[src], torch.zeros((), dtype=values.dtype))
 
     return ContextParallelShard(
         tokens=take(batch.tokens),

@@ -35,6 +35,25 @@ def _concat(seqs: Sequence, total: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(flat)
 
 
+def _pack_field(name: str, values: Sequence, real: int, total: int) -> torch.Tensor:
+    """One token field, 0 on the padding tail: float32 ``[total]``, or ``[total, *shape]``.
+
+    The latter when each sequence's values are ``[n, *shape]`` arrays or tensors (e.g. per-token expert ids).
+    """
+    first = next((v for v in values if hasattr(v, "ndim")), None)
+    if first is None or first.ndim <= 1:
+        field = torch.zeros(total, dtype=torch.float32)
+        field[:real] = _concat(values, real, torch.float32)
+        return field
+    shape = tuple(first.shape[1:])
+    rows = [torch.as_tensor(np.asarray(v)).to(torch.float32) for v in values]
+    if any(tuple(r.shape[1:]) != shape for r in rows):
+        raise ValueError(f"token_fields[{name!r}]: every sequence's values must be [tokens, *{shape}]")
+    field = torch.zeros(total, *shape, dtype=torch.float32)
+    field[:real] = torch.cat(rows)
+    return field
+
+
 def _check_lengths(name: str, values: Sequence, lengths: list[int]) -> None:
     if len(values) != len(lengths):
         raise ValueError(
@@ -76,7 +95,8 @@ def pack(
         sequences: token ids of each sequence (lists, 1-D tensors or arrays), each non-empty.
         loss_masks: per-token 0/1 of each sequence; default 1 everywhere except each sequence's first token
             (which has no prediction under the log-prob convention).
-        token_fields: per-token float values of each sequence, by name (e.g. ``"old_log_probs"``).
+        token_fields: per-token float values of each sequence, by name (e.g. ``"old_log_probs"``); a sequence's
+            values may also be an ``[n, *shape]`` array or tensor (the field is then ``[T, *shape]``).
         sample_fields: one value per sequence, by name (e.g. ``"rewards"``).
         sample_indices: index of each sequence in the caller's sample list; default ``0..n-1``.
         pad_to_multiple_of: pad the total length up to a multiple of this (a padding tail segment).
@@ -119,9 +139,7 @@ def pack(
     packed_fields: dict[str, torch.Tensor] = {}
     for name, values in (token_fields or {}).items():
         _check_lengths(f"token_fields[{name!r}]", values, lengths_list)
-        field = torch.zeros(total, dtype=torch.float32)
-        field[:real] = _concat(values, real, torch.float32)
-        packed_fields[name] = field
+        packed_fields[name] = _pack_field(name, values, real, total)
 
     per_sample = {name: _sample_tensor(name, v, n) for name, v in (sample_fields or {}).items()}
     if sample_indices is None:

@@ -17,7 +17,7 @@ class PackedBatch:
         cu_seqlens: int32 ``[num_segments + 1]``: segment boundaries; a padding tail is its own last segment.
         max_seqlen: longest segment (padding tail included, as varlen attention kernels need).
         loss_mask: float32 ``[T]``: 1 on tokens that count in the loss (response tokens), 0 elsewhere and on padding.
-        token_fields: float32 ``[T]`` each, aligned with ``tokens`` (e.g. ``"old_log_probs"``, ``"advantages"``).
+        token_fields: float32 ``[T]`` (or ``[T, *shape]``) each, aligned with ``tokens`` (e.g. ``"old_log_probs"``).
         sample_fields: ``[num_sequences]`` each (e.g. ``"rewards"``); float32 for floats, int64 for ints.
         sample_indices: int64 ``[num_sequences]``: index of each packed sequence in the caller's sample list.
         num_padding_tokens: alignment padding tokens at the end of ``tokens``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import threading
@@ -9,6 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import requests
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 from tidal.rollout.transport import (
@@ -34,6 +36,8 @@ _HEALTH_POLL_S = 0.5
 _PROGRESS_EVERY_S = 30.0
 _FLUSH_IDLE_TIMEOUT_S = 30.0  # SGLang flushes only once its scheduler is fully idle
 _CONNECT_TIMEOUT_S = 10.0
+ROUTED_EXPERTS_PARAM = "return_routed_experts"
+"""Sampling-parameter key (tidal's, not sent as one) asking ``/generate`` for the routed experts of every token."""
 
 
 class SGLangClient:
@@ -211,7 +215,8 @@ class SGLangClient:
             ``len(input_ids) * n`` dicts, prompt-major (all samples of prompt 0 first), each with
             ``output_ids`` (the sampled tokens, a matched stop token included), ``output_log_probs``
             (log-prob of each of those tokens under the sampling distribution's model), ``finish_reason``
-            ("stop", "length" or "abort") and ``weight_version``.
+            ("stop", "length" or "abort") and ``weight_version``; with ``sampling_params["return_routed_experts"]``
+            true also ``routed_experts`` (see :func:`parse_output`).
 
         Raises:
             EngineUnavailableError: The server could not be reached, dropped the connection, timed out or
@@ -220,12 +225,15 @@ class SGLangClient:
         """
         params = dict(sampling_params)
         n = int(params.pop("n", 1))
+        routed = bool(params.pop(ROUTED_EXPERTS_PARAM, False))
         if n < 1:
             raise ValueError(f"sampling_params['n'] must be >= 1, got {n}")
         if not input_ids:
             return []
         prompts = [list(map(int, ids)) for ids in input_ids for _ in range(n)]
         payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
+        if routed:
+            payload["return_routed_experts"] = True
         response = self._post("/generate", payload)
         if response.status_code >= 500:  # still failing after the retries: up to the caller (restart or give up)
             raise EngineUnavailableError(
@@ -237,7 +245,7 @@ class SGLangClient:
         answers = response.json()
         if len(answers) != len(prompts):
             raise RolloutError(f"/generate at {self.url} returned {len(answers)} outputs for {len(prompts)} prompts")
-        return [parse_output(answer) for answer in answers]
+        return [parse_output(answer, routed_experts=routed) for answer in answers]
 
     def call(self, endpoint: str, payload: Mapping[str, Any] | None = None, *, what: str = "") -> dict[str, Any]:
         """POST JSON to an SGLang control endpoint and check that it succeeded.
@@ -326,8 +334,26 @@ class SGLangClient:
         return response.json()
 
 
-def parse_output(answer: Mapping[str, Any]) -> dict[str, Any]:
-    """One ``/generate`` answer -> the tokens, log-probs and finish reason exactly as sampled."""
+def _routed_experts(meta: Mapping[str, Any], num_output: int) -> np.ndarray | None:
+    """SGLang's base64 int32 expert ids of every forwarded token -> ``[tokens, layers x top-k]`` int16 (or int32)."""
+    encoded = meta.get("routed_experts")
+    if not encoded:
+        return None
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    rows = int(meta["prompt_tokens"]) + num_output - 1  # the last sampled token is never forwarded
+    if rows <= 0 or flat.size % rows:
+        raise RolloutError(f"SGLang returned {flat.size} routed-expert ids for {rows} forwarded tokens")
+    small = flat.size == 0 or flat.max() < np.iinfo(np.int16).max
+    return flat.reshape(rows, -1).astype(np.int16 if small else np.int32)
+
+
+def parse_output(answer: Mapping[str, Any], *, routed_experts: bool = False) -> dict[str, Any]:
+    """One ``/generate`` answer -> the tokens, log-probs and finish reason exactly as sampled.
+
+    With ``routed_experts`` also "routed_experts": the experts SGLang routed each token of the sequence (prompt and
+    response, but the last) to, ``[tokens, layers x top-k]`` (row t: layer 0's top-k ids, then layer 1's, ...), or
+    None when the answer carries none (a server started without ``--enable-return-routed-experts``).
+    """
     meta = answer["meta_info"]
     output_ids = [int(t) for t in answer["output_ids"]]
     # Each entry is (log-prob, token id, token text or None).
@@ -343,9 +369,12 @@ def parse_output(answer: Mapping[str, Any]) -> dict[str, Any]:
     kind = reason.get("type") if isinstance(reason, Mapping) else str(reason)
     if kind not in ("stop", "length", "abort"):
         raise RolloutError(f"unexpected finish_reason {reason!r} from SGLang")
-    return {
+    out = {
         "output_ids": output_ids,
         "output_log_probs": log_probs,
         "finish_reason": kind,
         "weight_version": meta.get("weight_version"),
     }
+    if routed_experts:
+        out["routed_experts"] = _routed_experts(meta, len(output_ids))
+    return out

@@ -183,6 +183,9 @@ class RolloutConfig:
     file sglang_api_key, mode 0600)."""
     sglang_server_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
     """Extra sglang.launch_server arguments, already mapped from --sglang-* (see sglang_server_args())."""
+    return_routed_experts: bool = field(default=False, metadata={"flag": None})
+    """Ask the engines for the experts they routed every token to, kept per sample (``--use-rollout-routing-replay``
+    sets it); launched engines get ``--enable-return-routed-experts``."""
     partial_rollout: bool = False
     """Once the batch is full, abort the requests still running and resume them next rollout (slime's flag)."""
     mask_offpolicy_in_partial_rollout: bool = False
@@ -328,4 +331,6 @@ class RolloutConfig:
             params["stop_token_ids"] = list(self.rollout_stop_token_ids)
         if self.rollout_stop:
             params["stop"] = list(self.rollout_stop)
+        if self.return_routed_experts:
+            params["return_routed_experts"] = True  # the client asks /generate for them (not a sampling parameter)
         return params

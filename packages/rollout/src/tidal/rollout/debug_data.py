@@ -2,11 +2,13 @@
 
 One file per rollout, ``DIR/rollout_<id>.jsonl``: a header line, then one sample per line with every
 :class:`Sample` field. JSON floats round-trip exactly (``repr``), so a replayed rollout equals the saved one
-token for token and log-prob for log-prob, and training can be debugged without any server.
+token for token and log-prob for log-prob, and training can be debugged without any server. The routed experts
+(``--use-rollout-routing-replay``) are stored as their shape, dtype and bytes in base64.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tidal.rollout.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -27,6 +30,7 @@ _SEQUENCE_FIELDS = (
     "response_loss_mask",
     "response_weight_versions",
 )
+_ARRAY_FIELD = "rollout_routed_experts"  # an int array: shape, dtype and base64 bytes
 
 
 def rollout_data_path(path: str | os.PathLike[str], rollout_id: int) -> Path:
@@ -34,11 +38,24 @@ def rollout_data_path(path: str | os.PathLike[str], rollout_id: int) -> Path:
     return Path(path) / f"rollout_{rollout_id:06d}.jsonl"
 
 
+def _encode_array(values: np.ndarray) -> dict[str, Any]:
+    """An int array as JSON-friendly data: shape, dtype and its bytes in base64 (a fraction of nested lists)."""
+    values = np.ascontiguousarray(values)
+    return {"shape": list(values.shape), "dtype": values.dtype.str, "b64": base64.b64encode(values.tobytes()).decode()}
+
+
+def _decode_array(record: dict[str, Any]) -> np.ndarray:
+    flat = np.frombuffer(base64.b64decode(record["b64"]), dtype=np.dtype(record["dtype"]))
+    return flat.reshape(record["shape"]).copy()
+
+
 def _record(sample: Sample) -> dict[str, Any]:
     record = {field.name: getattr(sample, field.name) for field in dataclasses.fields(Sample)}
     for name in _SEQUENCE_FIELDS:
         if record[name] is not None:
             record[name] = list(record[name])
+    if record[_ARRAY_FIELD] is not None:
+        record[_ARRAY_FIELD] = _encode_array(record[_ARRAY_FIELD])
     return record
 
 
@@ -50,7 +67,13 @@ def sample_records(samples: Sequence[Sample]) -> list[dict[str, Any]]:
 def samples_from_records(records: Sequence[dict[str, Any]]) -> list[Sample]:
     """The samples :func:`sample_records` described, equal to the originals (unknown keys are ignored)."""
     names = {field.name for field in dataclasses.fields(Sample)}
-    return [Sample(**{k: v for k, v in record.items() if k in names}) for record in records]
+    samples = []
+    for record in records:
+        fields = {k: v for k, v in record.items() if k in names}
+        if fields.get(_ARRAY_FIELD) is not None:
+            fields[_ARRAY_FIELD] = _decode_array(fields[_ARRAY_FIELD])
+        samples.append(Sample(**fields))
+    return samples
 
 
 def save_rollout_data(path: str | os.PathLike[str], rollout_id: int, samples: Sequence[Sample]) -> Path:

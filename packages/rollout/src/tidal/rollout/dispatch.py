@@ -20,6 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tidal.rollout.client import SGLangClient
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 from tidal.rollout.progress import GenerationProgress
@@ -48,6 +49,27 @@ def fresh_group(prompt_ids: Sequence[int], n: int, *, label: Any = None, group_i
     ]
 
 
+def _routed(sample: Sample, out: Mapping[str, Any]) -> Any:
+    """The sample's routed experts with an output's appended: the rows of the tokens this request forwarded first.
+
+    The request re-sent ``prompt + response so far``; SGLang answers rows for the whole sequence but its last token,
+    so the rows past those the sample holds are the new ones (a resumed sample keeps the routing its earlier tokens
+    were sampled with).
+    """
+    if "routed_experts" not in out:
+        return sample.rollout_routed_experts
+    routed = out["routed_experts"]
+    if routed is None:
+        if not out["output_ids"]:
+            return sample.rollout_routed_experts
+        raise RolloutError(
+            "--use-rollout-routing-replay: the engine answered without routed experts; start SGLang with "
+            "--enable-return-routed-experts (tidal launches its own engines so)"
+        )
+    held = sample.rollout_routed_experts
+    return routed if held is None else np.concatenate([held, routed[len(held) :].astype(held.dtype)])
+
+
 def continued(sample: Sample, out: Mapping[str, Any], decode: Callable[[list[int]], str] | None) -> Sample:
     """``sample`` with one engine output appended (its tokens recorded under the output's weight version)."""
     new_ids = out["output_ids"]
@@ -62,6 +84,7 @@ def continued(sample: Sample, out: Mapping[str, Any], decode: Callable[[list[int
         response_log_probs=[*sample.response_log_probs, *out["output_log_probs"]],
         response_loss_mask=None if mask is None else [*mask, *[1] * len(new_ids)],
         response_weight_versions=versions,
+        rollout_routed_experts=_routed(sample, out),
         weight_version=out["weight_version"],
         finish_reason=out["finish_reason"],
         response_text=decode(response_ids) if decode is not None else sample.response_text,

@@ -89,6 +89,12 @@ def _flag_names(args: Sequence[str]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
 
 
+def _with_routed_experts(args: Sequence[str], wanted: bool) -> tuple[str, ...]:
+    """``args`` plus ``--enable-return-routed-experts`` when routed experts are wanted and it is not there yet."""
+    flag = "--enable-return-routed-experts"
+    return (*args, flag) if wanted and flag not in _flag_names(args) else tuple(args)
+
+
 class SGLangEngine(ManagedServer):
     """An SGLang HTTP server in its own process group, and a client for the endpoints RL needs.
 
@@ -208,7 +214,7 @@ class SGLangEngine(ManagedServer):
             port=port,
             nccl_port=nccl_port,
             log_dir=log_dir,
-            extra_server_args=cfg.sglang_server_args,
+            extra_server_args=_with_routed_experts(cfg.sglang_server_args, cfg.return_routed_experts),
             startup_timeout_s=cfg.sglang_startup_timeout_s,
             request_timeout_s=cfg.rollout_request_timeout_s,
             max_retries=cfg.rollout_request_retries,

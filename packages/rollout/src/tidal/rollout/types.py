@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -42,6 +42,10 @@ class Sample:
     response_weight_versions: Sequence[str | None] | None = None
     """Weight version that sampled each response token (a partial rollout resumed after a weight update
     mixes versions); None: all came from ``weight_version``."""
+    rollout_routed_experts: Any = field(default=None, compare=False)
+    """Experts the engine routed each token it forwarded to (``--use-rollout-routing-replay``): an int array
+    ``[len(tokens) - 1, MoE layers x top-k]`` (row t: token t's top-k expert ids of layer 0, then of layer 1, ...;
+    the last token is never forwarded); None when not asked for."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.response_log_probs):
@@ -60,6 +64,13 @@ class Sample:
             raise ValueError(
                 f"Sample.response_weight_versions has {len(versions)} entries for {len(self.response_ids)} "
                 "response tokens; they must pair one to one"
+            )
+
+        routed, tokens = self.rollout_routed_experts, len(self.prompt_ids) + len(self.response_ids)
+        if routed is not None and (routed.ndim != 2 or routed.shape[0] != tokens - 1):
+            raise ValueError(
+                f"Sample.rollout_routed_experts has shape {tuple(routed.shape)}; it must be "
+                f"[tokens - 1, layers x top-k] with tokens = {tokens}"
             )
 
     @property

@@ -13,10 +13,16 @@ serves ``sgl_kernel`` and every ``sgl_kernel.*`` submodule. Any attribute of tho
 callable that raises ``NotImplementedError`` naming itself, so an unexpected call fails loudly instead
 of computing garbage. ``tests/test_cpu_stub.py`` fails when upstream changes make this unnecessary.
 
-It also holds tidal's one patch of SGLang's own code on CPU (:class:`CpuMemoryReleaseFinder`): SGLang 0.5.23's
-``release_memory_occupation`` ends with ``torch.get_device_module().synchronize()``, which is
-``torch.cuda.synchronize()`` on a CPU machine with a CUDA build of torch and raises "Found no NVIDIA driver",
-killing the scheduler. There is nothing to wait for on CPU, so inside that one method the call is a no-op.
+It also holds tidal's patches of SGLang's own code on CPU, each applied as SGLang imports its module:
+
+* :class:`CpuMemoryReleaseFinder`: SGLang 0.5.23's ``release_memory_occupation`` ends with
+  ``torch.get_device_module().synchronize()``, which is ``torch.cuda.synchronize()`` on a CPU machine with a CUDA
+  build of torch and raises "Found no NVIDIA driver", killing the scheduler. There is nothing to wait for on CPU, so
+  inside that one method the call is a no-op.
+* :class:`CpuHostPoolFinder`: ``--enable-return-routed-experts`` keeps the routed experts in a host buffer allocated
+  through ``ALLOC_MEMORY_FUNCS[device]``, whose default pins the memory with ``cudaHostRegister`` ("Found no NVIDIA
+  driver" on CPU). A CPU server's "device" memory is host memory already, so for device "cpu" the buffer is
+  allocated unpinned.
 
 This file must stay importable with the standard library only: it runs before anything else.
 """
@@ -124,22 +130,58 @@ def _patch_release(module):
     sys.stderr.write(RELEASE_MARKER + "\n")
 
 
-class CpuMemoryReleaseFinder(importlib.abc.MetaPathFinder):
-    """Patches SGLang's weight updater as it is imported, so that memory release works on a CPU server."""
+# The module whose host-buffer allocators pin memory through CUDA, and what marks the patch.
+HOST_POOL = "sglang.srt.mem_cache.pool_host.common"
+HOST_POOL_MARKER = "[tidal cpu_stub] unpinned host buffers for device cpu"
+
+
+def _alloc_unpinned(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    """``ALLOC_MEMORY_FUNCS``'s signature: the allocator's buffer, never pinned (no CUDA to register it with)."""
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _patch_host_pool(module):
+    """Host buffers for device "cpu" allocated without ``cudaHostRegister``."""
+    module.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_unpinned
+    sys.stderr.write(HOST_POOL_MARKER + "\n")
+
+
+class _ModulePatchFinder(importlib.abc.MetaPathFinder):
+    """Finds ``MODULE`` where Python would, with a loader that applies ``patch`` once the module has run."""
+
+    MODULE = ""
+
+    @staticmethod
+    def patch(module):
+        raise NotImplementedError
 
     def find_spec(self, fullname, path=None, target=None):
-        """The real spec of ``WEIGHT_UPDATER`` with a loader that patches it; None for anything else."""
-        if fullname != WEIGHT_UPDATER:
+        """The real spec of ``MODULE`` with a loader that patches it; None for anything else."""
+        if fullname != self.MODULE:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader, _patch_release)
+            spec.loader = _PatchingLoader(spec.loader, self.patch)
         return spec
+
+
+class CpuMemoryReleaseFinder(_ModulePatchFinder):
+    """Patches SGLang's weight updater as it is imported, so that memory release works on a CPU server."""
+
+    MODULE = WEIGHT_UPDATER
+    patch = staticmethod(_patch_release)
+
+
+class CpuHostPoolFinder(_ModulePatchFinder):
+    """Patches SGLang's host-buffer allocators as they are imported, so that routed experts can be captured on CPU."""
+
+    MODULE = HOST_POOL
+    patch = staticmethod(_patch_host_pool)
 
 
 def install():
     """Put the finders first on ``sys.meta_path`` (idempotent)."""
-    for finder in (SglKernelStubFinder, CpuMemoryReleaseFinder):
+    for finder in (SglKernelStubFinder, CpuMemoryReleaseFinder, CpuHostPoolFinder):
         if not any(isinstance(f, finder) for f in sys.meta_path):
             sys.meta_path.insert(0, finder())
 
