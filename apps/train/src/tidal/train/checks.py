@@ -520,7 +520,7 @@ def check_job(
                 problems.run(check_modes, train, rollout, placement)
                 from tidal.train.weight_sync import resolve_sync_plan
 
-                problems.run(resolve_sync_plan, train, placement, rollout)
+                problems.run(resolve_sync_plan, train, placement, rollout, actor)
             _warn_without_fault_tolerance(given["rollout"], train)
         if placement is not None:
             problems.run(check_expert_parallel, train, placement, hf_config, hf)

@@ -84,6 +84,8 @@ class SGLangClient:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._retries = 0
         self._retries_lock = threading.Lock()
+        self.lora_name: str | None = None
+        """The LoRA adapter every ``/generate`` names (``lora_path``); None: the base model (see ``lora_adapters``)."""
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, url: str) -> SGLangClient:
@@ -226,6 +228,8 @@ class SGLangClient:
             return []
         prompts = [list(map(int, ids)) for ids in input_ids for _ in range(n)]
         payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         response = self._post("/generate", payload)
         if response.status_code >= 500:  # still failing after the retries: up to the caller (restart or give up)
             raise EngineUnavailableError(
