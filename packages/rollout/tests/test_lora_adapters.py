@@ -151,3 +151,5 @@ def test_lora_server_args_leave_the_users_own_flags():
     assert lora_server_args(16, ["q_proj"], given=["--max-lora-rank=64", "--dtype", "float32"]) == (
         "--enable-lora", "--lora-target-modules", "q_proj",
     )  # fmt: skip
+    # memory release (GPU) keeps a host copy of the base weights: no adapter sync sends them again
+    assert lora_server_args(4, ["v_proj"], given=["--enable-memory-saver"])[-1] == "--enable-weights-cpu-backup"

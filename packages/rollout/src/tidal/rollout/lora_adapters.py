@@ -52,11 +52,14 @@ def lora_server_args(rank: int, target_modules: Sequence[str], *, given: Sequenc
     """``sglang.launch_server`` flags that let a server take adapters of ``rank`` on ``target_modules`` at run time.
 
     ``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules`` (HF names, e.g. ``q_proj``); on CPU the engine
-    adds ``--lora-backend torch_native`` (``engine.CPU_SERVER_ARGS``). A flag already in ``given`` (the user's
-    ``--sglang-*`` flags) is left to the user.
+    adds ``--lora-backend torch_native`` (``engine.CPU_LORA_BACKEND``). With ``--enable-memory-saver`` in ``given``
+    also ``--enable-weights-cpu-backup``: the base weights a server releases come back from a host copy, since no
+    sync sends them again. A flag already in ``given`` (the user's ``--sglang-*`` flags) is left to the user.
     """
     flags = [("--enable-lora",), ("--max-lora-rank", str(rank)), ("--lora-target-modules", *target_modules)]
     named = {arg.split("=", 1)[0] for arg in given if arg.startswith("--")}
+    if "--enable-memory-saver" in named:
+        flags.append(("--enable-weights-cpu-backup",))
     return tuple(part for flag in flags if flag[0] not in named for part in flag)
 
 
