@@ -197,6 +197,10 @@ BAD = [
     (["--lora-rank", "-1"], r"^--lora-rank must be >= 0 \(0: full fine-tuning"),
     (["--lora-rank", "4", "--lora-target-modules", "qkv"], "^--lora-target-modules 'qkv' matches no linear module"),
     (["--lora-rank", "4", "--advantage-estimator", "ppo"], "^--lora-rank 4 with --advantage-estimator ppo"),
+    (
+        ["--lora-rank", "4", "--no-colocate", "--update-weight-transport", "nccl"],
+        r"^--update-weight-transport nccl with --lora-rank 4: SGLang loads LoRA adapters from tensors or from disk",
+    ),
 ]
 
 

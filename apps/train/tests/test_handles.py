@@ -96,6 +96,28 @@ def test_a_probe_gap_above_the_tolerance_stops_the_sync_with_one_line(tmp_path: 
         check("0.01")
 
 
+def test_with_lora_the_sync_plan_sends_the_adapter_by_tensors_or_disk_and_refuses_nccl():
+    import pytest
+    from tidal.train.weight_sync import resolve_sync_plan
+
+    def plan(*flags):
+        job = parse_job(["--output-dir", "/tmp/unused-tidal-run", *flags])
+        return resolve_sync_plan(job.sync, job.offload, job.placement, job.rollout, job.actor)
+
+    assert plan().adapter is None  # full fine-tuning: the merged weights, as before
+    colocated = plan("--lora-rank", "16", "--lora-target-modules", "q_proj", "v")
+    assert colocated.transport == "tensor"
+    assert (colocated.adapter.rank, colocated.adapter.target_modules) == (16, ("q_proj", "v_proj"))
+    assert colocated.adapter.server_args(("--max-lora-rank", "64")) == (
+        "--enable-lora", "--lora-target-modules", "q_proj", "v_proj",
+    )  # fmt: skip
+    external = plan("--lora-rank", "8", "--rollout-external-engine-addrs", "h:1")
+    assert external.transport == "disk" and external.adapter.rank == 8  # nccl is the default there: disk instead
+    assert plan("--lora-rank", "8", "--update-weight-transport", "disk").transport == "disk"
+    with pytest.raises(ValueError, match=r"^--update-weight-transport nccl with --lora-rank 8: SGLang loads LoRA"):
+        plan("--lora-rank", "8", "--update-weight-transport", "nccl", "--rollout-external-engine-addrs", "h:1")
+
+
 def test_hand_off_log_writes_one_line_per_call(tmp_path: Path):
     import json
 

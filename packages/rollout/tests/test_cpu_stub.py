@@ -128,3 +128,32 @@ print("ok")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
     assert "[tidal cpu_stub] unpinned host buffers for device cpu" in result.stderr
+
+
+def test_pin_memory_patch_is_still_needed_and_leaves_tensors_as_they_are() -> None:
+    # Why CpuLoRAFinder exists: SGLang's LoRA layers pin small tensors (pin_memory=True) unconditionally, which
+    # raises without CUDA. When that stops holding, the patch may go; test_lora_adapters.py serves LoRA on CPU with it.
+    code = """
+import importlib.util, pathlib, types, torch, sitecustomize
+folder = pathlib.Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt" / "lora"
+assert "pin_memory=True" in (folder / "layers.py").read_text(), "drop the patch"
+if torch.cuda.is_available():
+    raise SystemExit("ok-cuda")
+try:
+    torch.tensor([0, 1], pin_memory=True)
+except RuntimeError:
+    pass
+else:
+    raise SystemExit("pin_memory works without CUDA now: drop the patch")
+spec = sitecustomize.CpuLoRAFinder().find_spec(sitecustomize.LORA_LAYERS, [str(folder)])
+assert isinstance(spec.loader, sitecustomize._PatchingLoader) and spec.origin.endswith("layers.py")
+sitecustomize._patch_pin_memory(types.ModuleType("fake"))
+t = torch.tensor([0, 1], dtype=torch.int32, pin_memory=True)
+assert t.tolist() == [0, 1] and t.dtype == torch.int32 and t.pin_memory() is t
+assert torch.empty(3, pin_memory=True).shape == (3,) and torch.zeros(2, pin_memory=True).tolist() == [0.0, 0.0]
+print("ok")
+"""
+    result = _python(code, stub=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+    assert "[tidal cpu_stub] pin_memory is a no-op (LoRA serving on CPU)" in result.stderr

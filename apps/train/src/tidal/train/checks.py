@@ -538,7 +538,7 @@ def check_job(
                 if sync is not None and offload is not None:
                     from tidal.train.weight_sync import resolve_sync_plan
 
-                    problems.run(resolve_sync_plan, sync, offload, placement, rollout)
+                    problems.run(resolve_sync_plan, sync, offload, placement, rollout, actor)
             _warn_without_fault_tolerance(given["rollout"], train)
     if batching is not None and rollout is not None:
         problems.run(check_token_budget, batching, rollout)

@@ -98,7 +98,7 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
     from tidal.placement import create_placement, ray_session
 
     with_engines = not (job.train.debug_train_only or job.rollout.load_debug_rollout_data is not None)
-    plan = resolve_sync_plan(job.sync, job.offload, job.placement, job.rollout)
+    plan = resolve_sync_plan(job.sync, job.offload, job.placement, job.rollout, job.actor)
     async_plan = resolve_async_plan(job.train, job.rollout, job.actor)
     handoff = HandOffLog(out / "handoff.jsonl")
     rollouts = rollout_manager_of(job, train_data, out, plan=plan, async_plan=async_plan, handoff=handoff)

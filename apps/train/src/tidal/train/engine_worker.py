@@ -84,6 +84,9 @@ class EngineWorker:
         # --max-staleness (requests of the next rollouts already running) it may not be.
         self.flush_after_update = flush_after_update
         self.heartbeat = None
+        from tidal.rollout import ServedAdapters
+
+        self.adapters = ServedAdapters(self.engine)  # --lora-rank: the adapters the server holds
         # --use-fault-tolerance with an actor: a restarted server serves the weights it loads from disk, not the
         # actor's; it holds its requests until the driver synced the current ones (at most resync_timeout_s).
         self.resync_timeout_s = resync_timeout_s
@@ -139,6 +142,7 @@ class EngineWorker:
         """
         from tidal.rollout import RolloutError
 
+        self.adapters.forget()  # a restarted server holds no adapter
         self._weights_back.clear()
         self._needs_weights = True
         if not getattr(self._thread, "generating", False):  # restarted by the driver, or by a disk sync: no hold
@@ -252,6 +256,18 @@ class EngineWorker:
             self.engine.restart()
             self.engine.update_weights_from_disk(path, weight_version=weight_version)
         self.weights_restored()  # it serves the sync's weights, restarted or not
+        if self.flush_after_update:
+            self.engine.flush_cache()
+
+    def serve_adapter(self, name: str, version: str, path: str | None = None) -> None:
+        """--lora-rank: serve LoRA adapter ``name`` as ``version`` (``path``: load it from that PEFT folder first).
+
+        Every later ``/generate`` of this engine names it; the adapters before the previous one are unloaded.
+        """
+        if path is not None:  # a tensor-loaded adapter would be gone from a server restarted here
+            self.ensure_alive()
+        self.adapters.serve(name, version, path=path)
+        self.weights_restored()  # it serves the sync's adapter, restarted or not
         if self.flush_after_update:
             self.engine.flush_cache()
 

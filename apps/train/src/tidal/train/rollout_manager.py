@@ -118,6 +118,9 @@ class RolloutManager:
         self.model, self.rollout_batch_size, self.run = model, rollout_batch_size, run
         self.log_dir = run.log_dir
         self.offload = plan is not None and plan.offload_rollout
+        self.adapter = plan.adapter if plan is not None else None  # --lora-rank: the engines serve LoRA adapters
+        self.lora_name: str | None = None
+        """The LoRA adapter every engine serves now (None: the base model)."""
         self.async_plan = async_plan
         self.handoff = handoff or HandOffLog(None)
         self._released: list[str] = []  # memory tags the engines have released now
@@ -166,6 +169,9 @@ class RolloutManager:
         hosts = [self._engine_host(placement, e) for e in range(self.placement_cfg.num_engines)]
         if cfg.sglang_api_key is None and any(h not in LOOPBACK for h in hosts):
             self.cfg = cfg = dataclasses.replace(cfg, sglang_api_key=_new_api_key(self.run.run_dir))
+        if self.adapter is not None:  # the engines start on the base and take each adapter at run time
+            cfg = dataclasses.replace(cfg, sglang_server_args=cfg.sglang_server_args + self.adapter.server_args(
+                cfg.sglang_server_args))  # fmt: skip
         for e, host in enumerate(hosts):  # none with external engines
             ports = PortAllocator(placement.engine_node_ip(e)).engine_ports()
             worker = EngineWorker.options(**placement.engine_options(e)).remote(
@@ -375,6 +381,17 @@ class RolloutManager:
         """Every engine (of ``only``) reloads the HF checkpoint at ``path`` and serves it as ``version``."""
         ray.get([e.update_weights_from_disk.remote(str(path), str(version)) for e in self._some(only)])
 
+    def serve_adapter(self, name: str, version: int, path: str | None = None, *, only: Sequence[int] | None = None):
+        """Every engine (of ``only``) serves LoRA adapter ``name`` as ``version`` (``path``: its PEFT folder first).
+
+        Every later ``/generate`` names it: the engines' own, the router's and the driver's.
+        """
+        ray.get([e.serve_adapter.remote(name, str(version), path) for e in self._some(only)])
+        self.lora_name = name
+        for client in (self.router, self.driver_client):
+            if client is not None:
+                client.lora_name = name
+
     def http_retries(self) -> int:
         """Requests sent again after a transient failure so far, by every client (engines, router, driver)."""
         total = sum(ray.get([e.http_retries.remote() for e in self.engines])) if self.engines else 0
@@ -401,6 +418,7 @@ class RolloutManager:
             )
         if self.driver_client is None:  # one client for the run: its pooled connections and retry count persist
             self.driver_client = SGLangClient.from_config(self.cfg, self.engine_urls[0])
+            self.driver_client.lora_name = self.lora_name
         return self.driver_client
 
     def restart_dead_engines(self) -> None:
@@ -462,3 +480,7 @@ class RestartedEngines:
     def probe(self) -> list[list[tuple[list[int], list[float]]]]:
         """The probe of these engines (--check-weight-update-equal)."""
         return self.manager.probe(only=self.indices)
+
+    def serve_adapter(self, name: str, version: int, path: str | None = None) -> None:
+        """These engines serve LoRA adapter ``name`` as ``version`` (--lora-rank)."""
+        self.manager.serve_adapter(name, version, path, only=self.indices)

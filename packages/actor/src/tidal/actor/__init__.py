@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from tidal.actor.lora import BaseReference
     from tidal.actor.lora_checkpoint import check_adapter_checkpoint
     from tidal.actor.lora_peft import gather_adapter_tensors, merged_hf_tensors, peft_adapter_config, write_peft_adapter
+    from tidal.actor.lora_targets import resolve_target_modules
     from tidal.actor.reference import ReferenceModel
     from tidal.actor.trainer import train_on_rollout
 
@@ -68,6 +69,7 @@ _LAZY = {
     "merged_hf_tensors": "lora_peft",
     "peft_adapter_config": "lora_peft",
     "write_peft_adapter": "lora_peft",
+    "resolve_target_modules": "lora_targets",
     "ReferenceModel": "reference",
     "train_on_rollout": "trainer",
 }
@@ -111,6 +113,7 @@ __all__ = [
     "peft_adapter_config",
     "plan_memory",
     "read_hf_config",
+    "resolve_target_modules",
     "stage_export_role",
     "to_transformer_config",
     "train_on_rollout",

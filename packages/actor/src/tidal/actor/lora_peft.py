@@ -3,8 +3,8 @@
 The folder is what ``peft``'s ``save_pretrained`` writes for a causal LM: tensor names carry PEFT's
 ``base_model.model.`` prefix before the HF name (``...layers.0.self_attn.q_proj.lora_A.weight``, A ``[r, in]``,
 B ``[out, r]``), the config names the rank, alpha, dropout and HF target modules. peft, transformers and an SGLang
-server's own LoRA loader read it (tidal's engines do not load adapters yet); :func:`merged_hf_tensors` folds it into
-a base checkpoint (``train convert``).
+server's own LoRA loader read it (the train app's disk weight sync hands it to the engines);
+:func:`merged_hf_tensors` folds it into a base checkpoint (``train convert``).
 """
 
 from __future__ import annotations

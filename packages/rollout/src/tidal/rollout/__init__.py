@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     )
     from tidal.rollout.health import Heartbeat
     from tidal.rollout.import_path import load_callable
+    from tidal.rollout.lora_adapters import ServedAdapters, adapter_name, load_adapter_from_tensors, lora_server_args
     from tidal.rollout.partial_rollout import InterruptibleUpdates, generate_partial_rollout
     from tidal.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
@@ -72,6 +73,10 @@ _LAZY = {
     "rollout_metrics": "generation",
     "Heartbeat": "health",
     "load_callable": "import_path",
+    "ServedAdapters": "lora_adapters",
+    "adapter_name": "lora_adapters",
+    "load_adapter_from_tensors": "lora_adapters",
+    "lora_server_args": "lora_adapters",
     "generate_partial_rollout": "partial_rollout",
     "InterruptibleUpdates": "partial_rollout",
     "RewardFn": "rewards",
@@ -116,6 +121,8 @@ __all__ = [
     "SGLangClient",
     "SGLangEngine",
     "Sample",
+    "ServedAdapters",
+    "adapter_name",
     "check_chat_template",
     "check_stop_tokens",
     "destroy_weights_update_group",
@@ -123,9 +130,11 @@ __all__ = [
     "generate_partial_rollout",
     "generate_samples",
     "init_weights_update_group",
+    "load_adapter_from_tensors",
     "load_callable",
     "load_generate_fn",
     "load_rollout_data",
+    "lora_server_args",
     "mask_stale_tokens",
     "resolve_group_filter",
     "resolve_reward_fn",

@@ -88,6 +88,8 @@ class SGLangClient:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._retries = 0
         self._retries_lock = threading.Lock()
+        self.lora_name: str | None = None
+        """The LoRA adapter every ``/generate`` names (``lora_path``); None: the base model (see ``lora_adapters``)."""
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, url: str) -> SGLangClient:
@@ -234,6 +236,8 @@ class SGLangClient:
         payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
         if routed:
             payload["return_routed_experts"] = True
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         response = self._post("/generate", payload)
         if response.status_code >= 500:  # still failing after the retries: up to the caller (restart or give up)
             raise EngineUnavailableError(

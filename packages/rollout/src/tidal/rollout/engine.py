@@ -35,6 +35,9 @@ CPU_SERVER_ARGS: tuple[tuple[str, ...], ...] = (
     ("--sleep-on-idle",),
 )
 
+# With --enable-lora on CPU: the LoRA backend that runs there (torch ops; the default one is CUDA kernels).
+CPU_LORA_BACKEND = ("--lora-backend", "torch_native")
+
 # SGLang's names for what release_memory_occupation can free (sglang.srt.constants).
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -234,6 +237,8 @@ class SGLangEngine(ManagedServer):
             for flag in CPU_SERVER_ARGS:
                 if flag[0] not in given:
                     cmd += flag
+            if "--enable-lora" in given and "--lora-backend" not in given:
+                cmd += CPU_LORA_BACKEND  # the default backend's kernels need CUDA
         return cmd + list(self.extra_server_args)
 
     def _use_cpu(self) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from tidal.train.weight_sync.adapter import AdapterPlan, resolve_adapter_transport
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,14 +32,16 @@ class SyncPlan:
     """The actor leaves the GPU while the engines generate."""
     offload_rollout: bool = False
     """The engines release their memory while the actor trains."""
+    adapter: AdapterPlan | None = None
+    """--lora-rank: each sync sends the LoRA adapter alone, which the engines serve on the base (``.adapter``)."""
 
 
-def resolve_sync_plan(sync, offloading, placement, rollout) -> SyncPlan:
-    """The plan of a job's WeightSyncConfig, OffloadConfig, PlacementConfig and RolloutConfig.
+def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncPlan:
+    """The plan of a job's weight-sync, offload, placement and rollout sections and (--lora-rank) its actor's.
 
     Raises:
-        ValueError: --update-weight-transport tensor without co-located engines, or --offload-rollout with
-            external engines (tidal does not manage the memory of a server it did not start).
+        ValueError: --update-weight-transport tensor without co-located engines, --offload-rollout with
+            external engines (tidal does not manage the memory of a server it did not start), or nccl with LoRA.
     """
     external = bool(rollout.rollout_external_engine_addrs)
     colocated = placement.colocate and not external
@@ -48,6 +52,7 @@ def resolve_sync_plan(sync, offloading, placement, rollout) -> SyncPlan:
             f"--update-weight-transport tensor hands the engines handles to the actor's own memory, so the engines "
             f"must share its GPUs; with {where} use --update-weight-transport nccl (or disk)"
         )
+    adapter, transport = resolve_adapter_transport(actor, sync.update_weight_transport, transport)
     offload = colocated if offloading.offload is None else offloading.offload
     offload_train = offload if offloading.offload_train is None else offloading.offload_train
     offload_rollout = offload if offloading.offload_rollout is None else offloading.offload_rollout
@@ -67,4 +72,5 @@ def resolve_sync_plan(sync, offloading, placement, rollout) -> SyncPlan:
         tolerance=sync.check_weight_update_tolerance,
         offload_train=offload_train,
         offload_rollout=offload_rollout,
+        adapter=adapter,
     )

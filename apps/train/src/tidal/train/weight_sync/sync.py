@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tidal.train.weight_sync.adapter import AdapterSync
+
 if TYPE_CHECKING:
     from tidal.train.actor_group import ActorGroup
     from tidal.train.handoff import HandOffLog
@@ -41,6 +43,9 @@ class EngineWeights(Protocol):
 
     def probe(self) -> list[list[tuple[list[int], list[float]]]]:
         """Per engine, ``(tokens, response log-probs)`` of the fixed probe prompts."""
+
+    def serve_adapter(self, name: str, version: int, path: str | None = None) -> None:
+        """--lora-rank: serve LoRA adapter ``name`` as ``version`` (``path``: load it from that PEFT folder first)."""
 
 
 class ServingEngines(EngineWeights, Protocol):
@@ -87,6 +92,8 @@ class WeightSync:
         """Metrics of the latest sync: ``weight_sync/transport``, ``weight_sync/mb_per_s``, ... (the loop records
         them)."""
         self._group: tuple[str, list] | None = None  # --update-weight-transport nccl: (group name, its engines)
+        self.adapters = AdapterSync(plan, export, actors) if plan.adapter is not None else None
+        """--lora-rank: the adapter-only sync (``.adapter``), which every sync and resync goes through."""
 
     def sync(self, engines: ServingEngines, version: int) -> Path | None:
         """Hand the current weights to ``engines`` as ``version`` over --update-weight-transport; checked, bounded.
@@ -123,7 +130,9 @@ class WeightSync:
         target = None
         engines.begin_update()  # generation does not hold the update up: its requests resume after it
         try:
-            if plan.transport == "disk":
+            if self.adapters is not None:
+                metrics, target = self.adapters.sync(engines, version)
+            elif plan.transport == "disk":
                 target = self._sync_disk(engines, version)
             else:
                 metrics = self._sync_in_memory(engines, version)
@@ -161,7 +170,9 @@ class WeightSync:
             if offloaded:
                 actors.onload()
             self.close()  # nccl: the group still counts the dead server's ranks
-            if plan.transport == "disk":
+            if self.adapters is not None:
+                metrics = self.adapters.resync(engines, version)
+            elif plan.transport == "disk":
                 kept = self.served_dir is not None and self.served_dir.name == f"v{version:06d}"
                 target = self.served_dir if kept else self._export(version)  # the others may serve the old one
                 engines.load_weights(target, version)

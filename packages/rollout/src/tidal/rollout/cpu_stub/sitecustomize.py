@@ -179,9 +179,54 @@ class CpuHostPoolFinder(_ModulePatchFinder):
     patch = staticmethod(_patch_host_pool)
 
 
+# SGLang's LoRA layers (--enable-lora), whose import marks the pinned-memory patch, and what marks it.
+LORA_LAYERS = "sglang.srt.lora.layers"
+PIN_MARKER = "[tidal cpu_stub] pin_memory is a no-op (LoRA serving on CPU)"
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "ones_like", "zeros_like", "empty_like")
+
+
+def _drop_pin_memory(factory):
+    def make(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    make.__wrapped__ = factory
+    return make
+
+
+def _patch_pin_memory(module):
+    """Pinned host memory is a CUDA notion: without CUDA, ``pin_memory`` (argument or method) leaves a tensor as is.
+
+    SGLang's LoRA serving pins its small index and offset tensors unconditionally (``pin_memory=True`` in
+    ``sglang/srt/lora/layers.py`` and ``backend/torch_backend.py``), which raises "Found no NVIDIA driver" here. Applied
+    to the whole server process once its LoRA layers are imported; nothing else there can pin without CUDA either.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    torch.Tensor.pin_memory = lambda self, device=None: self
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, _drop_pin_memory(getattr(torch, name)))
+    sys.stderr.write(PIN_MARKER + "\n")
+
+
+class CpuLoRAFinder(importlib.abc.MetaPathFinder):
+    """Makes ``pin_memory`` a no-op as SGLang's LoRA layers are imported, so that LoRA serving runs on a CPU server."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        """The real spec of ``LORA_LAYERS`` with a loader that patches first; None for anything else."""
+        if fullname != LORA_LAYERS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, _patch_pin_memory)
+        return spec
+
+
 def install():
     """Put the finders first on ``sys.meta_path`` (idempotent)."""
-    for finder in (SglKernelStubFinder, CpuMemoryReleaseFinder, CpuHostPoolFinder):
+    for finder in (SglKernelStubFinder, CpuMemoryReleaseFinder, CpuHostPoolFinder, CpuLoRAFinder):
         if not any(isinstance(f, finder) for f in sys.meta_path):
             sys.meta_path.insert(0, finder())
 
