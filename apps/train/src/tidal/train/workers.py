@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 from tidal.train.logs import LogPlan, setup_logging
+from tidal.train.weight_sync.delta import DeltaSender
 from tidal.train.weight_sync.sender import WeightSender
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class RolloutData:
 
 
 @ray.remote
-class ActorWorker(WeightSender):
+class ActorWorker(WeightSender, DeltaSender):
     """One rank of the Megatron actor (tidal.actor) on its bundle, with its checkpoint IO (tidal.ckpt)."""
 
     def __init__(

@@ -22,6 +22,8 @@ class SyncPlan:
     """Bytes per bucket or shard (--update-weight-buffer-size)."""
     timeout_s: float
     """Bound of one sync (--update-weight-timeout)."""
+    delta: bool = False
+    """Send only the changed elements, against a host snapshot of what the engines hold (--update-weight-delta)."""
     check_equal: bool = False
     """Compare engine and actor log-probs on a probe after each sync (--check-weight-update-equal)."""
     tolerance: float = 0.05
@@ -48,6 +50,14 @@ def resolve_sync_plan(train, placement, rollout) -> SyncPlan:
             f"--update-weight-transport tensor hands the engines handles to the actor's own memory, so the engines "
             f"must share its GPUs; with {where} use --update-weight-transport nccl (or disk)"
         )
+    if train.update_weight_delta and transport == "nccl":
+        raise ValueError(
+            "--update-weight-delta sends its deltas through the engines' delta loader, which the nccl broadcast does "
+            "not reach: use --update-weight-transport tensor (co-located) or disk, or drop --update-weight-delta"
+        )
+    if train.update_weight_delta and external:
+        logger.warning("--update-weight-delta: the --rollout-external-engine-addrs servers must be started with "
+                       "--custom-weight-loader tidal.rollout.engine_delta.load_delta")  # fmt: skip
     offload = colocated if train.offload is None else train.offload
     offload_train = offload if train.offload_train is None else train.offload_train
     offload_rollout = offload if train.offload_rollout is None else train.offload_rollout
@@ -63,6 +73,7 @@ def resolve_sync_plan(train, placement, rollout) -> SyncPlan:
         transport=transport,
         bucket_bytes=train.update_weight_buffer_size,
         timeout_s=train.update_weight_timeout,
+        delta=train.update_weight_delta,
         check_equal=train.check_weight_update_equal,
         tolerance=train.check_weight_update_tolerance,
         offload_train=offload_train,

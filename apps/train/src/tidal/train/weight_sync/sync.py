@@ -87,6 +87,11 @@ class WeightSync:
         """Metrics of the latest sync: ``weight_sync/transport``, ``weight_sync/mb_per_s``, ... (the loop records
         them)."""
         self._group: tuple[str, list] | None = None  # --update-weight-transport nccl: (group name, its engines)
+        self._delta = None
+        if plan.delta:
+            from tidal.train.weight_sync.delta import DeltaSync
+
+            self._delta = DeltaSync(self)
 
     def sync(self, engines: ServingEngines, version: int) -> Path | None:
         """Hand the current weights to ``engines`` as ``version`` over --update-weight-transport; checked, bounded.
@@ -123,7 +128,9 @@ class WeightSync:
         target = None
         engines.begin_update()  # generation does not hold the update up: its requests resume after it
         try:
-            if plan.transport == "disk":
+            if self._delta is not None:
+                metrics = self._delta.send(engines, version)
+            elif plan.transport == "disk":
                 target = self._sync_disk(engines, version)
             else:
                 metrics = self._sync_in_memory(engines, version)
@@ -161,6 +168,8 @@ class WeightSync:
             if offloaded:
                 actors.onload()
             self.close()  # nccl: the group still counts the dead server's ranks
+            if self._delta is not None:
+                self._delta.forget()  # the restarted engines get the actor's current weights, not the snapshot's
             if plan.transport == "disk":
                 kept = self.served_dir is not None and self.served_dir.name == f"v{version:06d}"
                 target = self.served_dir if kept else self._export(version)  # the others may serve the old one
