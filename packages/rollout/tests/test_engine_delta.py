@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from tidal.rollout import SGLangEngine
 from tidal.rollout.engine import DELTA_LOADER
-from tidal.rollout.engine_delta import LOADER, REPORT, checksum, decode_delta, encode_delta
+from tidal.rollout.engine_delta import DELTA_REPORT, LOADER, decode_delta, delta_checksum, encode_delta
 from tidal.rollout.weight_sync import update_weights_from_tensor
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
@@ -28,7 +28,7 @@ def _apply(engine: SGLangEngine, entries: list, folder: Path, version: str | Non
     """Send ``entries`` through the delta loader; the one engine process's report."""
     for old in folder.glob("*.json"):
         old.unlink()
-    entries = [*entries, (f"{REPORT}{folder}", torch.empty(0))]
+    entries = [*entries, (f"{DELTA_REPORT}{folder}", torch.empty(0))]
     update_weights_from_tensor(engine, entries, load_format=LOADER, weight_version=version)
     (report,) = [json.loads(p.read_text()) for p in folder.glob("*.json")]
     return report
@@ -64,8 +64,8 @@ def test_the_checksum_sees_a_value_moved_to_another_place() -> None:
     t = torch.arange(10, dtype=torch.float16)
     swapped = t.clone()
     swapped[[2, 3]] = swapped[[3, 2]]
-    assert checksum(t) != checksum(swapped)
-    assert checksum(t) == checksum(t.clone())
+    assert delta_checksum(t) != delta_checksum(swapped)
+    assert delta_checksum(t) == delta_checksum(t.clone())
 
 
 def test_sglang_still_hands_a_named_custom_loader_the_model_and_the_tensors() -> None:
@@ -94,7 +94,7 @@ def test_deltas_bring_the_real_server_to_other_weights_and_back_with_matching_ch
         assert 0 < len(changed) < len(tiny)
         report = _apply(sglang_server, [deltas[n][:2] for n in changed], tmp_path, version="d1")
         assert report["dtype"] == "float32"
-        assert report["sums"] == {n: str(checksum(other[n])) for n in changed}
+        assert report["sums"] == {n: str(delta_checksum(other[n])) for n in changed}
         assert sglang_server.get_model_info()["weight_version"] == "d1"
         expected = _greedy(sglang_server)
         assert expected != original
@@ -109,7 +109,7 @@ def test_deltas_bring_the_real_server_to_other_weights_and_back_with_matching_ch
         entries = [encode_delta(n, sparse[n], other[n])[:2] for n in sparse]
         assert all(key.startswith("tidal.delta|idx|") for key, _ in entries)
         report = _apply(sglang_server, entries, tmp_path)
-        assert report["sums"] == {n: str(checksum(sparse[n])) for n in sparse}
+        assert report["sums"] == {n: str(delta_checksum(sparse[n])) for n in sparse}
     finally:
         sglang_server.update_weights_from_disk(tiny_model_dir)
     assert _greedy(sglang_server) == original
@@ -128,10 +128,15 @@ def test_a_corrupted_delta_shows_in_the_checksum_and_a_bad_entry_does_not_stop_t
     try:
         report = _apply(sglang_server, [(key, payload), ("tidal.delta|idx|1|float32|3|no.such.weight", payload)],
                         tmp_path)  # fmt: skip
-        assert report["sums"][name] != str(checksum(new))
+        assert report["sums"][name] != str(delta_checksum(new))
         assert report["sums"]["no.such.weight"] in ("error", None)
         assert sglang_server.generate([[3, 4]], {"max_new_tokens": 2})[0]["output_ids"]  # still serving
         report = _apply(sglang_server, [(name, new)], tmp_path)  # the fallback: the tensor whole
-        assert report["sums"][name] == str(checksum(new))
+        assert report["sums"][name] == str(delta_checksum(new))
+        # a report folder that does not exist: no report, and the server still serves
+        entries = [(name, new), (f"{DELTA_REPORT}{tmp_path / 'missing'}", torch.empty(0))]
+        update_weights_from_tensor(sglang_server, entries, load_format=LOADER)
+        assert not (tmp_path / "missing").exists()
+        assert sglang_server.generate([[3, 4]], {"max_new_tokens": 2})[0]["output_ids"]
     finally:
         sglang_server.update_weights_from_disk(tiny_model_dir)

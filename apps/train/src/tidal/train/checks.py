@@ -189,6 +189,15 @@ def check_moe_context_parallel(train, hf_config: dict[str, Any] | None, hf: str)
         )
 
 
+def check_delta_lora(train, actor) -> None:
+    """--update-weight-delta is refused with --lora-rank: a LoRA sync's own path decides what it sends."""
+    if train.update_weight_delta and actor.lora_rank:
+        raise ValueError(
+            f"--update-weight-delta with --lora-rank {actor.lora_rank} is not supported: drop --update-weight-delta "
+            "(a LoRA run's sync is small already)"
+        )
+
+
 def check_lora_moe(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
     """LoRA is refused on a mixture-of-experts model: adapters on the grouped experts are not built yet."""
     if actor.lora_rank and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
@@ -536,6 +545,8 @@ def check_job(
             problems.run(check_memory, train, actor, batching, rollout, placement, hf_config)
     if actor is not None:
         problems.run(check_lora_moe, actor, hf_config, hf)
+        if train is not None:
+            problems.run(check_delta_lora, train, actor)
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:

@@ -12,10 +12,10 @@ parameters, sets the changed elements and loads the result through the model's n
 uses SGLang's weight loaders themselves: loading a tensor of the HF positions (float64, exact below 2**53) with every
 loader writing into a scratch buffer instead of its parameter maps each element of the parameter to the HF element
 it holds, whatever the fusion (q/k/v, gate/up), TP sharding or padding. After loading, the tensor is read back again
-and its :func:`checksum` (where this rank holds every element) goes into a JSON report, one file per server process,
-in the folder a ``tidal.report|DIR`` entry names; the sender compares them with its own. A plain-named entry is a
-whole tensor (a fallback), loaded the normal way and checked the same. A ``tidal.file|PATH`` entry names a
-safetensors file of such entries (the disk transport), read here.
+and its :func:`delta_checksum` (where this rank holds every element) goes into a JSON report, one file per
+server process, in the folder a ``tidal.report|DIR`` entry names; the sender compares them with its own. A
+plain-named entry is a whole tensor (a fallback), loaded the normal way and checked the same. A ``tidal.file|PATH``
+entry names a safetensors file of such entries (the disk transport), read here.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 LOADER = f"{__name__}.load_delta"
 """The import path SGLang's ``--custom-weight-loader`` and ``load_format`` name (``engine.DELTA_LOADER``)."""
 DELTA = "tidal.delta|"
-REPORT = "tidal.report|"
-FILE = "tidal.file|"
+DELTA_REPORT = "tidal.report|"
+DELTA_FILE = "tidal.file|"
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 24
 
@@ -47,7 +47,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(_INT[t.element_size()])
 
 
-def checksum(t: torch.Tensor) -> int:
+def delta_checksum(t: torch.Tensor) -> int:
     """A position-weighted sum of ``t``'s bits modulo 2**64: equal bits in equal places, equal sums on any device."""
     bits, total = _bits(t), 0
     for start in range(0, bits.numel(), _CHUNK):
@@ -199,39 +199,52 @@ def _apply(model, redirect: _Redirect, key: str, tensor: torch.Tensor) -> tuple[
         tensor = flat.view(shape)
     model.load_weights([(name, tensor)])
     after, whole = _read_back(maps, math.prod(shape), dtype, device)
-    return name, checksum(after) if whole else None
+    return name, delta_checksum(after) if whole else None
 
 
 def _entries(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str | None, list]:
     report, entries = None, []
     for key, tensor in named_tensors:
-        if key.startswith(REPORT):
-            report = key.removeprefix(REPORT)
-        elif key.startswith(FILE):
+        if key.startswith(DELTA_REPORT):
+            report = key.removeprefix(DELTA_REPORT)
+        elif key.startswith(DELTA_FILE):
             from safetensors.torch import load_file
 
-            entries += load_file(key.removeprefix(FILE), device=str(tensor.device)).items()
+            entries += load_file(key.removeprefix(DELTA_FILE), device=str(tensor.device)).items()
         else:
             entries.append((key, tensor))
     return report, entries
 
 
 def load_delta(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """SGLang custom weight loader: apply each delta or whole tensor, then report the checksums (see the module)."""
-    report, entries = _entries(named_tensors)
-    redirect, sums = _Redirect(model), {}
+    """SGLang custom weight loader: apply each delta or whole tensor, then report the checksums (see the module).
+
+    Nothing raises out of it (an exception here would kill SGLang's scheduler): an entry that cannot be applied is
+    reported as "error", and a report that cannot be written leaves the sender one report short, which it names.
+    """
     try:
-        for key, tensor in entries:
-            try:
-                name, total = _apply(model, redirect, key, tensor)
-                sums[name] = None if total is None else str(total)
-            except Exception as e:  # never fail the scheduler: the sender sees "error" and sends the tensor whole
-                logger.warning("tidal delta entry %s could not be applied: %r", key[:200], e)
-                sums[key.rsplit("|", 1)[-1]] = "error"
-    finally:
-        redirect.close()
-    if report is not None:
-        out = Path(report) / f"{socket.gethostname()}-{os.getpid()}.json"
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "sums": sums}))
-        tmp.replace(out)
+        report, entries = _entries(named_tensors)
+    except Exception as e:
+        logger.warning("tidal delta entries could not be read: %r", e)
+        return
+    sums = {}
+    try:
+        redirect = _Redirect(model)
+        try:
+            for key, tensor in entries:
+                try:
+                    name, total = _apply(model, redirect, key, tensor)
+                    sums[name] = None if total is None else str(total)
+                except Exception as e:  # the sender sees "error" and sends the tensor whole
+                    logger.warning("tidal delta entry %s could not be applied: %r", key[:200], e)
+                    sums[key.rsplit("|", 1)[-1]] = "error"
+        finally:
+            redirect.close()
+        if report is not None:
+            out = Path(report) / f"{socket.gethostname()}-{os.getpid()}.json"
+            tmp = out.with_suffix(".tmp")
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            tmp.write_text(json.dumps({"dtype": dtype, "sums": sums}))
+            tmp.replace(out)
+    except Exception as e:
+        logger.warning("tidal delta update failed: %r", e)

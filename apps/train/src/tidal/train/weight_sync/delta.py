@@ -62,7 +62,7 @@ def _entries(
     ``full`` (or no snapshot of the tensor yet): the tensor whole. Otherwise its delta against the snapshot, or
     nothing when no element changed.
     """
-    from tidal.rollout.engine_delta import checksum, encode_delta
+    from tidal.rollout import delta_checksum, encode_delta
 
     for name, tensor in named:
         new = tensor if snap.dtype is None else tensor.to(snap.dtype)
@@ -78,7 +78,7 @@ def _entries(
         key, payload, idx = entry
         counts["weight_sync/delta_changed"] += idx.numel()
         snap.tensors[name].view(-1)[idx.cpu()] = new.reshape(-1)[idx].cpu()
-        yield name, key, payload, checksum(new)
+        yield name, key, payload, delta_checksum(new)
 
 
 def _requests(entries: Iterator[tuple], bucket_bytes: int) -> Iterator[list[tuple]]:
@@ -115,7 +115,6 @@ class DeltaSender:
         snaps = self._delta_snapshots = self._delta_snapshots or {}
         snap = snaps.setdefault(stage, DeltaSnapshot(pin=pin))
         where = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="tidal-delta-"))
-        where.mkdir(parents=True, exist_ok=True)
         try:
             link = _Link(engines, where, disk=folder is not None, tp_size=tp_size,
                          expected=sum(t["tp_size"] for t in targets))  # fmt: skip
@@ -126,7 +125,10 @@ class DeltaSender:
         if full:
             logger.info("delta snapshot%s: %.1f MiB of host memory%s", "" if stage is None else f" of stage {stage}",
                         snap.mb, " (pinned)" if snap.pin else "")  # fmt: skip
-        return metrics | {"weight_sync/delta_snapshot_mb": snap.mb}
+        from tidal.train.weight_sync.sender import _stage_metrics
+
+        metrics |= {"weight_sync/delta_snapshot_mb": snap.mb}
+        return metrics | _stage_metrics(metrics, stage)
 
 
 class _Link:
@@ -134,12 +136,12 @@ class _Link:
 
     def __init__(self, engines: list, folder: Path, *, disk: bool, tp_size: int, expected: int) -> None:
         self.engines, self.folder, self.disk, self.tp_size, self.expected = engines, folder, disk, tp_size, expected
+        folder.mkdir(parents=True, exist_ok=True)
         self.num_requests, self.mb = 0, 0.0
 
     def send(self, entries: list[tuple[str, torch.Tensor]], version: str | None, flush: bool) -> dict[str, Any]:
         """Apply ``entries`` on every engine; each engine process's report ``{"dtype", "sums"}`` merged."""
-        from tidal.rollout import RolloutError, update_weights_from_tensor
-        from tidal.rollout.engine_delta import FILE, LOADER, REPORT
+        from tidal.rollout import DELTA_FILE, DELTA_LOADER, DELTA_REPORT, RolloutError, update_weights_from_tensor
 
         for old in self.folder.glob("*.json"):
             old.unlink()
@@ -149,16 +151,16 @@ class _Link:
 
             path = self.folder / f"delta-{self.num_requests:05d}.safetensors"
             save_file({k: t.contiguous().cpu() for k, t in entries}, str(path))
-            entries = [(f"{FILE}{path}", torch.empty(0))]  # an empty tensor travels by value, not as a handle
+            entries = [(f"{DELTA_FILE}{path}", torch.empty(0))]  # an empty tensor travels by value, not as a handle
         self.num_requests += 1
-        entries = [*entries, (f"{REPORT}{self.folder}", torch.empty(0))]
+        entries = [*entries, (f"{DELTA_REPORT}{self.folder}", torch.empty(0))]
         update_weights_from_tensor(self.engines, entries, bucket_bytes=2**62, weight_version=version, flush_cache=flush,
-                                   tp_size=self.tp_size, load_format=LOADER)  # fmt: skip
+                                   tp_size=self.tp_size, load_format=DELTA_LOADER)  # fmt: skip
         reports = [json.loads(p.read_text()) for p in sorted(self.folder.glob("*.json"))]
         if len(reports) != self.expected:
             raise RolloutError(
                 f"--update-weight-delta: {len(reports)} of {self.expected} engine processes reported the delta they "
-                f"applied; each engine must be started with --custom-weight-loader {LOADER}"
+                f"applied; each engine must be started with --custom-weight-loader {DELTA_LOADER}"
             )
         return {"dtype": reports[0]["dtype"], "sums": [r["sums"] for r in reports]}
 
@@ -166,8 +168,7 @@ class _Link:
 def _send(link: _Link, named, snap: DeltaSnapshot, full: bool, bucket_bytes: int, version: str | None,
           flush: bool) -> dict[str, float]:  # fmt: skip
     """Send every request, check the engines' checksums, send mismatched tensors again whole; the metrics."""
-    from tidal.rollout import RolloutError
-    from tidal.rollout.engine_delta import checksum
+    from tidal.rollout import RolloutError, delta_checksum
 
     start = time.perf_counter()
     counts = {"weight_sync/delta_elements": 0.0, "weight_sync/delta_changed": 0.0}
@@ -183,7 +184,7 @@ def _send(link: _Link, named, snap: DeltaSnapshot, full: bool, bucket_bytes: int
             value = payload.to(snap.dtype) if key == name else None
             if value is not None:
                 snap.store(name, value)
-                total = checksum(value)
+                total = delta_checksum(value)
             expected[name] = total
         bad = _mismatched(expected, report["sums"])
         if bad:
@@ -191,7 +192,7 @@ def _send(link: _Link, named, snap: DeltaSnapshot, full: bool, bucket_bytes: int
             logger.warning("--update-weight-delta: the engines' checksums of %d tensor(s) (%s) differ from the "
                            "actor's after the delta; sending them whole", len(bad), ", ".join(bad[:5]))  # fmt: skip
             again = link.send([(n, snap.tensors[n]) for n in bad], version if last else None, flush and last)
-            still = _mismatched({n: checksum(snap.tensors[n]) for n in bad}, again["sums"])
+            still = _mismatched({n: delta_checksum(snap.tensors[n]) for n in bad}, again["sums"])
             if still:
                 raise RolloutError(f"--update-weight-delta: the engines' weights of {', '.join(still[:5])} differ "
                                    f"from the actor's even after sending them whole")  # fmt: skip
