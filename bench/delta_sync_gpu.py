@@ -11,19 +11,19 @@ random tokens: real gradients) and then:
   (``tidal.train.weight_sync.delta._entries``: indices or bitmask + values, the snapshot updated, a checksum per
   tensor): bytes, seconds, and the share of elements whose bf16 value changed.
 
-Nothing is sent: no engine here (the send itself is SGLang's, measured by bench/weight_sync_gpu.py).
+Nothing is sent: no engine here (the send itself is SGLang's, measured by bench/weight_sync_gpu.py); of
+tidal-rollout only the delta format (``engine_delta``: torch alone) is imported.
 
 Run on the device machine (megatron-core carried in ``.carry/site``, see bench/memory_plan_gpu.py):
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-    PYTHONPATH=.carry/site:packages/actor/src:packages/batching/src:packages/ckpt/src:apps/train/src \
-        python3 bench/delta_sync_gpu.py --out $OUT
+    PYTHONPATH=.carry/site:packages/actor/src:packages/batching/src:packages/ckpt/src:packages/rollout/src:\
+apps/train/src python3 bench/delta_sync_gpu.py --out $OUT
 CPU check with a tiny model: uv run python bench/delta_sync_gpu.py --tiny --out /tmp/delta_bench
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import socket
 import sys
@@ -37,20 +37,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_actor_gpu import CUDA, TINY, log, sync
 from lora_gpu import WIDTH_8B, random_weights, write_config
 from memory_plan_gpu import micro_batches
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def engine_delta():
-    """``tidal.rollout.engine_delta`` from its file (the device machine has no SGLang: the package is not imported)."""
-    name = "tidal.rollout.engine_delta"
-    if name not in sys.modules:
-        path = ROOT / "packages/rollout/src/tidal/rollout/engine_delta.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def build(shape: dict, args, tmp: Path):
@@ -127,7 +113,6 @@ def main() -> None:
     def dump() -> None:
         (out / "delta_sync_gpu.json").write_text(json.dumps(report, indent=1))
 
-    engine_delta()
     from tidal.actor import init_distributed
     from tidal.train.weight_sync.delta import DeltaSnapshot
 
