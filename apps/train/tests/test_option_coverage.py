@@ -263,6 +263,10 @@ COVERED: dict[str, tuple[str, str]] = {
     "--rollout-external": (CLI, BAD_CONFIG),
     "--use-fault-tolerance": (CLI, BAD_CONFIG),
     "--update-weight-transport": (CLI, BAD_CONFIG),
+    "--update-weight-delta": (
+        "tests/test_delta_sync.py",
+        "test_a_pipeline_run_syncs_deltas_over_disk_with_equal_log_probs",
+    ),
     "--offload": (CLI, BAD_CONFIG),
     "--update-weight-timeout": (CLI, BAD_CONFIG),
     "--custom-loss-function-path": (CLI, BAD_CONFIG),

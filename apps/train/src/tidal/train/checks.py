@@ -190,6 +190,15 @@ def check_moe_context_parallel(parallel, hf_config: dict[str, Any] | None, hf: s
         )
 
 
+def check_delta_lora(sync, actor) -> None:
+    """--update-weight-delta is refused with --lora-rank: a LoRA sync's own path sends the adapter alone."""
+    if sync.update_weight_delta and actor.lora_rank:
+        raise ValueError(
+            f"--update-weight-delta with --lora-rank {actor.lora_rank} is not supported: drop --update-weight-delta "
+            "(a LoRA run's sync is small already)"
+        )
+
+
 def check_lora_moe(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
     """LoRA is refused on a mixture-of-experts model: adapters on the grouped experts are not built yet."""
     if actor.lora_rank and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
@@ -548,8 +557,7 @@ def check_job(
 
             problems.run(check_memory, parallel, offload, actor, batching, rollout, placement, hf_config)
     if actor is not None:
-        problems.run(check_lora_moe, actor, hf_config, hf)
-        problems.run(check_routing_replay, actor, hf_config, hf)
+        _check_actor(problems, actor, sync, hf_config, hf)
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:
@@ -558,6 +566,14 @@ def check_job(
             problems.run(check_critic, actor, ckpt)
         if train is not None and eval is not None:
             problems.run(check_keep_best_by, train, eval, ckpt)
+
+
+def _check_actor(problems: Problems, actor, sync, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """The actor's options against the model (LoRA, routing replay) and the weight sync (deltas)."""
+    problems.run(check_lora_moe, actor, hf_config, hf)
+    problems.run(check_routing_replay, actor, hf_config, hf)
+    if sync is not None:
+        problems.run(check_delta_lora, sync, actor)
 
 
 def _check_layout(problems: Problems, parallel, placement, batching, hf_config: dict[str, Any] | None, hf: str) -> None:

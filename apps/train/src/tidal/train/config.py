@@ -151,6 +151,9 @@ class WeightSyncConfig:
     update_weight_timeout: float = 600.0
     """Seconds one weight sync may take (group rendezvous, broadcasts, the engines' answers) before the run stops
     with one error naming the engines."""
+    update_weight_delta: bool = False
+    """Each weight sync sends only the elements whose value in the engines' dtype changed since the version they
+    serve, checked by a checksum per tensor (tensor and disk transports); costs one host copy of the weights."""
     check_weight_update_equal: bool = False
     """After every weight sync, compare the engines' log-probs on a fixed probe (the first training prompts) with
     the actor's, record the gap and stop when its mean exceeds --check-weight-update-tolerance."""

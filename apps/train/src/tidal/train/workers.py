@@ -15,6 +15,7 @@ from typing import Any
 import ray
 from tidal.train.logs import LogPlan, setup_logging
 from tidal.train.weight_sync.adapter import AdapterSender
+from tidal.train.weight_sync.delta import DeltaSender
 from tidal.train.weight_sync.sender import WeightSender
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class RolloutData:
 
 
 @ray.remote
-class ActorWorker(WeightSender, AdapterSender):
+class ActorWorker(WeightSender, AdapterSender, DeltaSender):
     """One rank of the Megatron actor (tidal.actor) on its bundle, with its checkpoint IO (tidal.ckpt)."""
 
     def __init__(

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
         reward_variance,
         sample_with_dynamic_filter,
     )
-    from tidal.rollout.engine import SGLangEngine
+    from tidal.rollout.engine import DELTA_LOADER, SGLangEngine
+    from tidal.rollout.engine_delta import DELTA_FILE, DELTA_REPORT, delta_checksum, encode_delta
     from tidal.rollout.generation import (
         check_chat_template,
         check_stop_tokens,
@@ -52,6 +53,11 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "DELTA_LOADER": "engine",
+    "DELTA_FILE": "engine_delta",
+    "DELTA_REPORT": "engine_delta",
+    "delta_checksum": "engine_delta",
+    "encode_delta": "engine_delta",
     "SGLangClient": "client",
     "RolloutRouter": "router",
     "GenerateFn": "custom_generate",
@@ -107,6 +113,9 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DELTA_FILE",
+    "DELTA_LOADER",
+    "DELTA_REPORT",
     "WILDCARD_HOSTS",
     "EngineUnavailableError",
     "GenerateFn",
@@ -125,7 +134,9 @@ __all__ = [
     "adapter_name",
     "check_chat_template",
     "check_stop_tokens",
+    "delta_checksum",
     "destroy_weights_update_group",
+    "encode_delta",
     "filter_uniform_groups",
     "generate_partial_rollout",
     "generate_samples",

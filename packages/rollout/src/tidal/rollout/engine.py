@@ -88,6 +88,10 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# The custom weight loader every server is started with (it only registers the name): delta weight updates name it.
+DELTA_LOADER = "tidal.rollout.engine_delta.load_delta"
+
+
 def _flag_names(args: Sequence[str]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
 
@@ -232,6 +236,8 @@ class SGLangEngine(ManagedServer):
             cmd += ["--nccl-port", str(self.nccl_port)]
         if self._api_key:
             cmd += ["--api-key", self._api_key]
+        if "--custom-weight-loader" not in _flag_names(self.extra_server_args):
+            cmd += ["--custom-weight-loader", DELTA_LOADER]  # only registers the name: deltas apply through it
         if self._use_cpu():
             given = _flag_names(self.extra_server_args)
             for flag in CPU_SERVER_ARGS:

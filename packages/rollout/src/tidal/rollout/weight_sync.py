@@ -89,6 +89,7 @@ def update_weights_from_tensor(
     weight_version: str | None = None,
     tp_size: int = 1,
     flush_cache: bool = True,
+    load_format: str | None = None,
 ) -> dict[str, float]:
     """Push HF-named tensors into every engine, bucket by bucket; the cache is flushed after the last bucket.
 
@@ -107,6 +108,8 @@ def update_weights_from_tensor(
         weight_version: Version recorded by the engines (and in every later sample) once all buckets are in.
         tp_size: Tensor-parallel size of each engine (each TP rank gets its own copy of the payload).
         flush_cache: Whether the last bucket flushes the engines' cache (False: more of the update follows).
+        load_format: The engines' custom weight loader to apply the tensors with (``engine_delta.LOADER``: deltas);
+            None: the model's own ``load_weights``.
 
     Returns:
         Metrics: ``weight_sync/seconds``, ``weight_sync/mb``, ``weight_sync/num_buckets``,
@@ -124,7 +127,8 @@ def update_weights_from_tensor(
         _begin_weight_update(engine)
     try:
         for bucket, last in _with_last(_buckets(named_tensors, bucket_bytes)):
-            _send(engines, bucket, tp_size, flush=last and flush_cache, weight_version=weight_version if last else None)
+            _send(engines, bucket, tp_size, flush=last and flush_cache, weight_version=weight_version if last else None,
+                  load_format=load_format)  # fmt: skip
             num_buckets += 1
             num_tensors += len(bucket)
             total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -141,8 +145,11 @@ def update_weights_from_tensor(
     }
 
 
-def _send(engines: list[SGLangEngine], bucket: list, tp_size: int, *, flush: bool, weight_version: str | None) -> None:
+def _send(engines: list[SGLangEngine], bucket: list, tp_size: int, *, flush: bool, weight_version: str | None,
+          load_format: str | None = None) -> None:  # fmt: skip
     payload = {"serialized_named_tensors": [_serialize(bucket) for _ in range(tp_size)], "flush_cache": flush}
+    if load_format is not None:
+        payload["load_format"] = load_format
     if weight_version is not None:
         payload["weight_version"] = weight_version
     names = f"{bucket[0][0]} .. {bucket[-1][0]}"

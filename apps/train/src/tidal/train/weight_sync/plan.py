@@ -24,6 +24,8 @@ class SyncPlan:
     """Bytes per bucket or shard (--update-weight-buffer-size)."""
     timeout_s: float
     """Bound of one sync (--update-weight-timeout)."""
+    delta: bool = False
+    """Send only the changed elements, against a host snapshot of what the engines hold (--update-weight-delta)."""
     check_equal: bool = False
     """Compare engine and actor log-probs on a probe after each sync (--check-weight-update-equal)."""
     tolerance: float = 0.05
@@ -53,6 +55,14 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
             f"must share its GPUs; with {where} use --update-weight-transport nccl (or disk)"
         )
     adapter, transport = resolve_adapter_transport(actor, sync.update_weight_transport, transport)
+    if sync.update_weight_delta and transport == "nccl":
+        raise ValueError(
+            "--update-weight-delta sends its deltas through the engines' delta loader, which the nccl broadcast does "
+            "not reach: use --update-weight-transport tensor (co-located) or disk, or drop --update-weight-delta"
+        )
+    if sync.update_weight_delta and external:
+        logger.warning("--update-weight-delta: the --rollout-external-engine-addrs servers must be started with "
+                       "--custom-weight-loader tidal.rollout.engine_delta.load_delta")  # fmt: skip
     offload = colocated if offloading.offload is None else offloading.offload
     offload_train = offload if offloading.offload_train is None else offloading.offload_train
     offload_rollout = offload if offloading.offload_rollout is None else offloading.offload_rollout
@@ -68,6 +78,7 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
         transport=transport,
         bucket_bytes=sync.update_weight_buffer_size,
         timeout_s=sync.update_weight_timeout,
+        delta=sync.update_weight_delta,
         check_equal=sync.check_weight_update_equal,
         tolerance=sync.check_weight_update_tolerance,
         offload_train=offload_train,

@@ -94,6 +94,11 @@ class WeightSync:
         self._group: tuple[str, list] | None = None  # --update-weight-transport nccl: (group name, its engines)
         self.adapters = AdapterSync(plan, export, actors) if plan.adapter is not None else None
         """--lora-rank: the adapter-only sync (``.adapter``), which every sync and resync goes through."""
+        self._delta = None
+        if plan.delta:
+            from tidal.train.weight_sync.delta import DeltaSync
+
+            self._delta = DeltaSync(self)
 
     def sync(self, engines: ServingEngines, version: int) -> Path | None:
         """Hand the current weights to ``engines`` as ``version`` over --update-weight-transport; checked, bounded.
@@ -132,6 +137,8 @@ class WeightSync:
         try:
             if self.adapters is not None:
                 metrics, target = self.adapters.sync(engines, version)
+            elif self._delta is not None:
+                metrics = self._delta.send(engines, version)
             elif plan.transport == "disk":
                 target = self._sync_disk(engines, version)
             else:
@@ -170,6 +177,8 @@ class WeightSync:
             if offloaded:
                 actors.onload()
             self.close()  # nccl: the group still counts the dead server's ranks
+            if self._delta is not None:
+                self._delta.forget()  # the restarted engines get the actor's current weights, not the snapshot's
             if self.adapters is not None:
                 metrics = self.adapters.resync(engines, version)
             elif plan.transport == "disk":
