@@ -286,3 +286,11 @@ def chat_tokenizer(tiny_model_dir: Path):
     from transformers import AutoConfig
 
     return build_chat_tokenizer(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+
+
+@pytest.fixture(scope="session")
+def stripping_chat_tokenizer(tiny_model_dir: Path):
+    """A reasoning model's chat tokenizer: earlier turns lose their ``<think>``, the generation prompt opens one."""
+    from transformers import AutoConfig
+
+    return build_chat_tokenizer(AutoConfig.from_pretrained(tiny_model_dir).vocab_size, strip_think=True)
