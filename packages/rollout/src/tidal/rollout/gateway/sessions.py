@@ -85,6 +85,8 @@ class Episode:
         self.trajectories: list[Trajectory] = []
         self.forks = 0
         """Trajectories started by a call that extended none (the first one not counted)."""
+        self.last: Trajectory | None = None
+        """The trajectory that holds the latest answer (the one trained on when an episode gives one sample)."""
 
     def prepare(self, rendered: str) -> Turn:
         """The ids to send for a call whose chat template rendered ``rendered``.
@@ -137,6 +139,7 @@ class Episode:
         target.turns += 1
         target.finish_reason = finish_reason
         target.weight_version = weight_version
+        self.last = target
         return target
 
     def samples(self, **fields: Any) -> list[Sample]:
