@@ -21,6 +21,7 @@ def _rows(*modes: str) -> list[tuple[dict, str]]:
 
 
 def test_groups_of_episodes_replace_a_failed_group_and_record_why(gateway, plugins, tmp_path) -> None:
+    """--agent-function-path's episodes: a raising agent and one past --agent-timeout-s fail their groups."""
     agent = load_agent_fn("tidal_rollout_agents:two_turns")
     log = tmp_path / "agent_failures.log"
     runner = AgentRunner(gateway, agent, n_samples_per_prompt=2, max_concurrency=3, timeout_s=2.0, failure_log=log)
@@ -39,7 +40,7 @@ def test_groups_of_episodes_replace_a_failed_group_and_record_why(gateway, plugi
     assert metrics["rollout/agent/turns/mean"] == pytest.approx(6 * 2 / 10)
     text = log.read_text()
     assert text.count("ValueError: no tool for 'add 1 and 2'") == 2 and "Traceback" in text
-    assert text.count(" timeout row=") == 2
+    assert text.count(" timeout row=") == 2 and "the agent ran past --agent-timeout-s 2" in text
     assert not gateway.sessions  # every session closed, the failed ones too
 
 

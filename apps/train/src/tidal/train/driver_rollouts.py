@@ -42,12 +42,19 @@ class DriverRollouts:
             from tidal.rollout import load_generate_fn
 
             self.generate_fn = load_generate_fn(job.rollout.custom_generate_function_path)
+        self.agent_fn = None
+        self.agents = None  # the gateway and its episode runner, started on the first agent rollout
+        if job.rollout.agent_function_path:  # agents talk to a gateway in this process, over every engine
+            from tidal.rollout import load_agent_fn
+
+            self.agent_fn = load_agent_fn(job.rollout.agent_function_path)
 
     @property
     def driver_side(self) -> bool:
         """Whether rollouts take this path: engines run, and partial rollout, dynamic sampling or a router is on."""
         rollout = self.job.rollout
         wanted = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
+        wanted = wanted or self.agent_fn is not None
         return bool(self.engines.engines) and (wanted or self.engines.router is not None)
 
     def carry_state(self) -> list[list[dict[str, Any]]] | None:
@@ -77,6 +84,8 @@ class DriverRollouts:
         """Scored samples of ``rollout_batch_size`` finished groups, and the strategy's metrics."""
         from tidal.rollout import RolloutError, generate_partial_rollout
 
+        if self.agent_fn is not None:
+            return self._agent_rollout(rollout_id)
         job = self.job
         wanted = job.batching.rollout_batch_size
         size = job.rollout.over_sampling_batch_size or wanted
@@ -120,3 +129,57 @@ class DriverRollouts:
         # Dynamic sampling raised already when its rounds came up short; every prompt batch holds enough groups.
         assert len(result.samples) == wanted * job.rollout.n_samples_per_prompt, (len(result.samples), wanted)
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}
+
+    def _agent_rollout(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
+        """``rollout_batch_size`` groups of agent episodes, through the gateway (started on first use)."""
+        from tidal.rollout import agent_rollout
+
+        job = self.job
+        runner = self._agent_runner()
+        size = job.rollout.over_sampling_batch_size or job.batching.rollout_batch_size
+        max_rounds = job.rollout.dynamic_sampling_max_rounds
+
+        def rows_of_round(round_no: int) -> list[tuple[dict, object]]:
+            if round_no == 1:
+                prompts = self.data.batch(rollout_id, size)
+            else:  # a failed or filtered group is replaced from dynamic sampling's second prompt order
+                prompts = self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)
+            return [(p.row if p.row is not None else {"prompt": p.text}, p.label) for p in prompts]
+
+        result = agent_rollout(
+            runner,
+            rows_of_round,
+            num_groups=job.batching.rollout_batch_size,
+            max_rounds=max_rounds,
+            group_filter=self.group_filter,
+        )
+        return result.samples, result.metrics
+
+    def _agent_runner(self):
+        if self.agents is None:
+            from tidal.rollout import AgentRunner, Gateway, SGLangClient
+
+            cfg = self.job.rollout
+            # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm).
+            clients = [SGLangClient.from_config(cfg, url) for url in self.engines.engine_urls]
+            gateway = Gateway(
+                clients,
+                self.tokenizer,
+                max_concurrent_calls=cfg.agent_max_concurrency,
+                default_max_tokens=cfg.rollout_max_response_len,
+            ).start()
+            self.agents = AgentRunner(
+                gateway,
+                self.agent_fn,
+                n_samples_per_prompt=cfg.n_samples_per_prompt,
+                max_concurrency=cfg.agent_max_concurrency,
+                timeout_s=cfg.agent_timeout_s,
+                failure_log=self.engines.log_dir / "agent_failures.log",
+            )
+        return self.agents
+
+    def shutdown(self) -> None:
+        """Stop the agent gateway, if one started."""
+        if self.agents is not None:
+            self.agents.gateway.stop()
+            self.agents = None

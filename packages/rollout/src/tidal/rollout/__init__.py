@@ -29,6 +29,8 @@ if TYPE_CHECKING:
         sample_with_dynamic_filter,
     )
     from tidal.rollout.engine import SGLangEngine
+    from tidal.rollout.gateway.agents import AgentRunner, agent_rollout, load_agent_fn
+    from tidal.rollout.gateway.server import Gateway
     from tidal.rollout.generation import (
         check_chat_template,
         check_stop_tokens,
@@ -65,6 +67,10 @@ _LAZY = {
     "reward_variance": "dynamic_sampling",
     "sample_with_dynamic_filter": "dynamic_sampling",
     "SGLangEngine": "engine",
+    "Gateway": "gateway.server",
+    "AgentRunner": "gateway.agents",
+    "agent_rollout": "gateway.agents",
+    "load_agent_fn": "gateway.agents",
     "check_chat_template": "generation",
     "check_stop_tokens": "generation",
     "filter_uniform_groups": "generation",
@@ -103,7 +109,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "WILDCARD_HOSTS",
+    "AgentRunner",
     "EngineUnavailableError",
+    "Gateway",
     "GenerateFn",
     "GroupFilter",
     "Heartbeat",
@@ -116,6 +124,7 @@ __all__ = [
     "SGLangClient",
     "SGLangEngine",
     "Sample",
+    "agent_rollout",
     "check_chat_template",
     "check_stop_tokens",
     "destroy_weights_update_group",
@@ -123,6 +132,7 @@ __all__ = [
     "generate_partial_rollout",
     "generate_samples",
     "init_weights_update_group",
+    "load_agent_fn",
     "load_callable",
     "load_generate_fn",
     "load_rollout_data",

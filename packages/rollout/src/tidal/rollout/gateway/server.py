@@ -77,6 +77,7 @@ class Gateway:
         context_length: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         max_concurrent_calls: int = 256,
+        default_max_tokens: int | None = None,
     ) -> None:
         """Describe the gateway; nothing listens until :meth:`start`.
 
@@ -91,6 +92,7 @@ class Gateway:
                 when it is a real limit, else unchecked here and left to the engine).
             stop_token_ids: Tokens that end an answer (None: the tokenizer's EOS and ``<|im_end|>`` if known).
             max_concurrent_calls: Engine calls in flight at once (threads waiting on ``/generate``).
+            default_max_tokens: Answer length of a request that gives no ``max_tokens`` (None: up to the context).
         """
         engine_list = [engines] if hasattr(engines, "generate") else list(engines)  # type: ignore[arg-type]
         if not engine_list:
@@ -104,6 +106,7 @@ class Gateway:
         limit = getattr(tokenizer, "model_max_length", None)
         self.context_length = context_length or (limit if isinstance(limit, int) and limit < 10**8 else None)
         self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else self._default_stops()))
+        self.default_max_tokens = default_max_tokens
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
@@ -204,7 +207,7 @@ class Gateway:
                 param="messages",
                 code="context_length_exceeded",
             )
-        wanted = request.max_tokens if request.max_tokens is not None else room
+        wanted = request.max_tokens if request.max_tokens is not None else (self.default_max_tokens or room)
         if wanted is not None:
             params["max_new_tokens"] = min(wanted, room) if room is not None else wanted
         if request.stop:
