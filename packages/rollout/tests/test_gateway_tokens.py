@@ -7,6 +7,7 @@ implementation would train on tokens the model never sampled, and these tests wo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import openai
@@ -30,6 +31,7 @@ def recording(sglang_server) -> Recording:
     return Recording(SGLangClient(sglang_server.url))
 
 
+@contextlib.contextmanager
 def _gateway(recording: Recording, tokenizer) -> Iterator[Gateway]:
     with Gateway(recording, tokenizer, api_key="k", context_length=512) as gw:
         yield gw
@@ -52,7 +54,7 @@ def _episode(gw: Gateway, tokenizer, turns: int = 3) -> tuple[list[dict], object
 
 
 def test_plain_multi_turn_is_one_sample_of_exactly_the_sent_and_sampled_tokens(recording, chat_tokenizer) -> None:
-    for gw in _gateway(recording, chat_tokenizer):
+    with _gateway(recording, chat_tokenizer) as gw:
         messages, session = _episode(gw, chat_tokenizer)
     (sample,) = session.episode.samples(reward=0.5)
     assert session.episode.forks == 0 and len(recording.calls) == 3
@@ -95,7 +97,7 @@ def test_plain_multi_turn_is_one_sample_of_exactly_the_sent_and_sampled_tokens(r
 
 def test_a_template_that_strips_earlier_thinking_forks(recording, stripping_chat_tokenizer) -> None:
     tokenizer = stripping_chat_tokenizer
-    for gw in _gateway(recording, tokenizer):
+    with _gateway(recording, tokenizer) as gw:
         _, session = _episode(gw, tokenizer, turns=2)
     episode = session.episode
     # The second call's prompt does not extend the first's tokens (its "<think>\n" is gone from the history), so
