@@ -160,8 +160,9 @@ class DriverRollouts:
             from tidal.rollout import AgentRunner, Gateway, SGLangClient
 
             cfg = self.job.rollout
-            # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm).
-            clients = [SGLangClient.from_config(cfg, url) for url in self.engines.engine_urls]
+            # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm). The
+            # manager's config, not the job's, holds the key it generated for servers on node addresses.
+            clients = [SGLangClient.from_config(self.engines.cfg, url) for url in self.engines.engine_urls]
             gateway = Gateway(
                 clients,
                 self.tokenizer,
