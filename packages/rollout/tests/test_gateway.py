@@ -155,3 +155,33 @@ def test_the_job_key_is_required(gateway: Gateway) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
     assert gateway.sessions[sid].calls == 0
+
+
+def test_a_call_cut_by_an_abort_resumes_into_one_answer(sglang_server, slowed_generation, gateway, recording) -> None:
+    """An abort (what a weight update does to requests in flight) does not reach the agent: the call resumes."""
+    sid = gateway.open_session()
+    client = openai.OpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+    no_stop = {str(t): -100 for t in gateway.stop_token_ids}
+
+    def call():
+        return client.chat.completions.create(
+            model="m", messages=USER, max_tokens=120, temperature=0.0, logit_bias=no_stop
+        )
+
+    with slowed_generation(sglang_server, call) as (thread, box):
+        sglang_server.abort()
+        thread.join(timeout=120)
+    answer = box["result"]
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 120
+    (first, second) = recording.calls
+    cut = first["out"][0]
+    assert cut["finish_reason"] == "abort" and 0 < len(cut["output_ids"]) < 120
+    assert second["input_ids"][0] == first["input_ids"][0] + cut["output_ids"]
+    assert second["params"]["max_new_tokens"] == 120 - len(cut["output_ids"])
+    session = gateway.close_session(sid)
+    (sample,) = session.episode.samples()
+    assert list(sample.response_ids) == cut["output_ids"] + second["out"][0]["output_ids"]
+    assert list(sample.response_loss_mask) == [1] * 120 and session.resumes == 1
+    assert sample.response_weight_versions == [cut["weight_version"]] * len(cut["output_ids"]) + [
+        second["out"][0]["weight_version"]
+    ] * len(second["out"][0]["output_ids"])

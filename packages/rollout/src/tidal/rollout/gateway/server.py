@@ -30,6 +30,7 @@ from tidal.rollout.gateway.sessions import Episode, Turn
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0
+_MAX_RESUMES = 8  # an answer aborted more often than this (weight updates in a row) is a 503: the client retries
 
 
 class Generator(Protocol):
@@ -51,6 +52,8 @@ class Session:
         self.calls = 0
         self.engine_urls: list[str] = []
         """The engine that served each call, in order."""
+        self.resumes = 0
+        """Generations resumed after an abort (a weight update cut them)."""
 
 
 def pick_engine(session_id: str, engines: Sequence[Generator]) -> Generator:
@@ -219,19 +222,44 @@ class Gateway:
         return params
 
     async def complete(self, session: Session, request: ChatRequest) -> Completion:
-        """Answer one chat call of ``session``: render, extend or fork its tokens, generate, record, parse."""
+        """Answer one chat call of ``session``: render, extend or fork its tokens, generate, record, parse.
+
+        A generation the engine aborts (a weight update interrupting it) is resumed: the prompt plus the tokens
+        sampled so far go out again for the rest of the budget, each token keeping the weight version that
+        sampled it.
+        """
         turn = session.episode.prepare(self.render(request))
         params = self.sampling_params(request, len(turn.prompt_ids))
         loop = asyncio.get_running_loop()
-        try:
-            (out,) = await loop.run_in_executor(self._executor, session.engine.generate, [turn.prompt_ids], params)
-        except RolloutError as e:
-            raise _engine_refusal(e) from e
-        if out["finish_reason"] == "abort":
-            raise GatewayError(503, "generation was interrupted (weight update); retry", kind="server_error")
+        ids: list[int] = []
+        log_probs: list[float] = []
+        versions: list[str | None] = []
+        out: dict[str, Any] = {}
+        for _ in range(_MAX_RESUMES + 1):
+            sent = dict(params)
+            if "max_new_tokens" in sent:
+                sent["max_new_tokens"] -= len(ids)
+                if sent["max_new_tokens"] < 1:  # cut exactly at the budget: nothing left to resume
+                    out = {**out, "finish_reason": "length"}
+                    break
+            try:
+                (out,) = await loop.run_in_executor(
+                    self._executor, session.engine.generate, [[*turn.prompt_ids, *ids]], sent
+                )
+            except RolloutError as e:
+                raise _engine_refusal(e) from e
+            ids += out["output_ids"]
+            log_probs += out["output_log_probs"]
+            versions += [out.get("weight_version")] * len(out["output_ids"])
+            if out["finish_reason"] != "abort":
+                break
+            session.resumes += 1
+        else:
+            raise GatewayError(503, f"generation was aborted {_MAX_RESUMES + 1} times; retry", kind="server_error")
         session.calls += 1
         session.engine_urls.append(session.engine.url)
-        return self._answer(session, request, turn, out)
+        whole = {**out, "output_ids": ids, "output_log_probs": log_probs, "weight_versions": versions}
+        return self._answer(session, request, turn, whole)
 
     def _answer(self, session: Session, request: ChatRequest, turn: Turn, out: dict[str, Any]) -> Completion:
         ids = out["output_ids"]
@@ -243,6 +271,7 @@ class Gateway:
             output_text=sampled_text,
             finish_reason=out["finish_reason"],
             weight_version=out.get("weight_version"),
+            weight_versions=out.get("weight_versions"),
         )
         visible = ids[:-1] if ids and out["finish_reason"] == "stop" and ids[-1] in self.stop_token_ids else ids
         text = self.tokenizer.decode(visible, skip_special_tokens=False)

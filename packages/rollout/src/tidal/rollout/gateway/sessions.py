@@ -113,8 +113,13 @@ class Episode:
         output_text: str,
         finish_reason: str,
         weight_version: str | None,
+        weight_versions: Sequence[str | None] | None = None,
     ) -> Trajectory:
-        """Store what the engine sampled for ``turn``; returns the trajectory that now holds it."""
+        """Store what the engine sampled for ``turn``; returns the trajectory that now holds it.
+
+        ``weight_versions`` gives each sampled token's version (a generation resumed after a weight update mixes
+        them); None: all are ``weight_version``.
+        """
         base = turn.base
         if base is not None and len(base.prompt_ids) + len(base.response_ids) == turn.base_len:
             n = len(turn.suffix_ids)
@@ -134,7 +139,7 @@ class Episode:
         target.response_ids += [int(t) for t in output_ids]
         target.log_probs += [float(p) for p in log_probs]
         target.loss_mask += [1] * len(output_ids)
-        target.weight_versions += [weight_version] * len(output_ids)
+        target.weight_versions += list(weight_versions or [weight_version] * len(output_ids))
         target.text += output_text
         target.turns += 1
         target.finish_reason = finish_reason
