@@ -159,5 +159,6 @@ def test_all_lists_exactly_what_the_init_provides(package):
         elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets):
             lazy = ast.literal_eval(node.value)
     assert sorted(exports(package)) == sorted(eager | set(lazy)), "__all__ differs from what __init__.py provides"
-    missing = [f"{name} ({module})" for name, module in lazy.items() if name not in _defined(src / f"{module}.py")]
+    defined = {module: _defined(src / f"{module.replace('.', '/')}.py") for module in set(lazy.values())}
+    missing = [f"{name} ({module})" for name, module in lazy.items() if name not in defined[module]]
     assert not missing, f"_LAZY points at modules that do not define {missing}"

@@ -41,3 +41,30 @@ def keep_listed_prompts(group) -> bool:
     with open(os.environ["TIDAL_TEST_KEEP"]) as f:
         keep = {tuple(ids) for ids in json.load(f)}
     return tuple(int(t) for t in group[0].prompt_ids) in keep
+
+
+# A chat template for the embedded (character-level) model: "role: text" lines, each assistant turn closed by EOS.
+AGENT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role + ': ' + (m.content or '') }}{% if m.role == 'assistant' %}{{ eos_token }}"
+    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+async def arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
+    """Two turns with the openai client: answer, get "check" feedback, answer again; reward 1 when right.
+
+    Rows whose label ends in an even digit raise (a broken agent), so the run must replace their groups.
+    """
+    import openai
+
+    if int(row["label"][-1]) % 2 == 0:
+        raise RuntimeError(f"broken agent on {row['prompt']}")
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await client.chat.completions.create(model="tidal", messages=messages)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "check"},
+    ]
+    second = await client.chat.completions.create(model="tidal", messages=messages)
+    return float((second.choices[0].message.content or "").strip() == row["label"])

@@ -649,7 +649,7 @@ def test_placement_flags_shape_the_bundles_and_the_local_ray(paths):
     """--actor-num-nodes x --actor-num-gpus-per-node actor ranks and engines of --rollout-num-gpus-per-engine GPUs
     are the bundles the placement group reserves (each engine's GPUs side by side); on a CPU box --num-cpus-local
     bounds the logical GPUs a local Ray can hold."""
-    from tidal.placement.plan import ResourcePlan
+    from tidal.placement import ResourcePlan
     from tidal.train.cli import check_local_gpus
 
     argv = [*_fill(USER, paths), "--no-colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2",

@@ -275,6 +275,15 @@ COVERED: dict[str, tuple[str, str]] = {
     "--rollout-request-timeout-s": (CLI, BAD_CONFIG),
     "--rollout-request-retries": (CLI, BAD_CONFIG),
     "--generate-max-concurrency": (CLI, BAD_CONFIG),
+    "--agent-function-path": (
+        "packages/rollout/tests/test_gateway_agents.py",
+        "test_groups_of_episodes_replace_a_failed_group_and_record_why",
+    ),
+    "--agent-timeout-s": (
+        "packages/rollout/tests/test_gateway_agents.py",
+        "test_groups_of_episodes_replace_a_failed_group_and_record_why",
+    ),
+    "--agent-max-concurrency": ("apps/train/tests/test_agents.py", "test_bad_agent_options_are_one_line"),
     "--adam-beta1": (CLI, BAD_CONFIG),
     "--log-probs-chunk-size": (CLI, BAD_CONFIG),
     "--max-shard-bytes": (CLI, BAD_CONFIG),

@@ -217,3 +217,80 @@ def proxy(sglang_server: SGLangEngine) -> Iterator[Callable[..., FlakyProxy]]:
     yield make
     for p in made:
         p.close()
+
+
+# A Qwen3-style chat template, short enough for the tiny model's 512-token context: `<|im_start|>ROLE\n...<|im_end|>\n`
+# turns, tools listed in the system turn, tool calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+# With strip_think, earlier assistant turns lose their `<think>` part and the generation prompt opens `<think>\n`, as
+# reasoning models' templates do.
+_CHAT_TEMPLATE = """
+{%- if tools or messages[0].role == 'system' -%}
+{{- '<|im_start|>system\\n' -}}
+{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}
+{%- for tool in tools or [] -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{%- set content = message.content or '' -%}
+{%- if STRIP and '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+{{- '<|im_start|>assistant\\n' + content -}}
+{%- for call in message.tool_calls or [] -%}
+{{- '<tool_call>{"name": "' + call.function.name + '", "arguments": ' -}}
+{{- (call.function.arguments | tojson) + '}</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif not (message.role == 'system' and loop.first) -%}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' + ('<think>\\n' if STRIP else '') -}}{%- endif -%}
+"""
+CHAT_SPECIALS = [
+    *("<unk>", "<|endoftext|>", "<|im_end|>", "<|im_start|>"),
+    *("<think>", "</think>", "<tool_call>", "</tool_call>"),
+]
+CHAT_CHARS = list('\n {}":,') + list("stemuraionlydbg") + list("123")
+# Merged tokens: a sampled run of single "a"/"n" tokens re-tokenizes into these, so re-tokenizing differs.
+CHAT_MERGES = [("a", "n"), ("n", "a"), ("a", "a"), ("n", "n")]
+
+
+def build_chat_tokenizer(vocab_size: int, *, strip_think: bool = False):
+    """A BPE tokenizer with a Qwen3-style chat template whose ids fit the tiny model (exactly ``vocab_size`` ids).
+
+    Characters are single tokens plus a few merges; decoding is exact (Fuse), so decoded sampled tokens render
+    back to the same text, while re-tokenizing that text may give other tokens (the token-drift trap).
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [*CHAT_SPECIALS, *CHAT_CHARS, *("".join(m) for m in CHAT_MERGES)]
+    assert len(pieces) == vocab_size, f"the chat tokenizer has {len(pieces)} tokens, the model {vocab_size}"
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=CHAT_MERGES, unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=CHAT_SPECIALS[3:],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = _CHAT_TEMPLATE.replace("STRIP", "true" if strip_think else "false")
+    return fast
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tiny_model_dir: Path):
+    """The Qwen3-style chat tokenizer over the session server's model's ids."""
+    from transformers import AutoConfig
+
+    return build_chat_tokenizer(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)
+
+
+@pytest.fixture(scope="session")
+def stripping_chat_tokenizer(tiny_model_dir: Path):
+    """A reasoning model's chat tokenizer: earlier turns lose their ``<think>``, the generation prompt opens one."""
+    from transformers import AutoConfig
+
+    return build_chat_tokenizer(AutoConfig.from_pretrained(tiny_model_dir).vocab_size, strip_think=True)

@@ -40,7 +40,9 @@ def resolve_async_plan(train, rollout, actor) -> AsyncPlan:
     external = bool(rollout.rollout_external_engine_addrs)
     return AsyncPlan(
         max_staleness=k,
-        interruptible_updates=k > 0 and not rollout.custom_generate_function_path and not external,
+        interruptible_updates=k > 0
+        and not (rollout.custom_generate_function_path or rollout.agent_function_path)
+        and not external,
         flush_after_update=k == 0,
         resume_interrupted=k > 0 and not external,
         off_policy_correction=k > 0 if actor.use_tis is None else actor.use_tis,

@@ -131,7 +131,12 @@ def check_import_path(flag: str, path: str) -> None:
 
     fix = "give an importable module (installed, or on PYTHONPATH) and a function in it, as pkg.module:fn"
     try:
-        load_callable(path, flag=flag)
+        if flag == "--agent-function-path":  # also checks that it is an async function
+            from tidal.rollout import load_agent_fn
+
+            load_agent_fn(path)
+        else:
+            load_callable(path, flag=flag)
     except ValueError as e:
         raise ValueError(f"{e}; {fix}") from e
     except Exception as e:  # the user's module raised at import: say so in one line, the run cannot work
@@ -476,7 +481,8 @@ def check_data_files(train: dict[str, Any], evaluation: dict[str, Any], problems
 
 def check_import_paths(rollout: dict[str, Any], problems: Problems, actor: dict[str, Any] | None = None) -> None:
     """Every ``pkg.module:fn`` option imports (a malformed one is RolloutConfig's or ActorConfig's to report)."""
-    keys = [(rollout, k) for k in ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path")]
+    names = ("custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path", "agent_function_path")
+    keys = [(rollout, k) for k in names]
     keys += [(actor or {}, k) for k in ("custom_loss_function_path", "custom_advantage_function_path")]
     for section, key in keys:
         if ":" in (section.get(key) or ""):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ class Prompt:
     """Prompt token ids sent to the engine."""
     label: Any
     """Reference answer for the reward."""
+    row: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The JSONL record it came from (what an agent function receives)."""
 
 
 class PromptDataset:
@@ -64,7 +66,7 @@ class PromptDataset:
         # A rendered template already holds its special tokens: do not let the tokenizer add a BOS twice.
         encode = {"add_special_tokens": False} if apply_chat_template else {}
         self.prompts = [
-            Prompt(text=t, ids=tuple(tokenizer.encode(t, **encode)), label=r[label_key])
+            Prompt(text=t, ids=tuple(tokenizer.encode(t, **encode)), label=r[label_key], row=r)
             for t, r in zip(texts, records, strict=True)
         ]
 

@@ -45,12 +45,19 @@ class DriverRollouts:
             from tidal.rollout import load_generate_fn
 
             self.generate_fn = load_generate_fn(rollout.custom_generate_function_path)
+        self.agent_fn = None
+        self.agents = None  # the gateway and its episode runner, started on the first agent rollout
+        if rollout.agent_function_path:  # agents talk to a gateway in this process, over every engine
+            from tidal.rollout import load_agent_fn
+
+            self.agent_fn = load_agent_fn(rollout.agent_function_path)
 
     @property
     def driver_side(self) -> bool:
         """Whether rollouts take this path: engines run, and partial rollout, dynamic sampling or a router is on."""
         rollout = self.cfg
         wanted = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
+        wanted = wanted or self.agent_fn is not None
         return bool(self.engines.engines) and (wanted or self.engines.router is not None)
 
     def carry_state(self) -> list[list[dict[str, Any]]] | None:
@@ -80,6 +87,8 @@ class DriverRollouts:
         """Scored samples of ``rollout_batch_size`` finished groups, and the strategy's metrics."""
         from tidal.rollout import RolloutError, generate_partial_rollout
 
+        if self.agent_fn is not None:
+            return self._agent_rollout(rollout_id)
         rollout = self.cfg
         wanted = self.rollout_batch_size
         size = rollout.over_sampling_batch_size or wanted
@@ -123,3 +132,57 @@ class DriverRollouts:
         # Dynamic sampling raised already when its rounds came up short; every prompt batch holds enough groups.
         assert len(result.samples) == wanted * rollout.n_samples_per_prompt, (len(result.samples), wanted)
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}
+
+    def _agent_rollout(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
+        """``rollout_batch_size`` groups of agent episodes, through the gateway (started on first use)."""
+        from tidal.rollout import agent_rollout
+
+        runner = self._agent_runner()
+        size = self.cfg.over_sampling_batch_size or self.rollout_batch_size
+        max_rounds = self.cfg.dynamic_sampling_max_rounds
+
+        def rows_of_round(round_no: int) -> list[tuple[dict, object]]:
+            if round_no == 1:
+                prompts = self.data.batch(rollout_id, size)
+            else:  # a failed or filtered group is replaced from dynamic sampling's second prompt order
+                prompts = self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)
+            return [(p.row if p.row is not None else {"prompt": p.text}, p.label) for p in prompts]
+
+        result = agent_rollout(
+            runner,
+            rows_of_round,
+            num_groups=self.rollout_batch_size,
+            max_rounds=max_rounds,
+            group_filter=self.group_filter,
+        )
+        return result.samples, result.metrics
+
+    def _agent_runner(self):
+        if self.agents is None:
+            from tidal.rollout import AgentRunner, Gateway, SGLangClient
+
+            cfg = self.cfg
+            # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm). The
+            # manager's config, not the job's, holds the key it generated for servers on node addresses.
+            clients = [SGLangClient.from_config(self.engines.cfg, url) for url in self.engines.engine_urls]
+            gateway = Gateway(
+                clients,
+                self.tokenizer,
+                max_concurrent_calls=cfg.agent_max_concurrency,
+                default_max_tokens=cfg.rollout_max_response_len,
+            ).start()
+            self.agents = AgentRunner(
+                gateway,
+                self.agent_fn,
+                n_samples_per_prompt=cfg.n_samples_per_prompt,
+                max_concurrency=cfg.agent_max_concurrency,
+                timeout_s=cfg.agent_timeout_s,
+                failure_log=self.engines.log_dir / "agent_failures.log",
+            )
+        return self.agents
+
+    def shutdown(self) -> None:
+        """Stop the agent gateway, if one started."""
+        if self.agents is not None:
+            self.agents.gateway.stop()
+            self.agents = None

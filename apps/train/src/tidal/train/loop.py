@@ -118,6 +118,11 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
         vocab_size=len(tokenizer),
     )
     keys = {"input_key": job.train.input_key, "label_key": job.train.label_key, "seed": job.train.seed}
+    if job.rollout.agent_function_path and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"--agent-function-path needs a chat template (the gateway renders the agent's messages with it), and the "
+            f"tokenizer of {job.actor.hf_checkpoint} has none: use a checkpoint whose tokenizer ships one"
+        )
     if job.rollout.apply_chat_template:
         from tidal.rollout import check_chat_template
 

@@ -446,7 +446,8 @@ class RolloutManager:
         ray.get([self.engines[i].weights_restored.remote() for i in indices])
 
     def shutdown(self) -> None:
-        """Stop the router, then each engine's server (its process group), then the engines' workers."""
+        """Stop the agent gateway, the router, then each engine's server (its process group), then their workers."""
+        self.driver.shutdown()
         if self.router is not None:
             self.router.shutdown()
         for engine in self.engines:

@@ -16,6 +16,7 @@ from tidal.placement.errors import PlacementError, ResourceShortageError
 if TYPE_CHECKING:
     from tidal.placement.groups import create_placement
     from tidal.placement.lifecycle import ray_session, shutdown_ray, start_ray
+    from tidal.placement.plan import ResourcePlan
     from tidal.placement.ports import PortAllocator
 
 _LAZY = {
@@ -24,6 +25,7 @@ _LAZY = {
     "shutdown_ray": "lifecycle",
     "start_ray": "lifecycle",
     "PortAllocator": "ports",
+    "ResourcePlan": "plan",
 }
 
 
@@ -45,6 +47,7 @@ __all__ = [
     "PlacementConfig",
     "PlacementError",
     "PortAllocator",
+    "ResourcePlan",
     "ResourceShortageError",
     "create_placement",
     "detect_gpus",

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     )
     from tidal.rollout.engine import DELTA_LOADER, SGLangEngine
     from tidal.rollout.engine_delta import DELTA_FILE, DELTA_REPORT, delta_checksum, encode_delta
+    from tidal.rollout.gateway.agents import AgentRunner, agent_rollout, load_agent_fn
+    from tidal.rollout.gateway.server import Gateway
     from tidal.rollout.generation import (
         check_chat_template,
         check_stop_tokens,
@@ -72,6 +74,10 @@ _LAZY = {
     "reward_variance": "dynamic_sampling",
     "sample_with_dynamic_filter": "dynamic_sampling",
     "SGLangEngine": "engine",
+    "Gateway": "gateway.server",
+    "AgentRunner": "gateway.agents",
+    "agent_rollout": "gateway.agents",
+    "load_agent_fn": "gateway.agents",
     "check_chat_template": "generation",
     "check_stop_tokens": "generation",
     "filter_uniform_groups": "generation",
@@ -117,7 +123,9 @@ __all__ = [
     "DELTA_LOADER",
     "DELTA_REPORT",
     "WILDCARD_HOSTS",
+    "AgentRunner",
     "EngineUnavailableError",
+    "Gateway",
     "GenerateFn",
     "GroupFilter",
     "Heartbeat",
@@ -132,6 +140,7 @@ __all__ = [
     "Sample",
     "ServedAdapters",
     "adapter_name",
+    "agent_rollout",
     "check_chat_template",
     "check_stop_tokens",
     "delta_checksum",
@@ -142,6 +151,7 @@ __all__ = [
     "generate_samples",
     "init_weights_update_group",
     "load_adapter_from_tensors",
+    "load_agent_fn",
     "load_callable",
     "load_generate_fn",
     "load_rollout_data",

@@ -169,6 +169,13 @@ class RolloutConfig:
     """Per-sample generate function 'pkg.module:fn' (multi-turn, tool use); None: one batched /generate."""
     generate_max_concurrency: int = 64
     """Most custom-generate-function calls in flight at once (each may make several requests)."""
+    agent_function_path: str | None = None
+    """Agent 'pkg.module:fn', an async fn(base_url, api_key, row) -> reward run per episode against an OpenAI-
+    compatible gateway session (--n-samples-per-prompt episodes of a row form a group); None: no agents."""
+    agent_max_concurrency: int = 64
+    """Most agent episodes running at once (--agent-function-path)."""
+    agent_timeout_s: float = 600.0
+    """An agent episode running longer is cut and counted as failed; its group is replaced (--agent-function-path)."""
     save_debug_rollout_data: str | None = None
     """Directory to write each rollout's samples to as it completes (one JSONL file per rollout)."""
     load_debug_rollout_data: str | None = None
@@ -226,6 +233,8 @@ class RolloutConfig:
                 ">= 1",
             ),
             ("--generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
+            ("--agent-max-concurrency", self.agent_max_concurrency, self.agent_max_concurrency >= 1, ">= 1"),
+            ("--agent-timeout-s", self.agent_timeout_s, self.agent_timeout_s > 0, "> 0"),
             ("--sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
             ("--rollout-request-timeout-s", self.rollout_request_timeout_s, self.rollout_request_timeout_s > 0, "> 0"),
             ("--rollout-request-retries", self.rollout_request_retries, self.rollout_request_retries >= 0, ">= 0"),
@@ -255,10 +264,12 @@ class RolloutConfig:
         for flag, path in (
             ("--custom-rm-path", self.custom_rm_path),
             ("--custom-generate-function-path", self.custom_generate_function_path),
+            ("--agent-function-path", self.agent_function_path),
         ):
             if path is not None and ":" not in path:
                 raise ValueError(f"{flag} must look like 'pkg.module:fn', got {path!r}")
         self._check_sampling_strategy()
+        self._check_agents()
         self.external_engine_urls()  # raises on a malformed address
         if self.rollout_external and not self.rollout_external_engine_addrs:
             raise ValueError(
@@ -287,13 +298,29 @@ class RolloutConfig:
             )
         return urls
 
+    def _check_agents(self) -> None:
+        if self.agent_function_path is None:
+            for flag, value, default in (
+                ("--agent-max-concurrency", self.agent_max_concurrency, 64),
+                ("--agent-timeout-s", self.agent_timeout_s, 600.0),
+            ):
+                if value != default:
+                    logger.warning("%s has no effect without --agent-function-path", flag)
+            return
+        for flag, on in (
+            ("--custom-generate-function-path", self.custom_generate_function_path is not None),
+            ("--partial-rollout", self.partial_rollout),
+        ):
+            if on:
+                raise ValueError(f"--agent-function-path and {flag} exclude each other (not supported yet); drop one")
+
     def _check_sampling_strategy(self) -> None:
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
             raise ValueError(f"--over-sampling-batch-size must be >= 1, got {self.over_sampling_batch_size!r}")
         spec = self.dynamic_sampling_filter_path
         if self.over_sampling_batch_size is not None and spec is None:
             logger.warning("--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path")
-        if self.dynamic_sampling_max_rounds != 16 and spec is None:
+        if self.dynamic_sampling_max_rounds != 16 and spec is None and self.agent_function_path is None:
             logger.warning("--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path")
         if spec is not None and ":" not in spec and spec not in BUILTIN_GROUP_FILTER_NAMES:
             raise ValueError(

@@ -1,0 +1,200 @@
+"""Agent episodes through the gateway (``--agent-function-path``): GRPO groups of episodes, failures recorded.
+
+An agent function is ``async def fn(base_url: str, api_key: str, row: dict) -> float``: it gets the OpenAI base
+URL of its own gateway session, the job's key and one dataset row, runs any agent (the official ``openai``
+client works unmodified), and returns the episode's reward. ``n_samples_per_prompt`` episodes of one row form a
+group. An agent that raises, times out, returns no number or never calls the model fails its episode: it is
+counted by reason in the metrics, its traceback goes to the failure log, and its whole group is dropped and
+replaced by a group of another prompt, in rounds, as dynamic sampling replaces a group its filter drops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+import traceback
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from tidal.rollout.errors import RolloutError
+from tidal.rollout.import_path import load_callable
+from tidal.rollout.types import Sample
+
+FLAG = "--agent-function-path"
+logger = logging.getLogger(__name__)
+
+
+class AgentFn(Protocol):
+    """Runs one episode against its gateway session and returns the reward."""
+
+    def __call__(self, base_url: str, api_key: str, row: dict[str, Any]) -> Awaitable[float]:
+        """``base_url`` is the session's OpenAI base URL, ``api_key`` the job's key, ``row`` the JSONL record."""
+        ...
+
+
+def load_agent_fn(path: str) -> AgentFn:
+    """Import an agent function given as ``pkg.module:fn`` (errors name ``--agent-function-path``)."""
+    fn = load_callable(path, flag=FLAG)
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{FLAG} {path!r}: must be 'async def fn(base_url, api_key, row) -> float'")
+    return fn
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpisodeResult:
+    """One finished episode: its trained sample (None when it failed), reward, failure reason and counts."""
+
+    sample: Sample | None
+    reward: float | None = None
+    failure: str | None = None
+    """``timeout``, ``no_model_call``, ``bad_reward`` or the exception's type name; None when it succeeded."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentRollout:
+    """A rollout's groups of agent samples (``group_index`` 0..num_groups-1) and its ``rollout/agent/*`` metrics."""
+
+    samples: list[Sample]
+    metrics: dict[str, float]
+
+
+class AgentRunner:
+    """Runs agent episodes concurrently through a :class:`~tidal.rollout.gateway.server.Gateway`."""
+
+    def __init__(
+        self,
+        gateway: Any,
+        agent_fn: AgentFn,
+        *,
+        n_samples_per_prompt: int,
+        max_concurrency: int,
+        timeout_s: float,
+        failure_log: str | Path | None = None,
+    ) -> None:
+        """``max_concurrency`` episodes at once, each cut after ``timeout_s``; tracebacks go to ``failure_log``."""
+        if n_samples_per_prompt < 1 or max_concurrency < 1 or timeout_s <= 0:
+            raise ValueError(
+                f"n_samples_per_prompt ({n_samples_per_prompt}) and max_concurrency ({max_concurrency}) must be "
+                f">= 1 and timeout_s ({timeout_s}) > 0"
+            )
+        self.gateway, self.agent_fn = gateway, agent_fn
+        self.n, self.max_concurrency, self.timeout_s = n_samples_per_prompt, max_concurrency, timeout_s
+        self.failure_log = Path(failure_log) if failure_log is not None else None
+
+    def _log_failure(self, row: Mapping[str, Any], reason: str, detail: str) -> None:
+        logger.warning("agent episode failed (%s): %s", reason, detail.strip().splitlines()[-1] if detail else "")
+        if self.failure_log is None:
+            return
+        self.failure_log.parent.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with self.failure_log.open("a") as f:
+            f.write(f"--- {stamp} {reason} row={str(dict(row))[:300]}\n{detail.rstrip()}\n")
+
+    async def episode(self, row: Mapping[str, Any], label: Any, limit: asyncio.Semaphore) -> EpisodeResult:
+        """One episode in a new gateway session; never raises (a failure is the result's ``failure``)."""
+        async with limit:
+            sid = self.gateway.open_session()
+            reason, detail, reward = None, "", None
+            try:
+                value = await asyncio.wait_for(
+                    self.agent_fn(self.gateway.session_url(sid), self.gateway.api_key, dict(row)), self.timeout_s
+                )
+                if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                    reason, detail = "bad_reward", f"the agent returned {value!r}, not a finite number"
+                else:
+                    reward = float(value)
+            except TimeoutError:
+                reason, detail = "timeout", f"the agent ran past --agent-timeout-s {self.timeout_s:g}"
+            except Exception as e:  # the agent's own code: anything may be raised
+                reason, detail = type(e).__name__, traceback.format_exc()
+            finally:
+                session = self.gateway.close_session(sid)
+        episode = session.episode
+        last = episode.last
+        if reason is None and last is None:
+            reason, detail = "no_model_call", "the agent returned without calling the model"
+        if reason is not None:
+            self._log_failure(row, reason, detail)
+            return EpisodeResult(sample=None, failure=reason, metrics=episode.metrics())
+        sample = last.sample(reward=reward, label=label)
+        return EpisodeResult(sample=sample, reward=reward, metrics=episode.metrics())
+
+    def run_groups(self, rows: Sequence[Mapping[str, Any]], labels: Sequence[Any]) -> list[list[EpisodeResult]]:
+        """``n_samples_per_prompt`` episodes of each row, all at once (bounded); the results group by row."""
+
+        async def run() -> list[EpisodeResult]:
+            limit = asyncio.Semaphore(self.max_concurrency)
+            pairs = zip(rows, labels, strict=True)
+            episodes = [self.episode(row, label, limit) for row, label in pairs for _ in range(self.n)]
+            return await asyncio.gather(*episodes)
+
+        flat = asyncio.run(run())
+        return [flat[i * self.n : (i + 1) * self.n] for i in range(len(rows))]
+
+
+def agent_rollout(
+    runner: AgentRunner,
+    rows_of_round: Callable[[int], Sequence[tuple[Mapping[str, Any], Any]]],
+    *,
+    num_groups: int,
+    max_rounds: int,
+    group_filter: Callable[[Sequence[Sample]], bool] | None = None,
+) -> AgentRollout:
+    """``num_groups`` complete groups: rounds of ``rows_of_round(r)`` (``(row, label)``; r = 1, 2, ...) until full.
+
+    A group with a failed episode is dropped (and so is one ``group_filter`` rejects, under dynamic sampling).
+
+    Raises:
+        RolloutError: Still short after ``max_rounds`` rounds (one line: counts, failure reasons, options).
+    """
+    kept: list[list[Sample]] = []
+    failures: Counter[str] = Counter()
+    totals: Counter[str] = Counter()
+    generated = filtered = rounds = untrained = 0
+    while len(kept) < num_groups:
+        if rounds == max_rounds:
+            raise RolloutError(
+                f"agent rollout kept {len(kept)} of {num_groups} groups after {rounds} rounds ({generated} groups "
+                f"run, failed episodes by reason: {dict(failures) or 'none'}, {filtered} groups dropped by the "
+                "filter): see the agent failure log, raise --agent-timeout-s or --dynamic-sampling-max-rounds"
+            )
+        rounds += 1
+        pairs = list(rows_of_round(rounds))
+        groups = runner.run_groups([row for row, _ in pairs], [label for _, label in pairs])
+        generated += len(groups)
+        for group in groups:
+            for result in group:
+                totals.update({**result.metrics, "episodes": 1})
+                if result.failure is not None:
+                    failures[result.failure] += 1
+                else:  # one sample per episode is trained on (its last trajectory); its forks are counted
+                    untrained += int(result.metrics.get("samples", 1)) - 1
+            if any(r.failure is not None for r in group):
+                continue
+            samples = [r.sample for r in group if r.sample is not None]
+            if group_filter is not None and not group_filter(samples):
+                filtered += 1
+                continue
+            kept.append(samples)
+    samples = [replace(s, group_index=i) for i, group in enumerate(kept[:num_groups]) for s in group]
+    episodes = max(totals["episodes"], 1)
+    metrics = {
+        "rollout/agent/episodes": float(totals["episodes"]),
+        "rollout/agent/failed": float(sum(failures.values())),
+        "rollout/agent/rounds": float(rounds),
+        "rollout/agent/groups_dropped": float(generated - len(kept)),
+        "rollout/agent/groups_surplus": float(len(kept) - num_groups),
+        "rollout/agent/turns/mean": totals["turns"] / episodes,
+        "rollout/agent/forks/mean": totals["forks"] / episodes,
+        "rollout/agent/tokens/mean": totals["tokens"] / episodes,
+        "rollout/agent/fork_samples_untrained": float(untrained),
+    }
+    metrics |= {f"rollout/agent/failed/{reason}": float(count) for reason, count in failures.items()}
+    return AgentRollout(samples=samples, metrics=metrics)

@@ -1,0 +1,187 @@
+"""The agent gateway against the real SGLang server, through the official openai client (sync, async, streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from tidal.rollout import SGLangClient
+from tidal.rollout.gateway import Gateway
+
+USER = [{"role": "user", "content": "add 1 and 2"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "sum",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+]
+
+
+class Recording:
+    """The real client of the session's server, keeping every ``/generate`` call's ids and answer."""
+
+    def __init__(self, client: SGLangClient) -> None:
+        self.client, self.url, self.calls = client, client.url, []
+
+    def generate(self, input_ids, sampling_params):
+        out = self.client.generate(input_ids, sampling_params)
+        self.calls.append({"input_ids": [list(i) for i in input_ids], "params": dict(sampling_params), "out": out})
+        return out
+
+
+@pytest.fixture
+def recording(sglang_server) -> Recording:
+    return Recording(SGLangClient(sglang_server.url))
+
+
+@pytest.fixture
+def gateway(recording: Recording, chat_tokenizer) -> Iterator[Gateway]:
+    with Gateway(recording, chat_tokenizer, api_key="job-key", context_length=512) as gw:
+        yield gw
+
+
+def test_sync_client_answers_and_records_exact_tokens(gateway: Gateway, recording: Recording) -> None:
+    sid = gateway.open_session()
+    client = openai.OpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tidal"]
+    answer = client.chat.completions.create(model="tidal", messages=USER, max_tokens=6, temperature=0.0)
+    choice = answer.choices[0]
+    (call,) = recording.calls
+    out = call["out"][0]
+    assert choice.finish_reason in ("stop", "length")
+    assert answer.usage.prompt_tokens == len(call["input_ids"][0])
+    assert answer.usage.completion_tokens == len(out["output_ids"]) <= 6
+    assert call["params"]["max_new_tokens"] == 6 and call["params"]["temperature"] == 0.0
+    text = gateway.tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert call["input_ids"][0] == gateway.tokenizer(text, add_special_tokens=False)["input_ids"]
+    (sample,) = gateway.close_session(sid).episode.samples(reward=1.0)
+    assert sample.prompt_ids == call["input_ids"][0]
+    assert list(sample.response_ids) == out["output_ids"]
+    assert list(sample.response_log_probs) == out["output_log_probs"]
+    assert list(sample.response_loss_mask) == [1] * len(out["output_ids"])
+    assert sample.reward == 1.0 and sample.weight_version == out["weight_version"]
+    stops = gateway.stop_token_ids
+    visible = out["output_ids"][:-1] if out["output_ids"][-1] in stops else out["output_ids"]
+    assert choice.message.content == gateway.tokenizer.decode(visible, skip_special_tokens=False)
+
+
+def test_async_and_streaming_clients(gateway: Gateway, recording: Recording) -> None:
+    sid = gateway.open_session()
+
+    async def run() -> tuple[str | None, str, list]:
+        client = openai.AsyncOpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+        plain = await client.chat.completions.create(model="m", messages=USER, max_tokens=5, temperature=0.0)
+        stream = await client.chat.completions.create(
+            model="m",
+            messages=USER,
+            max_tokens=5,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return plain.choices[0].message.content, text, chunks
+
+    content, streamed, chunks = asyncio.run(run())
+    assert streamed == (content or "")  # greedy: the same answer either way
+    assert chunks[-1].usage.completion_tokens == len(recording.calls[1]["out"][0]["output_ids"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    # Same messages twice: the second call does not extend the first's tokens, so it is a second sample (a fork).
+    episode = gateway.close_session(sid).episode
+    assert len(episode.samples()) == 2 and episode.forks == 1
+
+    sid = gateway.open_session()
+    client = openai.OpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+    with client.chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=0.0, stream=True) as s:
+        sync_text = "".join(c.choices[0].delta.content or "" for c in s)
+    assert sync_text == (content or "")[: len(sync_text)] and len(recording.calls) == 3
+
+
+def test_tools_reach_the_template_and_sampling_options_reach_sglang(gateway: Gateway, recording: Recording) -> None:
+    sid = gateway.open_session()
+    client = openai.OpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+    answer = client.chat.completions.create(
+        model="m",
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_completion_tokens=3,
+        temperature=0.7,
+        top_p=0.9,
+        stop=["zz"],
+        seed=3,
+        n=1,
+    )
+    params = recording.calls[0]["params"]
+    assert (params["max_new_tokens"], params["temperature"], params["top_p"]) == (3, 0.7, 0.9)
+    assert params["stop"] == ["zz"] and params["sampling_seed"] == 3
+    prompt = gateway.tokenizer.decode(recording.calls[0]["input_ids"][0])
+    assert '"name": "add"' in prompt  # the tools were rendered into the system turn
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_tool_call_the_model_wrote_is_parsed(gateway: Gateway, chat_tokenizer) -> None:
+    """An answer whose sampled text holds a ``<tool_call>`` comes back as ``message.tool_calls``."""
+    from tidal.rollout.gateway.chat import parse_request
+
+    sid = gateway.open_session()
+    request = parse_request({"model": "m", "messages": USER, "tools": TOOLS})
+    turn = gateway.sessions[sid].episode.prepare(gateway.render(request))
+    written = chat_tokenizer('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|im_end|>')["input_ids"]
+    out = {"output_ids": written, "output_log_probs": [0.0] * len(written), "finish_reason": "stop"}
+    answer = gateway._answer(gateway.sessions[sid], request, turn, out).body()
+    (call,) = answer["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": json.dumps({"a": 1})}
+    assert answer["choices"][0]["finish_reason"] == "tool_calls" and answer["choices"][0]["message"]["content"] is None
+
+
+def test_the_job_key_is_required(gateway: Gateway) -> None:
+    sid = gateway.open_session()
+    url = gateway.session_url(sid)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "job-key"}):
+        response = httpx.post(f"{url}/chat/completions", json={"model": "m", "messages": USER}, headers=headers)
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/models", headers=headers).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    assert gateway.sessions[sid].calls == 0
+
+
+def test_a_call_cut_by_an_abort_resumes_into_one_answer(sglang_server, slowed_generation, gateway, recording) -> None:
+    """An abort (what a weight update does to requests in flight) does not reach the agent: the call resumes."""
+    sid = gateway.open_session()
+    client = openai.OpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+    no_stop = {str(t): -100 for t in gateway.stop_token_ids}
+
+    def call():
+        return client.chat.completions.create(
+            model="m", messages=USER, max_tokens=120, temperature=0.0, logit_bias=no_stop
+        )
+
+    with slowed_generation(sglang_server, call) as (thread, box):
+        sglang_server.abort()
+        thread.join(timeout=120)
+    answer = box["result"]
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 120
+    (first, second) = recording.calls
+    cut = first["out"][0]
+    assert cut["finish_reason"] == "abort" and 0 < len(cut["output_ids"]) < 120
+    assert second["input_ids"][0] == first["input_ids"][0] + cut["output_ids"]
+    assert second["params"]["max_new_tokens"] == 120 - len(cut["output_ids"])
+    session = gateway.close_session(sid)
+    (sample,) = session.episode.samples()
+    assert list(sample.response_ids) == cut["output_ids"] + second["out"][0]["output_ids"]
+    assert list(sample.response_loss_mask) == [1] * 120 and session.resumes == 1
+    assert sample.response_weight_versions == [cut["weight_version"]] * len(cut["output_ids"]) + [
+        second["out"][0]["weight_version"]
+    ] * len(second["out"][0]["output_ids"])

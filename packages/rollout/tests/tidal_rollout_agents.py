@@ -1,0 +1,32 @@
+"""Agent functions the tests load by import path (``--agent-function-path`` style), written with the openai client.
+
+Each runs a short chat against its gateway session; the row says what to do (``mode``): answer in two turns, raise,
+stall past the timeout, or return without calling the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+
+
+async def two_turns(base_url: str, api_key: str, row: dict) -> float:
+    """Ask, then ask again with the answer in the history; the reward is the second answer's length parity."""
+    mode = row.get("mode", "ok")
+    if mode == "raise":
+        raise ValueError(f"no tool for {row['prompt']!r}")
+    if mode == "stall":
+        await asyncio.sleep(60)
+    if mode == "silent":
+        return 1.0
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = await client.chat.completions.create(model="tidal", messages=messages, max_tokens=4)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "1"}]
+    second = await client.chat.completions.create(model="tidal", messages=messages, max_tokens=4)
+    return float(len(second.choices[0].message.content or "") % 2)
+
+
+def not_async(base_url: str, api_key: str, row: dict) -> float:
+    return 0.0
