@@ -117,10 +117,12 @@ def test_a_restarted_engine_gets_the_current_adapter_before_it_serves(tensor_run
     assert len(at) == 1, events
     version = events[at[0]]["version"]
     assert version >= 2, events[at[0]]  # the kill came after rollout 1's sync
-    check = events[at[0] + 1]
+    check = next(e for e in events[at[0] + 1 :] if e["event"] in ("sync.check", "engines.generate"))
     assert check["event"] == "sync.check" and check["mean"] < 1e-4, check  # the restarted engine serves the adapter
+    # the kill lands when the killer sees rollout 1 recorded, which on a loaded box may be as late as the last sync:
+    # then the probe above is the restarted engine's only generation; otherwise it generates after its resync
     generated = [i for i, e in enumerate(events) if e["event"] == "engines.generate" and e["rollout"] >= version]
-    assert generated and at[0] < generated[-1]
+    assert not generated or at[0] < generated[-1]
 
 
 def test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept(disk_run):

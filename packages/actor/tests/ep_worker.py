@@ -6,6 +6,7 @@ HF tensors, runs one train step (with the load-balancing loss) on this rank's sh
 distributed checkpoint into OUT_FILE's folder (``ckpt``), and torch.saves what it saw to OUT_FILE.
 """
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -57,7 +58,9 @@ def run(rank: int, world: int, port: int, ep: int, hf_dir: str, ckpt_dir: Path |
     result = {"log_probs": actor.compute_log_probs(probe)}
     # rollout routing replay: every token sent to the experts of a fixed routing (not the routers' own), all-to-all
     actor.routing_replay.replay = True
-    result["replay_log_probs"] = actor.compute_log_probs(pack(SEQS, token_fields={FIELD: replayed_routing()}))
+    layers = json.loads((Path(hf_dir) / "config.json").read_text())["num_hidden_layers"]
+    routing = replayed_routing(layers=layers)
+    result["replay_log_probs"] = actor.compute_log_probs(pack(SEQS, token_fields={FIELD: routing}))
     actor.routing_replay.replay = False
     result["local_experts"] = tuple(actor.model.decoder.layers[0].mlp.experts.weight1.shape) if pp == 1 else None
     shape = ModelShape.from_hf_config(read_hf_config_json(hf_dir))

@@ -87,6 +87,8 @@ class EngineWorker:
         from tidal.rollout import ServedAdapters
 
         self.adapters = ServedAdapters(self.engine)  # --lora-rank: the adapters the server holds
+        self.released: set[str] = set()
+        """Memory tags the running server released (a restarted server released none: resuming one crashes it)."""
         # --use-fault-tolerance with an actor: a restarted server serves the weights it loads from disk, not the
         # actor's; it holds its requests until the driver synced the current ones (at most resync_timeout_s).
         self.resync_timeout_s = resync_timeout_s
@@ -127,6 +129,7 @@ class EngineWorker:
         if self.external or not self.fault_tolerant or self.engine.is_running():
             return False
         logger.warning("%s is not running; restarting it (--use-fault-tolerance)", self.engine.describe())
+        self.released.clear()
         self.engine.restart()
         if self.heartbeat is not None:
             self.heartbeat.resume()
@@ -143,6 +146,7 @@ class EngineWorker:
         from tidal.rollout import RolloutError
 
         self.adapters.forget()  # a restarted server holds no adapter
+        self.released.clear()  # nor released memory
         self._weights_back.clear()
         self._needs_weights = True
         if not getattr(self._thread, "generating", False):  # restarted by the driver, or by a disk sync: no hold
@@ -253,6 +257,7 @@ class EngineWorker:
                     f"failed while loading weights {path} ({e}) (--use-fault-tolerance restarts it)"
                 ) from e
             logger.warning("%s failed while loading weights (%s); restarting it", self.engine.describe(), e)
+            self.released.clear()
             self.engine.restart()
             self.engine.update_weights_from_disk(path, weight_version=weight_version)
         self.weights_restored()  # it serves the sync's weights, restarted or not
@@ -284,10 +289,18 @@ class EngineWorker:
         """Wait until the server is idle (an aborted request may still be finishing), then release ``tags``."""
         self.engine.flush_cache()
         self.engine.release_memory_occupation(tags)
+        self.released |= set(tags)
 
     def resume_memory(self, tags: list[str]) -> None:
-        """Re-allocate what :meth:`release_memory` freed."""
-        self.engine.resume_memory_occupation(tags)
+        """Re-allocate what :meth:`release_memory` freed.
+
+        A tag this server never released (it restarted since) is skipped: SGLang's scheduler dies on resuming memory
+        it did not release.
+        """
+        tags = [t for t in tags if t in self.released]
+        if tags:
+            self.engine.resume_memory_occupation(tags)
+            self.released -= set(tags)
 
     def probe(self, prompts: list[list[int]], sampling_params: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
         """``(prompt + response tokens, response log-probs)`` of one sample per prompt (the parity probe)."""
