@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: siblings are not importable otherwise
+from server_procs import sglang_server_pids
 from test_train_modes_e2e import COMMON, _records, _train
 
 pytestmark = pytest.mark.slow
@@ -37,21 +38,6 @@ def _adapter_bytes(model_dir: Path) -> int:
     return 4 * RANK * per_layer * config["num_hidden_layers"]
 
 
-def _server_pids(port: int) -> list[int]:
-    """Pids of the SGLang launch_server processes on ``port`` (this run's: the port is its own)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"sglang.launch_server" in cmd and b"--port" in cmd and cmd[cmd.index(b"--port") + 1] == str(port).encode():
-            pids.append(int(proc.name))
-    return pids
-
-
 @pytest.fixture(scope="module")
 def tensor_run(tmp_path_factory):
     """Co-located LoRA run; its SGLang server SIGKILLed (process group) once rollout 1 is recorded."""
@@ -64,7 +50,7 @@ def tensor_run(tmp_path_factory):
         if killed or len(_records(run_dir)) < 2:
             return False
         port = int(re.search(r"starting SGLang server at http://127\.0\.0\.1:(\d+)", log.read_text())[1])
-        for pid in _server_pids(port):
+        for pid in sglang_server_pids(port=port):
             os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server and its scheduler
             killed.append(pid)
         return False  # the run itself goes on

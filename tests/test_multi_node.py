@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: siblings are not importable otherwise
+from server_procs import sglang_server_pids
 from test_train_e2e import _alive, _children, _set_child_subreaper
 from test_train_modes_e2e import COMMON, _kill_until_none_left, _records
 
@@ -127,21 +128,6 @@ def _ray(hosts: Hosts, ns: str, *args: str, env: dict[str, str]) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _sglang_servers_on(host: str) -> list[int]:
-    """Pids of SGLang launch_server processes listening on ``host``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"sglang.launch_server" in cmd and host.encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
-
-
 @pytest.fixture(scope="module")
 def two_host_run(tmp_path_factory):
     """Ray head on A, worker on B, `train` on A with its engine on B; B's server SIGKILLed after rollout 0."""
@@ -174,7 +160,7 @@ def two_host_run(tmp_path_factory):
                 deadline = time.monotonic() + 1200
                 while proc.poll() is None and time.monotonic() < deadline:
                     if not killed and len(_records(out)) >= 1:
-                        for pid in _sglang_servers_on(HOST_B):
+                        for pid in sglang_server_pids(host=HOST_B):
                             with contextlib.suppress(ProcessLookupError):
                                 os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server and its schedulers
                                 killed.append(pid)
@@ -182,7 +168,7 @@ def two_host_run(tmp_path_factory):
                 if proc.poll() is None:
                     _kill_tree(proc.pid)
                 code = proc.wait(timeout=120)
-            servers_after = [p for p in _sglang_servers_on(HOST_B) if _alive(p)]
+            servers_after = [p for p in sglang_server_pids(host=HOST_B) if _alive(p)]
             _kill_until_none_left(before)
     finally:
         _set_child_subreaper(False)
