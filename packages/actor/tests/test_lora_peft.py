@@ -1,7 +1,8 @@
 """The PEFT folder --save-hf writes, loaded by the real ``peft`` library on the HF base.
 
 peft's model must compute what tidal's merge computes (``train convert --lora-adapter``'s ``merged_hf_tensors``)
-and what the LoRA actor computes; peft's own merge must give tidal's merged tensors.
+and what the LoRA actor computes; peft's own merge must give tidal's merged tensors. An adapter of another base
+(shape, family, depth or target modules) is refused by the merge and by --load's check, one line each.
 """
 
 import importlib
@@ -93,3 +94,47 @@ def test_peft_loads_the_folder_and_computes_tidals_merge(dist_env, qwen2_dir, tm
     assert unloaded.keys() - {"lm_head.weight"} == merged.keys() - {"lm_head.weight"}
     for name, t in merged.items():
         torch.testing.assert_close(unloaded[name], t, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_an_adapter_of_another_shape_or_family_is_one_line(dist_env, qwen2_dir, qwen3_dir, tmp_path):
+    """Merged by train convert, or resumed by --load: an adapter of qwen2's tiny model does not go on another base."""
+    from tidal.actor import Actor, check_adapter_checkpoint, merged_hf_tensors, peft_adapter_config, write_peft_adapter
+    from tidal.ckpt import HFCheckpointReader, save_checkpoint
+
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lora_rank=4))
+    adapters = actor.lora.adapter_tensors()
+    config = peft_adapter_config(actor.lora.settings, base_model=str(qwen2_dir))
+    folder = write_peft_adapter(tmp_path / "adapter", adapters, config)
+    fix = r"\(an adapter .*another .*family.*\): give the base it was trained on as --hf-checkpoint$"
+
+    # another shape: qwen3's tiny model (head_dim 32) has wider k/v projections than qwen2's (head_dim 16)
+    with pytest.raises(ValueError, match=r"does not fit model\.layers\.0\.self_attn\.k_proj\.weight \(64, 64\): "
+                       r"lora_A \(4, 64\), lora_B \(32, 4\) " + fix) as err:  # fmt: skip
+        merged_hf_tensors(HFCheckpointReader(qwen3_dir), folder)
+    assert "\n" not in str(err.value)
+    # another family: Phi-3's fused qkv_proj, which a Qwen2 base does not have
+    phi = {n.replace("self_attn.q_proj", "self_attn.qkv_proj"): t for n, t in adapters.items()}
+    write_peft_adapter(tmp_path / "phi", phi, config)
+    with pytest.raises(ValueError, match=r"adapts model\.layers\.0\.self_attn\.qkv_proj\.weight, which the base "
+                       r"checkpoint does not have " + fix):  # fmt: skip
+        merged_hf_tensors(HFCheckpointReader(qwen2_dir), tmp_path / "phi")
+
+    # --load of the LoRA run's checkpoint onto another base: checked from the metadata and the base's headers
+    save_checkpoint(tmp_path / "ckpt", 1, actor.sharded_state_dict())
+    check_adapter_checkpoint(tmp_path / "ckpt", lora_rank=4, hf_checkpoint=qwen2_dir)
+    with pytest.raises(ValueError, match=r"^--load .*ckpt: the adapter does not fit model\.layers\.0\.self_attn\."
+                       r"k_proj\.weight \(64, 64\).* " + fix):  # fmt: skip
+        check_adapter_checkpoint(tmp_path / "ckpt", lora_rank=4, hf_checkpoint=qwen3_dir)
+    # the adapters are the ones --lora-target-modules selects in the base, no more and no fewer (other targets, or
+    # another base with more layers): one line before start, not the load's mismatch of tensor names
+    with pytest.raises(ValueError, match=r"^--load .*ckpt holds adapters for model\.layers\.0\.mlp\.down_proj\.weight "
+                       r"and 7 more weights that --lora-target-modules q k v does not select: give the "):  # fmt: skip
+        check_adapter_checkpoint(
+            tmp_path / "ckpt", lora_rank=4, hf_checkpoint=qwen2_dir, target_modules=("q", "k", "v")
+        )
+    q_only = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lora_rank=4, lora_target_modules=("q_proj",)))
+    save_checkpoint(tmp_path / "q_only", 1, q_only.sharded_state_dict())
+    check_adapter_checkpoint(tmp_path / "q_only", lora_rank=4, hf_checkpoint=qwen2_dir, target_modules=("q_proj",))
+    missing = r"holds no adapter for model\.layers\.0\.mlp\.down_proj\.weight \(12 of the 14 weights"
+    with pytest.raises(ValueError, match=rf"^--load .*q_only {missing} --lora-target-modules all-linear selects in "):
+        check_adapter_checkpoint(tmp_path / "q_only", lora_rank=4, hf_checkpoint=qwen2_dir)
