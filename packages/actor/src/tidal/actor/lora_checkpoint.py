@@ -90,6 +90,6 @@ def _check_targets(adapted: Iterable[str], base_names: Iterable[str], targets: t
         )
     if extra:
         raise ValueError(
-            f"{source} holds adapters for {extra[0]} and {len(extra) - 1} more weights that --lora-target-modules "
-            f"{given} does not select: give the --lora-target-modules the run was trained with"
+            f"{source} holds adapters for {len(extra)} weights that --lora-target-modules {given} does not select "
+            f"({extra[0]}, ...): give the --lora-target-modules the run was trained with"
         )
