@@ -401,15 +401,21 @@ def check_load(ckpt) -> None:
 
 
 def check_lora_load(actor, ckpt) -> None:
-    """``--load``'s LoRA adapters have ``--lora-rank``'s rank (a full checkpoint: none), read from its metadata."""
+    """``--load``'s LoRA adapters: --lora-rank's rank (a full checkpoint: none), on --lora-target-modules' weights."""
     if not ckpt.load or not actor.lora_rank:
         return
     from tidal.actor import check_adapter_checkpoint
     from tidal.ckpt import CheckpointError
 
     try:
-        check_adapter_checkpoint(ckpt.load, lora_rank=actor.lora_rank, ckpt_step=ckpt.ckpt_step)
-    except CheckpointError:  # not loadable at all: check_load says why
+        check_adapter_checkpoint(
+            ckpt.load,
+            lora_rank=actor.lora_rank,
+            ckpt_step=ckpt.ckpt_step,
+            hf_checkpoint=actor.hf_checkpoint,
+            target_modules=actor.lora_target_modules,
+        )
+    except CheckpointError:  # --load (or --hf-checkpoint) not loadable at all: another check says why
         return
 
 

@@ -89,40 +89,58 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
     return config, tensors
 
 
+def check_adapter_fits(shapes: Mapping[str, tuple[int, ...]], reader, source: str) -> dict[str, dict[str, str]]:
+    """Each adapter pair adapts a weight the base has, of a shape it fits; ``{weight: {"A": name, "B": name}}``.
+
+    ``shapes``: the adapter's tensor shapes by HF name (``...q_proj.lora_A.weight``); ``reader``: the base
+    (``names()``, ``shape(name)``, as ``tidal.ckpt.HFCheckpointReader``); ``source`` begins each message. An adapter
+    trained on a base of another shape or family (a weight the base lacks, a pair that does not fit) is one error
+    naming both, and the fix.
+    """
+    pairs: dict[str, dict[str, str]] = {}
+    for name in shapes:
+        which = next((w for w in ("A", "B") if name.endswith(f".lora_{w}.weight")), None)
+        if which is None:
+            raise ValueError(f"{source}: tensor {PEFT_PREFIX}{name} is neither a lora_A nor a lora_B weight")
+        pairs.setdefault(name.removesuffix(f".lora_{which}.weight") + ".weight", {})[which] = name
+    base = set(reader.names())
+    fix = "give the base it was trained on as --hf-checkpoint"
+    for weight, ab in sorted(pairs.items()):
+        if weight not in base:
+            raise ValueError(
+                f"{source} adapts {weight}, which the base checkpoint does not have (an adapter of another model "
+                f"family or size): {fix}"
+            )
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{source} has lora_{''.join(ab)} for {weight} but not its pair")
+        a, b, shape = shapes[ab["A"]], shapes[ab["B"]], tuple(reader.shape(weight))
+        if len(shape) != 2 or a[1] != shape[1] or b[0] != shape[0] or a[0] != b[1]:
+            raise ValueError(
+                f"{source} does not fit {weight} {shape}: lora_A {tuple(a)}, lora_B {tuple(b)} (an adapter trained "
+                f"on a base of another shape or family): {fix}"
+            )
+    return pairs
+
+
 def merged_hf_tensors(reader, adapter_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The base checkpoint's tensors with the adapter folded in: W + alpha/r * B @ A, in fp32, stored as W's dtype.
 
     ``reader``: the base (``tidal.ckpt.HFCheckpointReader``: ``names()``, ``shape(name)``, ``get(name)``). Checked
-    before the first tensor is read: an adapter tensor with no base weight, or whose shape does not fit it (an
-    adapter trained on a base of another shape or family), is one error naming both.
+    before the first tensor is read (:func:`check_adapter_fits`): an adapter of a base of another shape or family is
+    one error.
     """
     config, tensors = read_peft_adapter(adapter_dir)
     scale = float(config["lora_alpha"]) / int(config["r"])
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        which = next((w for w in ("A", "B") if name.endswith(f".lora_{w}.weight")), None)
-        if which is None:
-            raise ValueError(f"{adapter_dir}: tensor {PEFT_PREFIX}{name} is neither a lora_A nor a lora_B weight")
-        pairs.setdefault(name.removesuffix(f".lora_{which}.weight") + ".weight", {})[which] = t
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    pairs = check_adapter_fits(shapes, reader, f"the adapter in {adapter_dir}")
     names = list(reader.names())
-    base = set(names)
-    for weight, ab in sorted(pairs.items()):
-        if weight not in base:
-            raise ValueError(f"the adapter in {adapter_dir} adapts {weight}, which the base checkpoint does not have")
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"the adapter in {adapter_dir} has lora_{''.join(ab)} for {weight} but not its pair")
-        a, b, shape = ab["A"], ab["B"], tuple(reader.shape(weight))
-        if len(shape) != 2 or a.shape[1] != shape[1] or b.shape[0] != shape[0] or a.shape[0] != b.shape[1]:
-            raise ValueError(
-                f"the adapter in {adapter_dir} does not fit {weight} {shape}: lora_A {tuple(a.shape)}, lora_B "
-                f"{tuple(b.shape)} (an adapter trained on a base of another shape or family)"
-            )
 
     def merged() -> Iterator[tuple[str, torch.Tensor]]:
         for name in names:
             w, ab = reader.get(name), pairs.get(name)
             if ab is not None:
-                w = (w.float() + scale * (ab["B"].float() @ ab["A"].float())).to(w.dtype)
+                a, b = tensors[ab["A"]].float(), tensors[ab["B"]].float()
+                w = (w.float() + scale * (b @ a)).to(w.dtype)
             yield name, w
 
     return merged()
