@@ -240,3 +240,29 @@ def test_a_call_cut_by_a_weight_update_resumes_under_the_new_weights(
     assert sample.weight_version == "new" and list(sample.response_loss_mask) == [1] * 120
     assert answer.choices[0].message.content == chat_tokenizer.decode(sample.response_ids, skip_special_tokens=False)
     assert second["sent"] > updated  # the resumed request waited for the update
+
+
+def test_a_call_whose_update_never_ends_answers_503(sglang_server, slowed_generation, recording, chat_tokenizer):
+    """A cut call waits for the update at most the gate's timeout, then answers 503 (the client may retry)."""
+    from tidal.rollout import InterruptibleUpdates
+
+    gate = InterruptibleUpdates(sglang_server, timeout_s=1)
+    with Gateway(recording, chat_tokenizer, api_key="job-key", context_length=512, update_gate=gate) as gw:
+        sid = gw.open_session()
+        client = openai.OpenAI(base_url=gw.session_url(sid), api_key="job-key", max_retries=0)
+        no_stop = {str(t): -100 for t in gw.stop_token_ids}
+
+        def call():
+            return client.chat.completions.create(
+                model="m", messages=USER, max_tokens=120, temperature=0.0, logit_bias=no_stop
+            )
+
+        with slowed_generation(sglang_server, call) as (thread, box):
+            gate.begin()  # and no end: the update hangs
+            thread.join(timeout=60)
+        gate.end()
+        assert not thread.is_alive()
+        error = box["error"]
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+        assert "a weight update did not finish in 1 s" in str(error)
+        assert len(recording.calls) == 1 and gw.sessions[sid].calls == 0  # nothing resent, nothing recorded
