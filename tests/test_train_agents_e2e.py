@@ -1,13 +1,22 @@
 """`train --agent-function-path` end to end: agents written with the openai client train through the gateway.
 
-One run on the embedded model given a chat template (a copy of its checkpoint: a user's model with a template),
-attached to the session's SGLang server: two rollouts of 2 groups x 2 two-turn episodes, an agent that raises on
-some rows (their groups are replaced), its samples saved with their masks, and the actor trained on them.
+Runs on the embedded model given a chat template (a copy of its checkpoint: a user's model with a template),
+attached to the session's SGLang server (fp32, as the actor computes):
+
+- two rollouts of 2 groups x 2 two-turn episodes, an agent that raises on some rows (their groups are replaced),
+  its samples saved with their masks, and the actor trained on them; the engine-actor agreement (mismatch) metrics
+  cover the sampled tokens only;
+- --max-staleness 1 with a checkpoint after each rollout: the driver is SIGKILLed once the checkpoint of rollout 1
+  (which holds rollout 2, generated while rollout 1 trained) is written, then resumed with --load: it trains on
+  exactly the checkpointed episodes, regenerates the rollout that was in flight, and no prompt batch is lost or
+  repeated.
 """
 
 import json
+import math
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -20,14 +29,23 @@ from tidal_train_plugins import AGENT_CHAT_TEMPLATE
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def agent_run(tmp_path_factory, external_engine):
+AGREEMENT = ("rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl")
+
+
+def _agent_model(root: Path) -> Path:
+    """A copy of the embedded model whose tokenizer has AGENT_CHAT_TEMPLATE."""
     from tidal.train.embedded_model import ensure_embedded_model
 
-    root = tmp_path_factory.mktemp("agents")
     model = Path(shutil.copytree(ensure_embedded_model(), root / "model"))
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": AGENT_CHAT_TEMPLATE}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def agent_run(tmp_path_factory, external_engine):
+    root = tmp_path_factory.mktemp("agents")
+    model = _agent_model(root)
     args = [
         "--recipe", "embedded", "--hf-checkpoint", str(model),
         "--rollout-external-engine-addrs", external_engine,
@@ -65,13 +83,100 @@ def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_r
     for rollout_id in (0, 1):
         samples = load_rollout_data(root / "debug", rollout_id)
         assert len(samples) == 4 and [s.group_index for s in samples] == [0, 0, 1, 1]
-        for s in samples:
-            assert int(str(s.label)[-1]) % 2 == 1 and s.reward in (0.0, 1.0)
-            mask = list(s.response_loss_mask)
-            # two sampled turns (mask 1) around the template's "check" turn (mask 0, log-prob 0)
-            first_gap = mask.index(0)
-            assert 1 <= first_gap <= 6 and mask[first_gap:].count(1) >= 1 and sum(mask) <= 12
-            gap = [i for i, m in enumerate(mask) if m == 0]
-            assert all(s.response_log_probs[i] == 0.0 for i in gap)
-            # (the embedded tokenizer encodes no whitespace: "user: check\n" is the ids of "user:check")
-            assert "user:checkassistant:" in tokenizer.decode([s.response_ids[i] for i in gap])
+        assert all(int(str(s.label)[-1]) % 2 == 1 and s.reward in (0.0, 1.0) for s in samples)
+        _assert_two_sampled_turns(samples, tokenizer)
+
+
+def _assert_two_sampled_turns(samples, tokenizer) -> None:
+    """Each sample: two sampled answers (mask 1) around the template's "check" turn (mask 0, log-prob 0)."""
+    for s in samples:
+        mask = list(s.response_loss_mask)
+        first_gap = mask.index(0)
+        assert 1 <= first_gap <= 6 and mask[first_gap:].count(1) >= 1 and sum(mask) <= 12
+        gap = [i for i, m in enumerate(mask) if m == 0]
+        assert all(s.response_log_probs[i] == 0.0 for i in gap)
+        assert all(s.response_weight_versions[i] is None for i in gap)
+        # (the embedded tokenizer encodes no whitespace: "user: check\n" is the ids of "user:check")
+        assert "user:checkassistant:" in tokenizer.decode([s.response_ids[i] for i in gap])
+
+
+def _assert_engine_and_actor_agree(records) -> None:
+    # The metrics compare the engine's and the actor's log-probs on loss tokens only. Counting an agent's template
+    # tokens (engine log-prob 0, the actor's far below) would put the mean far above fp32 rounding.
+    for r in records:
+        assert all(math.isfinite(r[k]) and r[k] >= 0.0 for k in AGREEMENT), r
+        assert r["rollout/logprob_abs_diff/mean"] < 1e-3 and r["rollout/logprob_abs_diff/max"] < 1e-2, r
+
+
+def test_agent_samples_are_covered_by_the_engine_actor_agreement_metrics(agent_run):
+    root, code, log, _ = agent_run
+    assert code == 0, log[-4000:]
+    _assert_engine_and_actor_agree(_records(root / "run"))
+    assert "--mismatch-warn-threshold" not in log
+
+
+@pytest.fixture(scope="module")
+def async_agent_run(tmp_path_factory, external_engine):
+    """--max-staleness 1, 4 rollouts, a checkpoint after each; the driver SIGKILLed after checkpoint 1, resumed."""
+    from tidal.rollout import load_rollout_data
+
+    root = tmp_path_factory.mktemp("async_agents")
+    model = _agent_model(root)
+    tracker = root / "ckpt" / "latest_checkpointed_iteration.txt"
+    args = [
+        "--recipe", "embedded", "--hf-checkpoint", str(model),
+        "--rollout-external-engine-addrs", external_engine,
+        "--agent-function-path", "tidal_train_plugins:steady_arithmetic_agent",
+        "--agent-max-concurrency", "4", "--agent-timeout-s", "120",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "4",
+        "--rollout-max-response-len", "6", "--num-eval-prompts", "4", "--lr", "1e-4",
+        "--max-staleness", "1", "--save-interval", "1", "--save", str(root / "ckpt"),
+        "--save-debug-rollout-data", str(root / "debug"),
+    ]  # fmt: skip
+
+    def checkpointed_rollout_1(_run_dir: Path, _log: Path) -> bool:
+        return tracker.exists() and tracker.read_text().strip() == "2"
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        killed = _train(args, out=root / "run", kill_when=checkpointed_rollout_1, group=False, poll_s=0.1)
+        resume_at = int(tracker.read_text())  # 2, or 3 when the kill landed after rollout 2's checkpoint
+        at_kill = resume_at, _records(root / "run"), load_rollout_data(root / "debug", resume_at)
+        resumed = _train([*args, "--load", str(root / "ckpt")], out=root / "run")
+    return root, args, killed, at_kill, resumed
+
+
+def test_async_agents_resume_the_checkpointed_episodes_and_lose_or_repeat_no_prompt(async_agent_run):
+    from tidal.rollout import load_rollout_data
+    from tidal.train.cli import parse_job
+    from tidal.train.data import PromptDataset
+    from transformers import AutoTokenizer
+
+    root, _, (killed_code, killed_log, _), (k, records_at_kill, buffered), resumed = async_agent_run
+    code, log, leftovers = resumed
+    assert killed_code == -signal.SIGKILL, killed_log[-3000:]
+    assert code == 0, log[-6000:]
+    assert not leftovers, leftovers
+    assert k in (2, 3) and [r["rollout"] for r in records_at_kill] == list(range(k))
+    records = _records(root / "run")
+    assert [r["rollout"] for r in records] == [0, 1, 2, 3]  # no gap, no repeat across the kill
+    assert all(r["rollout/staleness_max"] <= 1 and "train/loss" in r for r in records)
+    # Rollout k's episodes ran before the kill (while rollout k - 1 trained) and were in the checkpoint: trained on
+    # as they were, not run again. Rollout k + 1 (in flight at the kill, if it had started) was run again.
+    assert f"resumed 1 buffered rollout(s) from the checkpoint: [{k}]" in log
+    again = load_rollout_data(root / "debug", k)
+    assert [(list(s.prompt_ids), list(s.response_ids), s.reward) for s in again] == [
+        (list(s.prompt_ids), list(s.response_ids), s.reward) for s in buffered
+    ]
+    assert records[k]["rollout/reward/mean"] == pytest.approx(sum(s.reward for s in buffered) / len(buffered))
+    # Each rollout's episodes ran on its own prompt batch, in order (the agent never fails: no replaced group).
+    job = parse_job(["--recipe", "embedded", "--hf-checkpoint", str(root / "model")])  # the run's prompt data
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    data = PromptDataset(job.train.prompt_data, tokenizer, input_key=job.train.input_key,
+                         label_key=job.train.label_key, seed=job.train.seed)  # fmt: skip
+    for rollout_id in range(4):
+        samples = load_rollout_data(root / "debug", rollout_id)
+        assert [s.label for s in samples] == [p.label for p in data.batch(rollout_id, 2) for _ in range(2)]
+        assert [s.group_index for s in samples] == [0, 0, 1, 1]
+        _assert_two_sampled_turns(samples, tokenizer)
+    _assert_engine_and_actor_agree(records)

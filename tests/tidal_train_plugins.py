@@ -55,10 +55,15 @@ async def arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
 
     Rows whose label ends in an even digit raise (a broken agent), so the run must replace their groups.
     """
-    import openai
-
     if int(row["label"][-1]) % 2 == 0:
         raise RuntimeError(f"broken agent on {row['prompt']}")
+    return await steady_arithmetic_agent(base_url, api_key, row)
+
+
+async def steady_arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
+    """``arithmetic_agent`` on every row (none raises): each rollout's groups are its own prompt batch."""
+    import openai
+
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": row["prompt"]}]
     first = await client.chat.completions.create(model="tidal", messages=messages)

@@ -55,3 +55,6 @@ def test_stale_samples_turn_the_off_policy_correction_on_unless_no_use_tis(out):
     assert not external.interruptible_updates and not external.resume_interrupted and external.overlapped
     custom = plan("--max-staleness", "1", *decoupled, "--custom-generate-function-path", "json:loads")
     assert not custom.interruptible_updates and custom.resume_interrupted
+    # an agent's call cut by an update resumes in the gateway (test_gateway.py): its updates interrupt too
+    agents = plan("--max-staleness", "1", *decoupled, "--agent-function-path", "asyncio:sleep")
+    assert agents.interruptible_updates and agents.resume_interrupted

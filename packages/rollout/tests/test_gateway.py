@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -32,8 +33,10 @@ class Recording:
         self.client, self.url, self.calls = client, client.url, []
 
     def generate(self, input_ids, sampling_params):
+        sent = time.monotonic()
         out = self.client.generate(input_ids, sampling_params)
-        self.calls.append({"input_ids": [list(i) for i in input_ids], "params": dict(sampling_params), "out": out})
+        call = {"input_ids": [list(i) for i in input_ids], "params": dict(sampling_params), "out": out, "sent": sent}
+        self.calls.append(call)
         return out
 
 
@@ -185,3 +188,81 @@ def test_a_call_cut_by_an_abort_resumes_into_one_answer(sglang_server, slowed_ge
     assert sample.response_weight_versions == [cut["weight_version"]] * len(cut["output_ids"]) + [
         second["out"][0]["weight_version"]
     ] * len(second["out"][0]["output_ids"])
+
+
+def test_a_call_cut_by_a_weight_update_resumes_under_the_new_weights(
+    sglang_server, tiny_model_dir, slowed_generation, recording, chat_tokenizer
+) -> None:
+    """--max-staleness: an update aborts the agent's call, which waits for it and resumes under the new weights.
+
+    The agent gets one answer; the stored sample's tokens say which weights sampled each (old first, then new).
+    Without the gate the cut call is sent again at once and races the update (here it would be sent before the
+    update is in: the last assertion).
+    """
+    from tidal.rollout import InterruptibleUpdates
+
+    sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="old")
+    gate = InterruptibleUpdates(sglang_server, timeout_s=60)  # begin() aborts, as each engine's worker does
+    with Gateway(recording, chat_tokenizer, api_key="job-key", context_length=512, update_gate=gate) as gw:
+        sid = gw.open_session()
+        client = openai.OpenAI(base_url=gw.session_url(sid), api_key="job-key", max_retries=0)
+        no_stop = {str(t): -100 for t in gw.stop_token_ids}
+
+        def call():
+            return client.chat.completions.create(
+                model="m", messages=USER, max_tokens=120, temperature=0.0, logit_bias=no_stop
+            )
+
+        with slowed_generation(sglang_server, call) as (thread, box):
+            gate.begin()
+            try:  # the update itself (after the trainer's export: the gateway has seen the abort by then)
+                deadline = time.monotonic() + 30
+                while gw.sessions[sid].resumes == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                sglang_server.call("/slow_down", {"forward_sleep_time": None})
+                sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="new")
+                updated = time.monotonic()
+            finally:
+                gate.end()
+            thread.join(timeout=120)
+        assert not thread.is_alive() and "error" not in box, box.get("error")
+        session = gw.close_session(sid)
+    answer = box["result"]
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 120
+    (first, second) = recording.calls
+    cut = first["out"][0]
+    k = len(cut["output_ids"])
+    assert cut["finish_reason"] == "abort" and 0 < k < 120 and session.resumes == 1
+    assert second["input_ids"][0] == first["input_ids"][0] + cut["output_ids"]
+    (sample,) = session.episode.samples()
+    assert list(sample.response_ids) == cut["output_ids"] + second["out"][0]["output_ids"]
+    assert sample.response_weight_versions == ["old"] * k + ["new"] * (120 - k)
+    assert sample.weight_version == "new" and list(sample.response_loss_mask) == [1] * 120
+    assert answer.choices[0].message.content == chat_tokenizer.decode(sample.response_ids, skip_special_tokens=False)
+    assert second["sent"] > updated  # the resumed request waited for the update
+
+
+def test_a_call_whose_update_never_ends_answers_503(sglang_server, slowed_generation, recording, chat_tokenizer):
+    """A cut call waits for the update at most the gate's timeout, then answers 503 (the client may retry)."""
+    from tidal.rollout import InterruptibleUpdates
+
+    gate = InterruptibleUpdates(sglang_server, timeout_s=1)
+    with Gateway(recording, chat_tokenizer, api_key="job-key", context_length=512, update_gate=gate) as gw:
+        sid = gw.open_session()
+        client = openai.OpenAI(base_url=gw.session_url(sid), api_key="job-key", max_retries=0)
+        no_stop = {str(t): -100 for t in gw.stop_token_ids}
+
+        def call():
+            return client.chat.completions.create(
+                model="m", messages=USER, max_tokens=120, temperature=0.0, logit_bias=no_stop
+            )
+
+        with slowed_generation(sglang_server, call) as (thread, box):
+            gate.begin()  # and no end: the update hangs
+            thread.join(timeout=60)
+        gate.end()
+        assert not thread.is_alive()
+        error = box["error"]
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+        assert "a weight update did not finish in 1 s" in str(error)
+        assert len(recording.calls) == 1 and gw.sessions[sid].calls == 0  # nothing resent, nothing recorded

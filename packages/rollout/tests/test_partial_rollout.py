@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -206,3 +207,21 @@ def test_mask_offpolicy_tokens_keeps_tool_masks() -> None:
     assert mask_offpolicy_tokens([s], "1")[0].loss_mask == [0, 1, 0, 0]
     fresh = Sample(prompt_ids=[1], response_ids=[2], response_log_probs=[-1.0], finish_reason="stop")
     assert mask_offpolicy_tokens([fresh], None)[0] is fresh  # all tokens from the current (None) version
+
+
+def test_an_update_gate_holds_its_waiters_until_the_last_update_ends() -> None:
+    from tidal.rollout import UpdateGate
+
+    gate = UpdateGate(timeout_s=30)
+    assert gate.wait_idle()
+    gate.begin()
+    gate.begin()  # two updates overlap: the waiters go on after the second ends
+    assert not gate.wait_idle(0.05)
+    released = threading.Event()
+    waiter = threading.Thread(target=lambda: gate.wait_idle() and released.set())
+    waiter.start()
+    gate.end()
+    assert not released.wait(0.2)
+    gate.end()
+    waiter.join(timeout=10)
+    assert released.is_set()

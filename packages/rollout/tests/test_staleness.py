@@ -6,7 +6,7 @@ import pytest
 from tidal.rollout import Sample, mask_stale_tokens, staleness_metrics, version_number
 
 
-def _sample(versions: list[str], mask: list[int] | None = None) -> Sample:
+def _sample(versions: list[str | None], mask: list[int] | None = None) -> Sample:
     return Sample(
         prompt_ids=[1, 2],
         response_ids=[3] * len(versions),
@@ -31,6 +31,19 @@ def test_staleness_counts_loss_tokens_only_and_stale_tokens_are_masked_not_dropp
     assert len(kept) == len(samples)  # every sample stays: its reward still counts for its group
     assert staleness_metrics(kept, 4)["rollout/staleness_max"] == 1.0
     assert mask_stale_tokens(samples, oldest=1) == (samples, 0)
+
+
+def test_an_agent_samples_template_tokens_do_not_make_it_mixed():
+    # An agent's sample holds the tokens of the turns between its answers (loss mask 0, no version): only the
+    # sampled tokens count, and both answers here came from version 2.
+    agent = _sample(["2", "2", None, None, "2"], mask=[1, 1, 0, 0, 1])
+    assert staleness_metrics([agent], 3) == {
+        "rollout/staleness_max": 1.0,
+        "rollout/staleness_mean": 1.0,
+        "rollout/mixed_version_samples": 0.0,
+    }
+    resumed = _sample(["2", "3", None, "3"], mask=[1, 1, 0, 1])  # an update cut the first answer
+    assert staleness_metrics([resumed], 3)["rollout/mixed_version_samples"] == 1.0
 
 
 def test_a_version_the_engine_did_not_number_counts_as_the_initial_weights():

@@ -170,6 +170,7 @@ class DriverRollouts:
                 self.tokenizer,
                 max_concurrent_calls=cfg.agent_max_concurrency,
                 default_max_tokens=cfg.rollout_max_response_len,
+                update_gate=self.engines.update_gate,  # --max-staleness: a cut call resumes after the update
             ).start()
             self.agents = AgentRunner(
                 gateway,

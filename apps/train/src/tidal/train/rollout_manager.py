@@ -111,7 +111,7 @@ class RolloutManager:
         ``plan`` says whether the engines release their memory while the actor trains (--offload-rollout);
         ``async_plan`` whether a weight update interrupts generation; ``handoff`` records those calls.
         """
-        from tidal.rollout import resolve_reward_fn
+        from tidal.rollout import UpdateGate, resolve_reward_fn
         from tidal.train.handoff import HandOffLog
 
         self.cfg, self.placement_cfg, self.eval_cfg, self.data = rollout, placement, evaluation, train_data
@@ -122,6 +122,8 @@ class RolloutManager:
         self.lora_name: str | None = None
         """The LoRA adapter every engine serves now (None: the base model)."""
         self.async_plan = async_plan
+        self.update_gate = UpdateGate()
+        """Open while no interruptible update runs: the driver's requests an update cut wait here (the gateway)."""
         self.handoff = handoff or HandOffLog(None)
         self._released: list[str] = []  # memory tags the engines have released now
         self.reward_fn = resolve_reward_fn(self.cfg.custom_rm_path or self.cfg.rm_type)
@@ -213,12 +215,20 @@ class RolloutManager:
     def begin_update(self) -> None:
         """A weight sync starts: interruptible engines abort their requests in flight (``AsyncPlan``)."""
         if self.engines and self.async_plan.interruptible_updates:
-            ray.get([e.begin_update.remote() for e in self.engines])
+            self.update_gate.begin()  # before the abort: what it cuts waits for the update
+            try:
+                ray.get([e.begin_update.remote() for e in self.engines])
+            except BaseException:
+                self.update_gate.end()
+                raise
 
     def end_update(self) -> None:
         """The sync :meth:`begin_update` announced is done: the requests it cut resume under the new weights."""
         if self.engines and self.async_plan.interruptible_updates:
-            ray.get([e.end_update.remote() for e in self.engines])
+            try:
+                ray.get([e.end_update.remote() for e in self.engines])
+            finally:
+                self.update_gate.end()
 
     def _launch(self, worker) -> None:
         self.engines.append(worker)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from tidal.rollout.health import Heartbeat
     from tidal.rollout.import_path import load_callable
     from tidal.rollout.lora_adapters import ServedAdapters, adapter_name, load_adapter_from_tensors, lora_server_args
-    from tidal.rollout.partial_rollout import InterruptibleUpdates, generate_partial_rollout
+    from tidal.rollout.partial_rollout import InterruptibleUpdates, UpdateGate, generate_partial_rollout
     from tidal.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
     from tidal.rollout.staleness import mask_stale_tokens, staleness_metrics, version_number
@@ -91,6 +91,7 @@ _LAZY = {
     "lora_server_args": "lora_adapters",
     "generate_partial_rollout": "partial_rollout",
     "InterruptibleUpdates": "partial_rollout",
+    "UpdateGate": "partial_rollout",
     "RewardFn": "rewards",
     "resolve_reward_fn": "rewards",
     "score_samples": "rewards",
@@ -139,6 +140,7 @@ __all__ = [
     "SGLangEngine",
     "Sample",
     "ServedAdapters",
+    "UpdateGate",
     "adapter_name",
     "agent_rollout",
     "check_chat_template",

@@ -79,7 +79,38 @@ def mask_offpolicy_tokens(samples: Sequence[Sample], current_version: str | None
     return out
 
 
-class InterruptibleUpdates:
+class UpdateGate:
+    """Weight updates announced by :meth:`begin` and :meth:`end`: a request an update cut waits here to resume.
+
+    Shared by the thread that runs the update and those that generate (asynchronous training, ``--max-staleness``):
+    a generation whose request came back aborted calls :meth:`wait_idle`, so its next tokens come from the new
+    weights rather than racing the update with the old ones.
+    """
+
+    def __init__(self, *, timeout_s: float = 600.0) -> None:
+        """A gate with no update running; :meth:`wait_idle` waits at most ``timeout_s`` by default."""
+        self.timeout_s = timeout_s
+        self._updating = 0
+        self._cond = threading.Condition()
+
+    def begin(self) -> None:
+        """An update starts (every :meth:`begin` needs its :meth:`end`)."""
+        with self._cond:
+            self._updating += 1
+
+    def end(self) -> None:
+        """The update :meth:`begin` announced is in: requests waiting in :meth:`wait_idle` go on."""
+        with self._cond:
+            self._updating = max(0, self._updating - 1)
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until no update runs (at most ``timeout_s``, default the gate's); False when one still runs."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._updating == 0, timeout=timeout_s or self.timeout_s)
+
+
+class InterruptibleUpdates(UpdateGate):
     """Weight updates that do not wait for the requests in flight: they are aborted, and resumed under the new weights.
 
     One per engine, shared by the threads that generate on it and the one that loads its weights (asynchronous
@@ -90,12 +121,10 @@ class InterruptibleUpdates:
 
     def __init__(self, engine: SGLangClient, *, timeout_s: float = 600.0) -> None:
         """Interrupt ``engine``'s requests on update; a generation waits at most ``timeout_s`` for an update."""
+        super().__init__(timeout_s=timeout_s)
         self.engine = engine
-        self.timeout_s = timeout_s
         self.interrupted_samples = 0
         """Samples cut by an update and resumed, so far."""
-        self._updating = 0
-        self._cond = threading.Condition()
 
     def update(self, load: Callable[[], None]) -> None:
         """Abort the requests in flight, then ``load()`` the new weights (e.g. ``engine.update_weights_from_disk``)."""
@@ -110,19 +139,12 @@ class InterruptibleUpdates:
 
         Every :meth:`begin` needs its :meth:`end`; the cut samples resume after the last one.
         """
-        with self._cond:
-            self._updating += 1  # before the abort: a generation that sees its samples cut waits for this update
+        super().begin()  # before the abort: a generation that sees its samples cut waits for this update
         try:
             self.engine.abort()
         except BaseException:
             self.end()
             raise
-
-    def end(self) -> None:
-        """The update :meth:`begin` announced is in: the samples it cut resume under the new weights."""
-        with self._cond:
-            self._updating = max(0, self._updating - 1)
-            self._cond.notify_all()
 
     def generate(
         self,
@@ -138,12 +160,11 @@ class InterruptibleUpdates:
         """
         samples = generate()
         while any(s.finish_reason == "abort" for s in samples):
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._updating == 0, timeout=self.timeout_s):
-                    raise RolloutError(
-                        f"{self.engine.url}: a weight update did not finish in {self.timeout_s:.0f} s while "
-                        f"{sum(s.finish_reason == 'abort' for s in samples)} interrupted sample(s) waited to resume"
-                    )
+            if not self.wait_idle():
+                raise RolloutError(
+                    f"{self.engine.url}: a weight update did not finish in {self.timeout_s:.0f} s while "
+                    f"{sum(s.finish_reason == 'abort' for s in samples)} interrupted sample(s) waited to resume"
+                )
             self.interrupted_samples += sum(s.finish_reason == "abort" for s in samples)
             samples = resume_samples(self.engine, samples, sampling_params, decode=decode)
         return samples

@@ -35,13 +35,17 @@ def mask_stale_tokens(samples: list, oldest: int) -> tuple[list, int]:
 
 
 def staleness_metrics(samples: list, version: int) -> dict[str, Any]:
-    """``rollout/staleness_max``, ``_mean`` (``version`` minus each loss token's weight version), mixed samples."""
+    """``rollout/staleness_max``, ``_mean`` (``version`` minus each loss token's weight version), mixed samples.
+
+    A sample is mixed when its loss tokens came from more than one version (a generation resumed after an update).
+    """
     stale, mixed = [], 0
     for s in samples:
         mask = s.response_loss_mask or [1] * len(s.response_ids)
         versions = [version_number(v) for v in s.token_weight_versions]
-        stale += [version - v for m, v in zip(mask, versions, strict=True) if m]
-        mixed += len(set(versions)) > 1
+        used = [v for m, v in zip(mask, versions, strict=True) if m]  # not an agent turn's template tokens (None)
+        stale += [version - v for v in used]
+        mixed += len(set(used)) > 1
     metrics = {"rollout/mixed_version_samples": float(mixed)}
     if not stale:
         return metrics | {"rollout/staleness_max": 0.0, "rollout/staleness_mean": 0.0}

@@ -21,11 +21,14 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tidal.rollout.errors import RolloutError
 from tidal.rollout.gateway.chat import ChatRequest, Completion, GatewayError, parse_tool_calls
 from tidal.rollout.gateway.sessions import Episode, Turn
+
+if TYPE_CHECKING:
+    from tidal.rollout.partial_rollout import UpdateGate
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class Gateway:
         stop_token_ids: Sequence[int] | None = None,
         max_concurrent_calls: int = 256,
         default_max_tokens: int | None = None,
+        update_gate: UpdateGate | None = None,
     ) -> None:
         """Describe the gateway; nothing listens until :meth:`start`.
 
@@ -96,6 +100,9 @@ class Gateway:
             stop_token_ids: Tokens that end an answer (None: the tokenizer's EOS and ``<|im_end|>`` if known).
             max_concurrent_calls: Engine calls in flight at once (threads waiting on ``/generate``).
             default_max_tokens: Answer length of a request that gives no ``max_tokens`` (None: up to the context).
+            update_gate: The weight updates that abort the engines' requests (``--max-staleness``): a call they cut
+                waits for the update before it resumes, so its next tokens come from the new weights (None: it
+                resumes at once).
         """
         engine_list = [engines] if hasattr(engines, "generate") else list(engines)  # type: ignore[arg-type]
         if not engine_list:
@@ -110,6 +117,7 @@ class Gateway:
         self.context_length = context_length or (limit if isinstance(limit, int) and limit < 10**8 else None)
         self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else self._default_stops()))
         self.default_max_tokens = default_max_tokens
+        self.update_gate = update_gate
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
@@ -224,9 +232,9 @@ class Gateway:
     async def complete(self, session: Session, request: ChatRequest) -> Completion:
         """Answer one chat call of ``session``: render, extend or fork its tokens, generate, record, parse.
 
-        A generation the engine aborts (a weight update interrupting it) is resumed: the prompt plus the tokens
-        sampled so far go out again for the rest of the budget, each token keeping the weight version that
-        sampled it.
+        A generation the engine aborts (a weight update interrupting it) is resumed, once the update is in when
+        the gateway has an ``update_gate``: the prompt plus the tokens sampled so far go out again for the rest of
+        the budget, each token keeping the weight version that sampled it.
         """
         turn = session.episode.prepare(self.render(request))
         params = self.sampling_params(request, len(turn.prompt_ids))
@@ -254,6 +262,11 @@ class Gateway:
             if out["finish_reason"] != "abort":
                 break
             session.resumes += 1
+            gate = self.update_gate
+            if gate is not None and not await loop.run_in_executor(self._executor, gate.wait_idle):
+                raise GatewayError(
+                    503, f"a weight update did not finish in {gate.timeout_s:.0f} s; retry", kind="server_error"
+                )
         else:
             raise GatewayError(503, f"generation was aborted {_MAX_RESUMES + 1} times; retry", kind="server_error")
         session.calls += 1
