@@ -1,11 +1,11 @@
 """--update-weight-delta against the session's real SGLang server: `train` runs, and the sender's functions.
 
 The runs: two pipeline stages (each sends its own delta) over the disk transport to the external engine, with
---check-weight-update-equal; and, over disk and over nccl (gloo on CPU), four rollouts during the third of which the
-server is given other weights and another version (its initial ones, as a restarted server serves): that sync
-goes whole, the next one as deltas again. The functions: the "actor" is the embedded checkpoint's own tensors
-(what the server loaded), then a copy with a few elements changed, sent as on the sending rank (one delta corrupted
-on purpose).
+--check-weight-update-equal; and, over disk and over nccl (gloo on CPU, two pipeline stages), four rollouts during
+the third of which the server is given other weights and another version (its initial ones, as a restarted server
+serves): that sync goes whole, the next one as deltas again. The functions: the "actor" is the embedded
+checkpoint's own tensors (what the server loaded), then a copy with a few elements changed, sent as on the sending
+rank (one delta corrupted on purpose).
 """
 
 from __future__ import annotations
@@ -144,11 +144,14 @@ def test_a_pipeline_run_syncs_deltas_over_disk_with_equal_log_probs(tmp_path: Pa
 def test_a_server_serving_another_version_gets_the_next_sync_whole_then_deltas_again(
     tmp_path: Path, external_engine: str, transport: str
 ) -> None:
+    """Over nccl with two pipeline stages: each stage broadcasts its own delta through its own group."""
     client = SGLangClient(f"http://{external_engine}")
     client.update_weights_from_disk(ensure_embedded_model(), weight_version="0")
     args = [*COMMON, "--num-rollout", "4", "--update-weight-delta", "--update-weight-transport", transport,
             "--check-weight-update-equal", "--rollout-external-engine-addrs", external_engine,
             "--custom-generate-function-path", "tidal_train_plugins:reload_the_server_once"]  # fmt: skip
+    stages = 2 if transport == "nccl" else 1
+    args += ["--pipeline-model-parallel-size", str(stages), "--actor-num-gpus-per-node", str(stages)]
     reloaded = tmp_path / "reloaded"
     try:
         with pytest.MonkeyPatch.context() as env:
@@ -166,6 +169,8 @@ def test_a_server_serving_another_version_gets_the_next_sync_whole_then_deltas_a
         assert f"{external_engine}: '0'; sending the weights whole" in log
         assert all(r["weight_sync/delta_fallbacks"] == 0.0 for r in records)
         assert all(r["weight_sync/probe_logprob_abs_diff/mean"] <= 0.05 for r in records)  # the actor's weights
+        if stages == 2:
+            assert all(r["weight_sync/pp0/mb"] > 0 and r["weight_sync/pp1/mb"] > 0 for r in records)
         assert not leftovers, leftovers
     finally:
         client.update_weights_from_disk(ensure_embedded_model())
