@@ -36,6 +36,27 @@ def two_turns_with_a_tool(engine, prompt_ids: list[int], sampling_params: dict[s
     )
 
 
+def reload_the_server_once(engine, prompt_ids: list[int], sampling_params: dict[str, Any], *, label) -> Sample:
+    """One plain sample; the first call to see the server at version $TIDAL_TEST_RELOAD_AT then reloads the
+    embedded model's initial weights into the server at $TIDAL_TEST_SERVER as version "0" (what a server restarted
+    under the run serves), once: it creates the file $TIDAL_TEST_RELOADED."""
+    from tidal.rollout import SGLangClient
+    from tidal.train.embedded_model import ensure_embedded_model
+
+    (out,) = engine.generate([prompt_ids], {k: v for k, v in sampling_params.items() if k != "n"})
+    sample = Sample(prompt_ids=prompt_ids, response_ids=out["output_ids"], response_log_probs=out["output_log_probs"],
+                    response_loss_mask=[1] * len(out["output_ids"]), finish_reason=out["finish_reason"], label=label,
+                    weight_version=out["weight_version"])  # fmt: skip
+    if out["weight_version"] == os.environ["TIDAL_TEST_RELOAD_AT"]:
+        try:
+            os.close(os.open(os.environ["TIDAL_TEST_RELOADED"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:  # another sample's call reloaded it
+            return sample
+        server = SGLangClient(f"http://{os.environ['TIDAL_TEST_SERVER']}")
+        server.update_weights_from_disk(ensure_embedded_model(), weight_version="0")
+    return sample
+
+
 def keep_listed_prompts(group) -> bool:
     """Keep a group whose prompt ids are listed in the JSON file $TIDAL_TEST_KEEP."""
     with open(os.environ["TIDAL_TEST_KEEP"]) as f:

@@ -65,7 +65,6 @@ BAD = [
     (["--rollout-num-gpus", "0"], "--rollout-num-gpus 0 places no SGLang engine"),
     (["--update-weight-transport", "rdma"], "--update-weight-transport must be one of tensor, nccl, disk"),
     (["--update-weight-transport", "tensor", "--rollout-external-engine-addrs", "h:1"], "transport nccl"),
-    (["--update-weight-delta", "--update-weight-transport", "nccl"], "--update-weight-delta .* tensor .* or disk"),
     (["--update-weight-delta", "--lora-rank", "8"], "--update-weight-delta with --lora-rank 8 is not supported"),
     (["--rollout-external-engine-addrs", "h:1", "--offload"], "drop --offload-rollout"),
     (["--update-weight-timeout", "0"], "--update-weight-timeout must be > 0"),

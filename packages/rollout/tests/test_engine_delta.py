@@ -13,8 +13,13 @@ import torch
 from safetensors.torch import load_file
 from tidal.rollout import SGLangEngine
 from tidal.rollout.engine import DELTA_LOADER
-from tidal.rollout.engine_delta import DELTA_REPORT, LOADER, decode_delta, delta_checksum, encode_delta
-from tidal.rollout.weight_sync import update_weights_from_tensor
+from tidal.rollout.engine_delta import DELTA_REPORT, DELTA_ROUTE, LOADER, decode_delta, delta_checksum, encode_delta
+from tidal.rollout.weight_sync import (
+    destroy_weights_update_group,
+    init_weights_update_group,
+    update_weights_from_distributed,
+    update_weights_from_tensor,
+)
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -78,6 +83,59 @@ def test_sglang_still_hands_a_named_custom_loader_the_model_and_the_tensors() ->
     assert "custom_loader(self.get_model(), named_tensors)" in calls
     assert "load_format in self.custom_weight_loaders" in source
     assert DELTA_LOADER == LOADER
+
+
+def test_sglang_still_loads_broadcast_tensors_with_the_models_load_weights_and_no_custom_loader() -> None:
+    """``engine_delta.route_broadcast_deltas`` works around this; it fails when upstream changes it (then name the
+    delta loader in the broadcast's ``load_format``, if SGLang now dispatches it, and drop the route)."""
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    load = textwrap.dedent(inspect.getsource(WeightUpdater.load_weights_from_distributed))
+    calls = [ast.unparse(n) for n in ast.walk(ast.parse(load)) if isinstance(n, ast.Call)]
+    assert "self.get_model().load_weights(named_tensors)" in calls
+    for fn in (
+        WeightUpdater.receive_weights_from_distributed,
+        SchedulerWeightUpdaterManager.update_weights_from_distributed,
+    ):
+        source = inspect.getsource(fn)
+        assert "custom_weight_loader" not in source and "dynamic_import" not in source, fn.__qualname__
+
+
+def test_a_routed_broadcast_applies_deltas_and_reports_while_a_plain_one_loads_as_before(
+    sglang_server: SGLangEngine, tiny_model_dir: Path, other_model_dir: Path, tmp_path: Path, free_port
+) -> None:
+    original = _greedy(sglang_server)
+    tiny = load_file(tiny_model_dir / "model.safetensors")
+    other = load_file(other_model_dir / "model.safetensors")
+    deltas = {n: encode_delta(n, other[n], tiny[n]) for n in sorted(tiny)}
+    entries = [d[:2] for d in deltas.values() if d is not None]
+    group_name = "tidal_test_delta"
+    group = init_weights_update_group(sglang_server, master_address="127.0.0.1", master_port=free_port(),
+                                      group_name=group_name, backend="gloo", timeout_s=120)  # fmt: skip
+    try:
+        for _ in range(2):  # installing it again changes nothing
+            update_weights_from_tensor(sglang_server, [(DELTA_ROUTE, torch.empty(0))], load_format=LOADER)
+        routed = [(f"{DELTA_REPORT}{tmp_path}", torch.zeros(1, dtype=torch.uint8)), *entries]
+        update_weights_from_distributed(sglang_server, group, routed, group_name=group_name, weight_version="b1",
+                                        timeout_s=120, bucket_bytes=2**62)  # fmt: skip
+        (report,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+        assert report["sums"] == {n: str(delta_checksum(other[n])) for n, d in deltas.items() if d is not None}
+        assert sglang_server.get_model_info()["weight_version"] == "b1"
+        expected = _greedy(sglang_server)
+        assert expected != original
+        sglang_server.update_weights_from_disk(other_model_dir)
+        assert _greedy(sglang_server) == expected  # the broadcast deltas gave exactly other_model_dir's weights
+
+        for path in tmp_path.glob("*.json"):
+            path.unlink()
+        update_weights_from_distributed(sglang_server, group, sorted(tiny.items()), group_name=group_name,
+                                        timeout_s=120)  # fmt: skip
+        assert _greedy(sglang_server) == original  # a plain broadcast: whole tensors, loaded as without the route
+        assert not list(tmp_path.glob("*.json"))
+    finally:
+        destroy_weights_update_group(sglang_server, group, group_name=group_name)
+        sglang_server.update_weights_from_disk(tiny_model_dir)
 
 
 def test_deltas_bring_the_real_server_to_other_weights_and_back_with_matching_checksums(

@@ -153,7 +153,7 @@ class WeightSyncConfig:
     with one error naming the engines."""
     update_weight_delta: bool = False
     """Each weight sync sends only the elements whose value in the engines' dtype changed since the version they
-    serve, checked by a checksum per tensor (tensor and disk transports); costs one host copy of the weights."""
+    serve, checked by a checksum per tensor (every transport); costs one host copy of the weights."""
     check_weight_update_equal: bool = False
     """After every weight sync, compare the engines' log-probs on a fixed probe (the first training prompts) with
     the actor's, record the gap and stop when its mean exceeds --check-weight-update-tolerance."""

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         sample_with_dynamic_filter,
     )
     from tidal.rollout.engine import DELTA_LOADER, SGLangEngine
-    from tidal.rollout.engine_delta import DELTA_FILE, DELTA_REPORT, delta_checksum, encode_delta
+    from tidal.rollout.engine_delta import DELTA_FILE, DELTA_REPORT, DELTA_ROUTE, delta_checksum, encode_delta
     from tidal.rollout.gateway.agents import AgentRunner, agent_rollout, load_agent_fn
     from tidal.rollout.gateway.server import Gateway
     from tidal.rollout.generation import (
@@ -58,6 +58,7 @@ _LAZY = {
     "DELTA_LOADER": "engine",
     "DELTA_FILE": "engine_delta",
     "DELTA_REPORT": "engine_delta",
+    "DELTA_ROUTE": "engine_delta",
     "delta_checksum": "engine_delta",
     "encode_delta": "engine_delta",
     "SGLangClient": "client",
@@ -123,6 +124,7 @@ __all__ = [
     "DELTA_FILE",
     "DELTA_LOADER",
     "DELTA_REPORT",
+    "DELTA_ROUTE",
     "WILDCARD_HOSTS",
     "AgentRunner",
     "EngineUnavailableError",

@@ -15,12 +15,14 @@ it holds, whatever the fusion (q/k/v, gate/up), TP sharding or padding. After lo
 and its :func:`delta_checksum` (where this rank holds every element) goes into a JSON report, one file per
 server process, in the folder a ``tidal.report|DIR`` entry names; the sender compares them with its own. A
 plain-named entry is a whole tensor (a fallback), loaded the normal way and checked the same. A ``tidal.file|PATH``
-entry names a safetensors file of such entries (the disk transport), read here.
+entry names a safetensors file of such entries (the disk transport), read here. A ``tidal.route|`` entry installs
+:func:`route_broadcast_deltas` (the nccl transport's way in).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -38,6 +40,7 @@ LOADER = f"{__name__}.load_delta"
 DELTA = "tidal.delta|"
 DELTA_REPORT = "tidal.report|"
 DELTA_FILE = "tidal.file|"
+DELTA_ROUTE = "tidal.route|"
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 24
 
@@ -211,7 +214,7 @@ def _entries(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str | N
             from safetensors.torch import load_file
 
             entries += load_file(key.removeprefix(DELTA_FILE), device=str(tensor.device)).items()
-        else:
+        elif not key.startswith(DELTA_ROUTE):
             entries.append((key, tensor))
     return report, entries
 
@@ -223,6 +226,8 @@ def load_delta(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tens
     reported as "error", and a report that cannot be written leaves the sender one report short, which it names.
     """
     try:
+        if any(key.startswith(DELTA_ROUTE) for key, _ in named_tensors):
+            route_broadcast_deltas(model)
         report, entries = _entries(named_tensors)
     except Exception as e:
         logger.warning("tidal delta entries could not be read: %r", e)
@@ -248,3 +253,29 @@ def load_delta(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tens
             tmp.replace(out)
     except Exception as e:
         logger.warning("tidal delta update failed: %r", e)
+
+
+def route_broadcast_deltas(model: torch.nn.Module) -> None:
+    """Wrap ``model.load_weights`` (once): a request opening with a report entry goes to :func:`load_delta`.
+
+    Every other call passes through unchanged (lazily: a checkpoint's iterator stays one). A workaround of an
+    upstream limit, in this one place: SGLang's ``/update_weights_from_distributed`` (the nccl transport) hands the
+    tensors it receives to ``model.load_weights`` itself and, unlike ``/update_weights_from_tensor``, dispatches to
+    no custom weight loader (its ``load_format`` only selects the flattened-bucket receipt). The sender installs the
+    wrapper with a ``tidal.route|`` entry through ``/update_weights_from_tensor`` before each delta sync over nccl (a
+    restarted server starts without it), then broadcasts requests whose first entry is ``tidal.report|DIR``.
+    ``tests/test_engine_delta.py`` fails when SGLang changes that path.
+    """
+    if getattr(model.load_weights, "tidal_routes_deltas", False):
+        return
+    plain = model.load_weights
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]], *args, **kwargs):
+        weights = iter(weights)
+        first = next(weights, None)
+        if first is not None and first[0].startswith(DELTA_REPORT):
+            return load_delta(model, [first, *weights])
+        return plain(weights if first is None else itertools.chain([first], weights), *args, **kwargs)
+
+    load_weights.tidal_routes_deltas = True
+    model.load_weights = load_weights

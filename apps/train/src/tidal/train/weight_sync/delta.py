@@ -4,8 +4,9 @@ The sending rank (rank 0, or each pipeline stage's first rank for its own tensor
 the tensors it sent, in the engines' dtype, in host memory (pinned when the actor offloads, for the copies back to
 the GPU). A sync compares each exported tensor with it on the tensor's device and sends, per tensor, the changed
 elements (indices or a bitmask, whichever is smaller, and their values; see ``tidal.rollout.engine_delta``), in
-requests of at most --update-weight-buffer-size bytes, through ``/update_weights_from_tensor`` (tensor transport) or
-as safetensors files the engines read (disk transport). The engines apply them to their current weights and report a
+requests of at most --update-weight-buffer-size bytes, through ``/update_weights_from_tensor`` (tensor transport),
+as safetensors files the engines read (disk transport) or broadcast through the weight group (nccl transport; see
+``tidal.rollout.engine_delta.route_broadcast_deltas``). The engines apply them to their current weights and report a
 checksum per tensor; a tensor whose checksum differs from the snapshot's is sent again whole (a warning, and
 ``weight_sync/delta_fallbacks`` counts it). The driver's :class:`DeltaSync` sends everything whole (and rebuilds
 the snapshots) whenever the engines may not hold the version the snapshots hold: the first sync, after a sync that
@@ -101,12 +102,14 @@ class DeltaSender:
     _delta_snapshots: dict[int | None, DeltaSnapshot] | None = None
 
     def sync_delta(self, targets: list[dict[str, Any]], version: str, bucket_bytes: int, tp_size: int,
-                   stage: int | None, full: bool, folder: str | None, pin: bool) -> dict:  # fmt: skip
+                   stage: int | None, full: bool, folder: str | None, pin: bool,
+                   transport: str = "tensor") -> dict:  # fmt: skip
         """Send the weights (``stage``'s, or the whole model from rank 0) as deltas, or whole when ``full``.
 
-        ``folder``: the disk transport's folder (shared with the engines) for the request files and the engines'
-        reports; None: tensor transport (handles), reports in a temporary folder on this host. Only the last part's
-        last request sets ``version`` and flushes the engines' cache. Returns the sender's metrics, else {}.
+        ``transport`` "tensor": handles, reports in a temporary folder on this host (``folder`` None). "disk": the
+        request files and the engines' reports in ``folder`` (shared with the engines). "nccl": broadcast through this
+        rank's weight group (:meth:`init_weight_group`), the engines' reports in ``folder``. Only the last part's last
+        request sets ``version`` and flushes the engines' cache. Returns the sender's metrics, else {}.
         """
         sender = self._sender(targets, bucket_bytes, stage)
         if sender is None:
@@ -116,8 +119,10 @@ class DeltaSender:
         snap = snaps.setdefault(stage, DeltaSnapshot(pin=pin))
         where = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="tidal-delta-"))
         try:
-            link = _Link(engines, where, disk=folder is not None, tp_size=tp_size,
-                         expected=sum(t["tp_size"] for t in targets))  # fmt: skip
+            link = _Link(engines, where, disk=transport == "disk", tp_size=tp_size,
+                         expected=sum(t["tp_size"] for t in targets),
+                         group=self.weight_group if transport == "nccl" else None,
+                         timeout_s=targets[0]["timeout_s"])  # fmt: skip
             metrics = _send(link, named, snap, full, bucket_bytes, version if last else None, last)
         finally:
             if folder is None:
@@ -132,12 +137,23 @@ class DeltaSender:
 
 
 class _Link:
-    """One engine set's requests: tensors or files in, checksum reports out."""
+    """One engine set's requests: tensors, files or broadcasts in, checksum reports out.
 
-    def __init__(self, engines: list, folder: Path, *, disk: bool, tp_size: int, expected: int) -> None:
+    ``group``: the sender's weight group ``(group, name)``: the requests are broadcast (nccl transport) and reach
+    the delta loader through ``engine_delta.route_broadcast_deltas``, installed here on every engine first.
+    """
+
+    def __init__(self, engines: list, folder: Path, *, disk: bool, tp_size: int, expected: int,
+                 group: tuple[Any, str] | None = None, timeout_s: float = 300.0) -> None:  # fmt: skip
+        from tidal.rollout import DELTA_LOADER, DELTA_ROUTE, update_weights_from_tensor
+
         self.engines, self.folder, self.disk, self.tp_size, self.expected = engines, folder, disk, tp_size, expected
+        self.group, self.timeout_s = group, timeout_s
         folder.mkdir(parents=True, exist_ok=True)
         self.num_requests, self.mb = 0, 0.0
+        if group is not None:  # no tensors: an empty one travels by value, whichever host the engine is on
+            update_weights_from_tensor(engines, [(DELTA_ROUTE, torch.empty(0))], flush_cache=False, tp_size=tp_size,
+                                       load_format=DELTA_LOADER)  # fmt: skip
 
     def send(self, entries: list[tuple[str, torch.Tensor]], version: str | None, flush: bool) -> dict[str, Any]:
         """Apply ``entries`` on every engine; each engine process's report ``{"dtype", "sums"}`` merged."""
@@ -153,9 +169,13 @@ class _Link:
             save_file({k: t.contiguous().cpu() for k, t in entries}, str(path))
             entries = [(f"{DELTA_FILE}{path}", torch.empty(0))]  # an empty tensor travels by value, not as a handle
         self.num_requests += 1
-        entries = [*entries, (f"{DELTA_REPORT}{self.folder}", torch.empty(0))]
-        update_weights_from_tensor(self.engines, entries, bucket_bytes=2**62, weight_version=version, flush_cache=flush,
-                                   tp_size=self.tp_size, load_format=DELTA_LOADER)  # fmt: skip
+        report = f"{DELTA_REPORT}{self.folder}"
+        if self.group is not None:
+            self._broadcast([(report, torch.zeros(1, dtype=torch.uint8)), *entries], version, flush)
+        else:
+            update_weights_from_tensor(self.engines, [*entries, (report, torch.empty(0))], bucket_bytes=2**62,
+                                       weight_version=version, flush_cache=flush, tp_size=self.tp_size,
+                                       load_format=DELTA_LOADER)  # fmt: skip
         reports = [json.loads(p.read_text()) for p in sorted(self.folder.glob("*.json"))]
         if len(reports) != self.expected:
             raise RolloutError(
@@ -163,6 +183,17 @@ class _Link:
                 f"applied; each engine must be started with --custom-weight-loader {DELTA_LOADER}"
             )
         return {"dtype": reports[0]["dtype"], "sums": [r["sums"] for r in reports]}
+
+    def _broadcast(self, entries: list[tuple[str, torch.Tensor]], version: str | None, flush: bool) -> None:
+        """One request through the weight group, the report entry first (what routes it to the delta loader)."""
+        import torch.distributed as dist
+        from tidal.rollout import update_weights_from_distributed
+
+        group, name = self.group
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        update_weights_from_distributed(self.engines, group, [(k, t.to(device)) for k, t in entries], group_name=name,
+                                        bucket_bytes=2**62, weight_version=version, timeout_s=self.timeout_s,
+                                        flush_cache=flush)  # fmt: skip
 
 
 def _send(link: _Link, named, snap: DeltaSnapshot, full: bool, bucket_bytes: int, version: str | None,
@@ -255,16 +286,18 @@ class DeltaSync:
         targets = engines.weight_targets(plan.timeout_s)
         tp = max(t["tp_size"] for t in targets)
         folder = None
-        if plan.transport == "disk":
+        if plan.transport != "tensor":  # the engines' reports (and the disk transport's files) in the run folder
             folder = ws.export.root / f"v{version:06d}-delta"
             shutil.rmtree(folder, ignore_errors=True)
+        if plan.transport == "nccl":
+            ws._weight_group(targets)
         stages = [None] if ws.actors.on_gpu and plan.transport == "tensor" else ws._stages()
         pin = plan.offload_train
 
         def send(stage: int | None, left: float) -> list:
             where = None if folder is None else str(folder if stage is None else folder / f"pp{stage}")
             return ws.actors.call_all("sync_delta", targets, str(version), plan.bucket_bytes, tp, stage, full, where,
-                                      pin, timeout=left)  # fmt: skip
+                                      pin, plan.transport, timeout=left)  # fmt: skip
 
         metrics = ws._stages_in_turn(stages, send)
         if folder is not None:

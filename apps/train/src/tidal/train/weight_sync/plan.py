@@ -55,11 +55,6 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
             f"must share its GPUs; with {where} use --update-weight-transport nccl (or disk)"
         )
     adapter, transport = resolve_adapter_transport(actor, sync.update_weight_transport, transport)
-    if sync.update_weight_delta and transport == "nccl":
-        raise ValueError(
-            "--update-weight-delta sends its deltas through the engines' delta loader, which the nccl broadcast does "
-            "not reach: use --update-weight-transport tensor (co-located) or disk, or drop --update-weight-delta"
-        )
     if sync.update_weight_delta and external:
         logger.warning("--update-weight-delta: the --rollout-external-engine-addrs servers must be started with "
                        "--custom-weight-loader tidal.rollout.engine_delta.load_delta")  # fmt: skip

@@ -239,20 +239,25 @@ class WeightSync:
                 stages, lambda stage, left: call("sync_tensor", targets, str(version), plan.bucket_bytes, tp, stage,
                                                  timeout=left),
             )  # fmt: skip
+        name = self._weight_group(targets)
+        return self._stages_in_turn(
+            self._stages(), lambda stage, left: call("sync_broadcast", targets, str(version), plan.bucket_bytes, name,
+                                                     left, stage, timeout=left),
+        )  # fmt: skip
+
+    def _weight_group(self, targets: list[dict[str, Any]]) -> str:
+        """The nccl transport's groups (one per pipeline stage) with ``targets``, formed unless they are; the name."""
         if self._group is None:
             name = f"tidal_weights_{uuid.uuid4().hex[:8]}"  # a server another run used may still hold its group
             self._group = (name, targets)
             try:
                 for stage in self._stages():
-                    call("init_weight_group", targets, name, plan.timeout_s, stage, timeout=plan.timeout_s)
+                    self.actors.call_all("init_weight_group", targets, name, self.plan.timeout_s, stage,
+                                         timeout=self.plan.timeout_s)  # fmt: skip
             except Exception:
                 self.close()  # the groups of the stages formed before the failure
                 raise
-        name = self._group[0]
-        return self._stages_in_turn(
-            self._stages(), lambda stage, left: call("sync_broadcast", targets, str(version), plan.bucket_bytes, name,
-                                                     left, stage, timeout=left),
-        )  # fmt: skip
+        return self._group[0]
 
     def _stages(self) -> list[int | None]:
         """The pipeline stages that send their own tensors, in order ([None]: rank 0 sends the whole model)."""
