@@ -370,6 +370,13 @@ def test_sglang_flags_pass_through():
     assert job.rollout.sglang_server_args == ("--mem-fraction-static", "0.5", "--dtype", "bfloat16")
 
 
+def test_each_engine_is_given_tp_over_its_gpus_and_a_disagreeing_sglang_tp_size_is_one_line():
+    layout = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"]
+    with pytest.raises(ConfigErrors, match="--sglang-tp-size 1 disagrees with --rollout-num-gpus-per-engine 2"):
+        parse_job([*layout, "--sglang-tp-size", "1"])
+    assert parse_job([*layout, "--sglang-tp-size", "2"]).rollout.sglang_server_args[:2] == ("--tp-size", "2")
+
+
 def test_sglang_pass_through_is_checked_by_sglangs_own_parsers_one_line_per_flag():
     argv = ["--sglang-mem-fraction-static", "abc", "--sglang-attention-backend", "nope", "--sglang-mem-fraction-statc",
             "0.5", "--sglang-enable-metrics", "yes", "--sglang-router-cache-threshold", "x", "--lr", "-1"]  # fmt: skip

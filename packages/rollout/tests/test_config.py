@@ -82,3 +82,16 @@ def test_external_engine_addresses() -> None:
             RolloutConfig(rollout_external_engine_addrs=bad)
     with pytest.raises(ValueError, match="--rollout-external needs --rollout-external-engine-addrs"):
         RolloutConfig(rollout_external=True)
+
+
+def test_each_engine_serves_with_tensor_parallelism_over_the_gpus_it_is_given():
+    from tidal.rollout import with_engine_tp
+
+    assert with_engine_tp(("--mem-fraction-static", "0.5"), 1) == ("--mem-fraction-static", "0.5")
+    assert with_engine_tp(("--mem-fraction-static", "0.5"), 4) == ("--mem-fraction-static", "0.5", "--tp-size", "4")
+    assert with_engine_tp(("--tp-size", "2"), 2) == ("--tp-size", "2")
+    assert with_engine_tp(("--tensor-parallel-size=2",), 2) == ("--tensor-parallel-size=2",)
+    with pytest.raises(ValueError, match="--sglang-tp-size 1 disagrees with --rollout-num-gpus-per-engine 2"):
+        with_engine_tp(("--tp-size", "1"), 2)
+    with pytest.raises(ValueError, match="--sglang-tensor-parallel-size 4 disagrees"):
+        with_engine_tp(("--tensor-parallel-size=4",), 2)

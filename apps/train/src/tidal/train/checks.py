@@ -359,6 +359,14 @@ def check_router(rollout, placement) -> None:
         )
 
 
+def check_engine_tp(rollout, placement) -> None:
+    """``--sglang-tp-size``, where given, equals --rollout-num-gpus-per-engine (tidal passes it to each engine)."""
+    from tidal.rollout import with_engine_tp
+
+    if not rollout.rollout_external_engine_addrs:
+        with_engine_tp(rollout.sglang_server_args, placement.rollout_num_gpus_per_engine)
+
+
 def check_async(train, sync, rollout, placement) -> None:
     """``--max-staleness K >= 1`` overlaps generation with training: engines of their own, a weight sync per rollout."""
     k = train.max_staleness
@@ -545,6 +553,7 @@ def check_job(
     """The checks that span sections, on every section that could be built (None: it already has a problem)."""
     if rollout is not None and placement is not None:
         problems.run(check_router, rollout, placement)
+        problems.run(check_engine_tp, rollout, placement)
         if train is not None and sync is not None:
             problems.run(check_async, train, sync, rollout, placement)
     if parallel is not None:

@@ -159,7 +159,7 @@ class RolloutManager:
     def start(self, placement) -> None:
         """Create the engines' workers and begin their start-up (external ones: wait for health); returns at once."""
         from tidal.placement import PortAllocator
-        from tidal.rollout import WILDCARD_HOSTS
+        from tidal.rollout import WILDCARD_HOSTS, with_engine_tp
 
         model, logs, cfg = self.model, str(self.log_dir), self.cfg
         for url in cfg.external_engine_urls():  # run elsewhere: no bundle needed
@@ -174,6 +174,9 @@ class RolloutManager:
         if self.adapter is not None:  # the engines start on the base and take each adapter at run time
             cfg = dataclasses.replace(cfg, sglang_server_args=cfg.sglang_server_args + self.adapter.server_args(
                 cfg.sglang_server_args))  # fmt: skip
+        # each engine's tensor parallelism spans its GPUs
+        tp_args = with_engine_tp(cfg.sglang_server_args, self.placement_cfg.rollout_num_gpus_per_engine)
+        cfg = dataclasses.replace(cfg, sglang_server_args=tp_args)
         for e, host in enumerate(hosts):  # none with external engines
             ports = PortAllocator(placement.engine_node_ip(e)).engine_ports()
             worker = EngineWorker.options(**placement.engine_options(e)).remote(

@@ -15,6 +15,7 @@ from tidal.rollout.config import (
     sglang_arg_problems,
     sglang_router_args,
     sglang_server_args,
+    with_engine_tp,
 )
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 
@@ -177,4 +178,5 @@ __all__ = [
     "update_weights_from_distributed",
     "update_weights_from_tensor",
     "version_number",
+    "with_engine_tp",
 ]

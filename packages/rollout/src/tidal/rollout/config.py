@@ -50,6 +50,35 @@ def sglang_server_args(flags: Sequence[str]) -> tuple[str, ...]:
     return _split_flags(flags, router=False)
 
 
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+"""SGLang's names of an engine's tensor-parallel size."""
+
+
+def with_engine_tp(server_args: Sequence[str], gpus_per_engine: int) -> tuple[str, ...]:
+    """``server_args`` with ``--tp-size`` set to the GPUs each engine is given (added when missing and above 1).
+
+    An engine is one SGLang server whose tensor parallelism spans its GPUs: without ``--tp-size`` it would serve
+    on one of them while the weight sync addresses one rank per GPU.
+
+    Raises:
+        ValueError: ``--sglang-tp-size`` is given and differs from ``gpus_per_engine``.
+    """
+    args = tuple(server_args)
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name not in TP_FLAGS:
+            continue
+        value = value or (args[i + 1] if i + 1 < len(args) else "")
+        if value != str(gpus_per_engine):
+            raise ValueError(
+                f"--sglang-{name[2:]} {value} disagrees with --rollout-num-gpus-per-engine {gpus_per_engine}: each "
+                f"engine's tensor parallelism spans the GPUs it is given; drop --sglang-{name[2:]} (tidal passes "
+                f"--tp-size {gpus_per_engine} itself) or set --rollout-num-gpus-per-engine {value}"
+            )
+        return args
+    return (*args, "--tp-size", str(gpus_per_engine)) if gpus_per_engine > 1 else args
+
+
 def sglang_router_args(flags: Sequence[str]) -> tuple[str, ...]:
     """Map tidal's ``--sglang-router-*`` flags to ``sglang_router.launch_router`` arguments.
 
