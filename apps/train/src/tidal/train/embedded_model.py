@@ -108,7 +108,8 @@ def build_tokenizer(texts: list[str], *, chat: bool = False):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # "." stops at newlines (the dense model's vocabulary predates chat); a chat model keeps every character
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)." if chat else "."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     # Printable ASCII is in the vocabulary too, so any English text (SGLang's warm-up prompt, a user's chat
     # template) encodes to real tokens; an empty encoding would crash the server's first forward pass.
