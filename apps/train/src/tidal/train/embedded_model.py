@@ -25,6 +25,15 @@ logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""The chat model's template, Qwen's ChatML shape: ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`` per message, then
+``<|im_start|>assistant\\n`` to answer; the model ends a turn with ``<|im_end|>`` (its EOS)."""
 BUILDER_VERSION = 4
 
 
@@ -48,6 +57,9 @@ class EmbeddedModelSpec:
     """Experts each token is routed to (MoE)."""
     moe_intermediate_size: int = 128
     """Each expert's MLP width (MoE)."""
+    chat: bool = False
+    """A chat model: ``<|im_start|>``/``<|im_end|>`` tokens, a ChatML template, warm-started on the two-turn
+    hidden-operand episodes of :mod:`tidal.train.agent_task` (what ``--recipe embedded-agent`` trains)."""
     sft_steps: int = 1500
     """Length of the supervised warm-start schedule (one-cycle); it usually stops early, see below."""
     sft_target_accuracy: float = 0.3
@@ -71,6 +83,8 @@ class EmbeddedModelSpec:
                 for k, v in fields.items()
                 if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
             }
+        if not self.chat:  # nor the chat field
+            fields.pop("chat")
         else:
             fields["moe_builder"] = 2  # 2: an untied LM head
         blob = json.dumps({"v": BUILDER_VERSION, **fields}, sort_keys=True).encode()
@@ -84,22 +98,41 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tidal"
 
 
-def build_tokenizer(texts: list[str]):
-    """Train a character-level tokenizer on the task text (digits and operators stay single tokens)."""
+def build_tokenizer(texts: list[str], *, chat: bool = False):
+    """Train a character-level tokenizer on the task text (digits and operators stay single tokens).
+
+    ``chat``: ``<|im_start|>`` and ``<|im_end|>`` are single tokens too, ``<|im_end|>`` is the EOS, and the tokenizer
+    carries :data:`CHAT_TEMPLATE`.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # "." stops at newlines (the dense model's vocabulary predates chat); a chat model keeps every character
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)." if chat else "."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     # Printable ASCII is in the vocabulary too, so any English text (SGLang's warm-up prompt, a user's chat
     # template) encodes to real tokens; an empty encoding would crash the server's first forward pass.
-    trainer = trainers.WordLevelTrainer(special_tokens=[EOS, UNK])
+    specials = [EOS, UNK, IM_START, IM_END] if chat else [EOS, UNK]
+    trainer = trainers.WordLevelTrainer(special_tokens=specials)
     tok.train_from_iterator([*texts, string.printable], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
+    if not chat:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
+    # the specials before the per-character split, so "<|im_end|>" in a rendered conversation is one token
+    tok.add_special_tokens([IM_START, IM_END])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 MOE_SPEC = EmbeddedModelSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+CHAT_SPEC = EmbeddedModelSpec(chat=True)
+"""The embedded chat model (``--recipe embedded-agent``): the dense model's shape with a ChatML template."""
 """The embedded mixture-of-experts model (``--recipe embedded-moe``): the dense model's width and depth, 8 experts
 of a quarter of its MLP width each, 2 per token (so a token's MLP costs half the dense model's)."""
 
@@ -108,7 +141,7 @@ def embedded_spec_of(hf_checkpoint: str | None) -> EmbeddedModelSpec | None:
     """The spec whose cache folder ``hf_checkpoint`` is (None: the default embedded model's), or None if no spec's."""
     if hf_checkpoint is None:
         return EmbeddedModelSpec()
-    for spec in (EmbeddedModelSpec(), MOE_SPEC):
+    for spec in (EmbeddedModelSpec(), MOE_SPEC, CHAT_SPEC):
         if Path(hf_checkpoint) == embedded_model_path(spec=spec):
             return spec
     return None
@@ -146,14 +179,19 @@ def _build(out: Path, spec: EmbeddedModelSpec) -> None:
     from transformers import GenerationConfig
 
     records = read_jsonl(shipped_path(TRAIN_FILE))
-    tokenizer = build_tokenizer([r["prompt"] + r["label"] for r in records])
+    tokenizer = build_tokenizer([r["prompt"] + r["label"] for r in records], chat=spec.chat)
+    probe = None
+    if spec.chat:  # two-turn episodes of the agent task, rendered by the chat template
+        from tidal.train.agent_task import warm_start_records
+
+        records, probe = warm_start_records(tokenizer, records)
     model = new_model(tokenizer, spec)
     threads = torch.get_num_threads()
     # One thread: this model is too small to gain from more, and several threads spin-waiting against other busy
     # processes slow the warm start by orders of magnitude on a loaded machine with few cores.
     torch.set_num_threads(1)
     try:
-        warm_start(model, tokenizer, records, spec)
+        warm_start(model, tokenizer, records, spec, probe=probe)
     finally:
         torch.set_num_threads(threads)
     from transformers.utils import logging as hf_logging
@@ -211,11 +249,13 @@ def new_model(tokenizer, spec: EmbeddedModelSpec):
     return Qwen3MoeForCausalLM(config)
 
 
-def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -> None:
+def warm_start(
+    model, tokenizer, records: list[dict], spec: EmbeddedModelSpec, *, probe: list[dict] | None = None
+) -> None:
     """Supervised steps on prompt→answer pairs (loss on the answer and EOS only), on the model's device.
 
-    Stops after ``spec.sft_steps``, or earlier once greedy accuracy on 128 training prompts (checked every
-    ``spec.sft_check_every`` steps) reaches ``spec.sft_target_accuracy``.
+    Stops after ``spec.sft_steps``, or earlier once greedy accuracy on 128 training prompts (of ``probe`` if given,
+    checked every ``spec.sft_check_every`` steps) reaches ``spec.sft_target_accuracy``.
     """
     import torch
 
@@ -228,7 +268,8 @@ def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -
     answers = [[*tokenizer.encode(r["label"]), tokenizer.eos_token_id] for r in records]
     model.train()
     start = last_log = time.monotonic()
-    probe = torch.randperm(len(records), generator=gen)[:128].tolist()
+    probe_records = probe or records
+    probe_idx = torch.randperm(len(probe_records), generator=gen)[:128].tolist()
     for step in range(1, spec.sft_steps + 1):
         idx = torch.randint(len(records), (spec.sft_batch_size,), generator=gen).tolist()
         width = max(len(prompts[i]) + len(answers[i]) for i in idx)
@@ -245,7 +286,7 @@ def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % spec.sft_check_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, [records[i] for i in probe])
+            accuracy = greedy_accuracy(model, tokenizer, [probe_records[i] for i in probe_idx])
             if accuracy >= spec.sft_target_accuracy:
                 stop = "warm start stops at step %d: greedy accuracy %.2f on training prompts"
                 logger.info(stop, step, accuracy, extra=TERMINAL)
