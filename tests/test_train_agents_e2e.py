@@ -20,14 +20,20 @@ from tidal_train_plugins import AGENT_CHAT_TEMPLATE
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def agent_run(tmp_path_factory, external_engine):
+def _chat_model(root: Path) -> Path:
+    """A copy of the embedded model whose tokenizer has a chat template (what the session's server serves)."""
     from tidal.train.embedded_model import ensure_embedded_model
 
-    root = tmp_path_factory.mktemp("agents")
     model = Path(shutil.copytree(ensure_embedded_model(), root / "model"))
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": AGENT_CHAT_TEMPLATE}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def agent_run(tmp_path_factory, external_engine):
+    root = tmp_path_factory.mktemp("agents")
+    model = _chat_model(root)
     args = [
         "--recipe", "embedded", "--hf-checkpoint", str(model),
         "--rollout-external-engine-addrs", external_engine,
@@ -75,3 +81,29 @@ def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_r
             assert all(s.response_log_probs[i] == 0.0 for i in gap)
             # (the embedded tokenizer encodes no whitespace: "user: check\n" is the ids of "user:check")
             assert "user:checkassistant:" in tokenizer.decode([s.response_ids[i] for i in gap])
+
+
+def test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes(tmp_path, external_engine):
+    # The recipe's options and agent (tidal.train.agent_task:run) on the session's server: its own chat model would
+    # need a server of its own, so this run gives the embedded model a template (the learning run is in bench/).
+    args = [
+        "--recipe", "embedded-agent", "--hf-checkpoint", str(_chat_model(tmp_path)),
+        "--rollout-external-engine-addrs", external_engine,
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--num-eval-prompts", "3",
+        "--lr", "1e-4",
+    ]  # fmt: skip
+    code, log, leftovers = _train(args, out=tmp_path / "run")
+    assert code == 0, log[-4000:]
+    assert not leftovers
+    effective = (tmp_path / "run" / "config.yaml").read_text()
+    assert "tidal.train.agent_task:run" in effective
+    records = _records(tmp_path / "run")
+    assert [r["rollout"] for r in records] == [0, 1] and all("train/loss" in r for r in records)
+    for r in records:  # every episode ran (a first turn, and a second one when the model asked for the operand)
+        assert r["rollout/agent/failed"] == 0 and r["rollout/agent/episodes"] == 4
+        assert 1.0 <= r["rollout/agent/turns/mean"] <= 2.0
+    # the held-out evaluation ran the agent's episodes: one per held-out prompt, none failed, success a share
+    (failed,) = [k for k in records[-1] if k.startswith("eval/") and k.endswith("/agent_failed")]
+    assert records[-1][failed] == 0.0 and 0.0 <= records[-1]["eval/accuracy"] <= 1.0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0.0 <= summary["eval_before"] <= 1.0

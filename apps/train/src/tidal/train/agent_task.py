@@ -13,6 +13,8 @@ episodes (:func:`warm_start_records`) until it solves about a third of them; RL 
 
 from __future__ import annotations
 
+import functools
+import ssl
 from typing import Any
 
 ASK = "?"
@@ -40,26 +42,37 @@ def second_turn(row: dict[str, Any], reply: str) -> list[dict[str, str]]:
 
 
 def warm_start_records(tokenizer, records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
-    """Supervised pairs of the chat warm start: ``({"prompt": context, "label": answer}, ...)``, and the probe.
+    """Supervised records of the chat warm start (one whole episode each), and the probe.
 
-    Each row gives two pairs, the first turn (answer ``?``) and the second (answer the label), each context
-    rendered by ``tokenizer``'s chat template with the generation prompt; the probe holds the second turns only
-    (greedy accuracy on them is the warm start's stopping rule).
+    Each row gives ``{"turns": [[context, "?"], [context, label]]}``: the episode as ``tokenizer``'s chat template
+    renders it, cut after each generation prompt (the answers are what the model learns to sample). The probe holds
+    the second turns as ``{"prompt": context, "label": answer}`` (greedy accuracy on them is the warm start's
+    stopping rule).
     """
 
     def context(messages: list[dict[str, str]]) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    firsts = [{"prompt": context(first_turn(r)), "label": ASK} for r in records]
-    seconds = [{"prompt": context(second_turn(r, ASK)), "label": r["label"]} for r in records]
-    return firsts + seconds, seconds
+    episodes, probe = [], []
+    for r in records:
+        first = context(first_turn(r))
+        second = context(second_turn(r, ASK))
+        done = first + ASK + tokenizer.eos_token  # the first answer ends with the model's end of turn
+        if not second.startswith(done):
+            raise ValueError(f"the chat template renders earlier turns differently later: {first!r} / {second!r}")
+        episodes.append({"turns": [[first, ASK], [second[len(done) :], r["label"]]]})
+        probe.append({"prompt": second, "label": r["label"]})
+    return episodes, probe
 
 
 async def run(base_url: str, api_key: str, row: dict[str, Any]) -> float:
     """One episode through the OpenAI chat API at ``base_url``; 1.0 when the final answer is the label."""
-    from openai import AsyncOpenAI
+    import openai
 
-    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+    # A client per episode, as a one-off agent would make it; the TLS context is built once and shared (building
+    # one, which every new client does by default, costs more CPU than the episode's calls).
+    http = openai.DefaultAsyncHttpxClient(verify=_tls_context())
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http) as client:
         messages = first_turn(row)
         first = await client.chat.completions.create(
             model="tidal", messages=messages, max_tokens=MAX_TOKENS, temperature=1.0
@@ -72,3 +85,8 @@ async def run(base_url: str, api_key: str, row: dict[str, Any]) -> float:
         )
         answer = (second.choices[0].message.content or "").strip()
     return float(answer == row["label"])
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()

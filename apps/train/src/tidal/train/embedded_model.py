@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 EOS = "<|endoftext|>"
 UNK = "<unk>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+ROLES = ("system", "user", "assistant", "tool")
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' -}}"
@@ -83,10 +84,12 @@ class EmbeddedModelSpec:
                 for k, v in fields.items()
                 if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
             }
+        else:
+            fields["moe_builder"] = 2  # 2: an untied LM head
         if not self.chat:  # nor the chat field
             fields.pop("chat")
         else:
-            fields["moe_builder"] = 2  # 2: an untied LM head
+            fields["chat_builder"] = 1  # the chat tokenizer and warm start, versioned apart from the others
         blob = json.dumps({"v": BUILDER_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -101,40 +104,53 @@ def default_cache_dir() -> Path:
 def build_tokenizer(texts: list[str], *, chat: bool = False):
     """Train a character-level tokenizer on the task text (digits and operators stay single tokens).
 
-    ``chat``: ``<|im_start|>`` and ``<|im_end|>`` are single tokens too, ``<|im_end|>`` is the EOS, and the tokenizer
-    carries :data:`CHAT_TEMPLATE`.
+    ``chat``: :func:`build_chat_tokenizer` instead (``texts`` are not needed).
     """
+    if chat:
+        return build_chat_tokenizer()
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=UNK))
-    # "." stops at newlines (the dense model's vocabulary predates chat); a chat model keeps every character
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?s)." if chat else "."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     # Printable ASCII is in the vocabulary too, so any English text (SGLang's warm-up prompt, a user's chat
     # template) encodes to real tokens; an empty encoding would crash the server's first forward pass.
-    specials = [EOS, UNK, IM_START, IM_END] if chat else [EOS, UNK]
-    trainer = trainers.WordLevelTrainer(special_tokens=specials)
+    trainer = trainers.WordLevelTrainer(special_tokens=[EOS, UNK])
     tok.train_from_iterator([*texts, string.printable], trainer)
-    if not chat:
-        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
-    # the specials before the per-character split, so "<|im_end|>" in a rendered conversation is one token
-    tok.add_special_tokens([IM_START, IM_END])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
+
+
+def build_chat_tokenizer():
+    """A Qwen2 tokenizer with a byte-level vocabulary and no merges: one token per byte, ChatML special tokens.
+
+    Being Qwen2's own class (its pre-tokenizer, byte-level mapping and decoder), it loads back from the checkpoint
+    unchanged through ``AutoTokenizer`` (which rebuilds a ``qwen2`` model's tokenizer as ``Qwen2Tokenizer``), so
+    newlines, spaces and every other byte survive. ``<|im_start|>``, ``<|im_end|>`` (the EOS) and the role names
+    are single tokens; it carries :data:`CHAT_TEMPLATE`.
+    """
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {token: i for i, token in enumerate([EOS, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=EOS,
         eos_token=IM_END,
         pad_token=EOS,
-        unk_token=UNK,
-        additional_special_tokens=[IM_START],
+        extra_special_tokens=[IM_START, IM_END],
         chat_template=CHAT_TEMPLATE,
     )
+    tok.add_tokens(list(ROLES))  # as in a BPE vocabulary; keeps an episode's turns short
+    return tok
 
 
 MOE_SPEC = EmbeddedModelSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
-CHAT_SPEC = EmbeddedModelSpec(chat=True)
-"""The embedded chat model (``--recipe embedded-agent``): the dense model's shape with a ChatML template."""
 """The embedded mixture-of-experts model (``--recipe embedded-moe``): the dense model's width and depth, 8 experts
 of a quarter of its MLP width each, 2 per token (so a token's MLP costs half the dense model's)."""
+CHAT_SPEC = EmbeddedModelSpec(chat=True)
+"""The embedded chat model (``--recipe embedded-agent``): the dense model's shape with a ChatML template."""
 
 
 def embedded_spec_of(hf_checkpoint: str | None) -> EmbeddedModelSpec | None:
@@ -254,8 +270,10 @@ def warm_start(
 ) -> None:
     """Supervised steps on prompt→answer pairs (loss on the answer and EOS only), on the model's device.
 
-    Stops after ``spec.sft_steps``, or earlier once greedy accuracy on 128 training prompts (of ``probe`` if given,
-    checked every ``spec.sft_check_every`` steps) reaches ``spec.sft_target_accuracy``.
+    A record is ``{"prompt": ..., "label": ...}``, or ``{"turns": [[context, answer], ...]}``: one sequence of
+    several answers, each after its context (the text since the previous answer's EOS), loss on every answer and
+    its EOS. Stops after ``spec.sft_steps``, or earlier once greedy accuracy on 128 training prompts (of ``probe``
+    if given, checked every ``spec.sft_check_every`` steps) reaches ``spec.sft_target_accuracy``.
     """
     import torch
 
@@ -264,21 +282,20 @@ def warm_start(
     gen = torch.Generator().manual_seed(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.1)
-    prompts = [tokenizer.encode(r["prompt"]) for r in records]
-    answers = [[*tokenizer.encode(r["label"]), tokenizer.eos_token_id] for r in records]
+    sequences = [_supervised(tokenizer, r) for r in records]
     model.train()
     start = last_log = time.monotonic()
     probe_records = probe or records
     probe_idx = torch.randperm(len(probe_records), generator=gen)[:128].tolist()
     for step in range(1, spec.sft_steps + 1):
         idx = torch.randint(len(records), (spec.sft_batch_size,), generator=gen).tolist()
-        width = max(len(prompts[i]) + len(answers[i]) for i in idx)
+        width = max(len(sequences[i][0]) for i in idx)
         ids = torch.full((len(idx), width), tokenizer.eos_token_id)
         labels = torch.full((len(idx), width), -100)
         for row, i in enumerate(idx):
-            seq = prompts[i] + answers[i]
+            seq, target = sequences[i]
             ids[row, : len(seq)] = torch.tensor(seq)
-            labels[row, len(prompts[i]) : len(seq)] = torch.tensor(answers[i])
+            labels[row, : len(seq)] = torch.tensor(target)
         loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -305,6 +322,18 @@ def warm_start(
             )
             last_log = now
     model.eval()
+
+
+def _supervised(tokenizer, record: dict) -> tuple[list[int], list[int]]:
+    """A warm-start record's token ids and labels (-100 on context tokens, the token itself on answers and EOS)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for context, answer in record.get("turns") or [(record["prompt"], record["label"])]:
+        prompt = tokenizer.encode(context, add_special_tokens=False)
+        target = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+        ids += prompt + target
+        labels += [-100] * len(prompt) + target
+    return ids, labels
 
 
 def greedy_accuracy(model, tokenizer, records: list[dict]) -> float:

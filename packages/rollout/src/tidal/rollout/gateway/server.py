@@ -81,6 +81,7 @@ class Gateway:
         stop_token_ids: Sequence[int] | None = None,
         max_concurrent_calls: int = 256,
         default_max_tokens: int | None = None,
+        sampling_override: dict[str, Any] | None = None,
     ) -> None:
         """Describe the gateway; nothing listens until :meth:`start`.
 
@@ -96,6 +97,8 @@ class Gateway:
             stop_token_ids: Tokens that end an answer (None: the tokenizer's EOS and ``<|im_end|>`` if known).
             max_concurrent_calls: Engine calls in flight at once (threads waiting on ``/generate``).
             default_max_tokens: Answer length of a request that gives no ``max_tokens`` (None: up to the context).
+            sampling_override: SGLang sampling parameters forced on every call whatever the request asks, e.g.
+                ``{"temperature": 0.0}`` for an evaluation's greedy episodes.
         """
         engine_list = [engines] if hasattr(engines, "generate") else list(engines)  # type: ignore[arg-type]
         if not engine_list:
@@ -110,6 +113,7 @@ class Gateway:
         self.context_length = context_length or (limit if isinstance(limit, int) and limit < 10**8 else None)
         self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else self._default_stops()))
         self.default_max_tokens = default_max_tokens
+        self.sampling_override = dict(sampling_override or {})
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
@@ -219,7 +223,7 @@ class Gateway:
             params["sampling_seed"] = request.seed
         if request.logit_bias:
             params["logit_bias"] = request.logit_bias
-        return params
+        return params | self.sampling_override
 
     async def complete(self, session: Session, request: ChatRequest) -> Completion:
         """Answer one chat call of ``session``: render, extend or fork its tokens, generate, record, parse.
