@@ -1,5 +1,7 @@
 """Build the embedded models: a character tokenizer and a tiny Qwen2 (or Qwen3-MoE), warm-started with supervised steps.
 
+The chat model (``--recipe embedded-agent``) has a byte-level Qwen2 tokenizer with a ChatML template instead.
+
 No model hub is reachable, so ``uv run train`` with no ``--hf-checkpoint`` builds its own model once and caches it.
 The result is an ordinary Hugging Face checkpoint (``config.json``, ``model.safetensors``, tokenizer files,
 ``generation_config.json``): the rest of tidal loads it through exactly the path a user's checkpoint takes.
