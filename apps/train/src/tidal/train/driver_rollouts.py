@@ -162,12 +162,15 @@ class DriverRollouts:
         """Rewards of ``n`` agent episodes of each held-out prompt (``[prompt][episode]``), and how many failed.
 
         Every call of these episodes samples at ``sampling_params``' temperature and top-p, whatever the agent
-        asks (evaluation's ``--eval-temperature``, 0: greedy); a failed episode scores 0 (its traceback is logged).
+        asks (evaluation's ``--eval-temperature``, 0: greedy); a failed episode scores 0 (its traceback goes to
+        ``agent_eval_failures.log``, beside the rollouts' ``agent_failures.log``).
         """
         if self.eval_agents is None:
             forced = {"temperature": sampling_params["temperature"], "top_p": sampling_params["top_p"]}
             max_tokens = sampling_params.get("max_new_tokens", self.cfg.rollout_max_response_len)
-            self.eval_agents = self._start_runner(n, default_max_tokens=max_tokens, sampling_override=forced)
+            self.eval_agents = self._start_runner(
+                n, default_max_tokens=max_tokens, sampling_override=forced, log_name="agent_eval_failures.log"
+            )
         rows = [p.row if p.row is not None else {"prompt": p.text} for p in prompts]
         groups = self.eval_agents.run_groups(rows, [p.label for p in prompts])
         rewards = [[r.reward if r.failure is None else 0.0 for r in group] for group in groups]
@@ -179,7 +182,14 @@ class DriverRollouts:
             self.agents = self._start_runner(cfg.n_samples_per_prompt, default_max_tokens=cfg.rollout_max_response_len)
         return self.agents
 
-    def _start_runner(self, n: int, *, default_max_tokens: int, sampling_override: dict[str, Any] | None = None):
+    def _start_runner(
+        self,
+        n: int,
+        *,
+        default_max_tokens: int,
+        sampling_override: dict[str, Any] | None = None,
+        log_name: str = "agent_failures.log",
+    ):
         """A started gateway over every engine and an episode runner of ``n`` episodes a row on it."""
         from tidal.rollout import AgentRunner, Gateway, SGLangClient
 
@@ -200,7 +210,7 @@ class DriverRollouts:
             n_samples_per_prompt=n,
             max_concurrency=cfg.agent_max_concurrency,
             timeout_s=cfg.agent_timeout_s,
-            failure_log=self.engines.log_dir / "agent_failures.log",
+            failure_log=self.engines.log_dir / log_name,
         )
 
     def shutdown(self) -> None:
