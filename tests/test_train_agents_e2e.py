@@ -67,6 +67,11 @@ def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_r
         assert r["rollout/agent/groups_dropped"] == r["rollout/agent/failed"] / 2
     (failure_log,) = (root / "run").rglob("agent_failures.log")
     assert failure_log.read_text().count("RuntimeError: broken agent on") == failed
+    # held-out evaluation runs the agent too: of its 4 rows two have even labels, before RL and after rollout 2
+    (failed_key,) = [k for k in records[-1] if k.startswith("eval/") and k.endswith("/agent_failed")]
+    assert records[-1][failed_key] == 2.0 and records[-1]["eval/accuracy"] <= 0.5
+    (eval_log,) = (root / "run").rglob("agent_eval_failures.log")
+    assert eval_log.read_text().count("RuntimeError: broken agent on") == 4
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     for rollout_id in (0, 1):
         samples = load_rollout_data(root / "debug", rollout_id)
