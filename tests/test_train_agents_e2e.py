@@ -79,6 +79,11 @@ def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_r
         assert r["rollout/agent/groups_dropped"] == r["rollout/agent/failed"] / 2
     (failure_log,) = (root / "run").rglob("agent_failures.log")
     assert failure_log.read_text().count("RuntimeError: broken agent on") == failed
+    # held-out evaluation runs the agent too: of its 4 rows two have even labels, before RL and after rollout 2
+    (failed_key,) = [k for k in records[-1] if k.startswith("eval/") and k.endswith("/agent_failed")]
+    assert records[-1][failed_key] == 2.0 and records[-1]["eval/accuracy"] <= 0.5
+    (eval_log,) = (root / "run").rglob("agent_eval_failures.log")
+    assert eval_log.read_text().count("RuntimeError: broken agent on") == 4
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     for rollout_id in (0, 1):
         samples = load_rollout_data(root / "debug", rollout_id)
@@ -180,3 +185,29 @@ def test_async_agents_resume_the_checkpointed_episodes_and_lose_or_repeat_no_pro
         assert [s.group_index for s in samples] == [0, 0, 1, 1]
         _assert_two_sampled_turns(samples, tokenizer)
     _assert_engine_and_actor_agree(records)
+
+
+def test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes(tmp_path, external_engine):
+    # The recipe's options and agent (tidal.train.agent_task:run) on the session's server: its own chat model would
+    # need a server of its own, so this run gives the embedded model a template (the learning run is in bench/).
+    args = [
+        "--recipe", "embedded-agent", "--hf-checkpoint", str(_agent_model(tmp_path)),
+        "--rollout-external-engine-addrs", external_engine,
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--num-eval-prompts", "3",
+        "--lr", "1e-4",
+    ]  # fmt: skip
+    code, log, leftovers = _train(args, out=tmp_path / "run")
+    assert code == 0, log[-4000:]
+    assert not leftovers
+    effective = (tmp_path / "run" / "config.yaml").read_text()
+    assert "tidal.train.agent_task:run" in effective
+    records = _records(tmp_path / "run")
+    assert [r["rollout"] for r in records] == [0, 1] and all("train/loss" in r for r in records)
+    for r in records:  # every episode ran (a first turn, and a second one when the model asked for the operand)
+        assert r["rollout/agent/failed"] == 0 and r["rollout/agent/episodes"] == 4
+        assert 1.0 <= r["rollout/agent/turns/mean"] <= 2.0
+    # the held-out evaluation ran the agent's episodes: one per held-out prompt, none failed, success a share
+    (failed,) = [k for k in records[-1] if k.startswith("eval/") and k.endswith("/agent_failed")]
+    assert records[-1][failed] == 0.0 and 0.0 <= records[-1]["eval/accuracy"] <= 1.0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0.0 <= summary["eval_before"] <= 1.0

@@ -147,3 +147,36 @@ def test_the_data_flags_pick_the_keys_and_the_order_train_reads(tmp_path):
     assert order == [p.text for k in range(4) for p in again.batch(k, 10)]
     assert order != [p.text for k in range(4) for p in other.batch(k, 10)]
     assert sorted(order) == sorted(p.text for p in train.prompts)
+
+
+def test_the_chat_tokenizer_round_trips_a_rendered_conversation_and_ends_turns_with_im_end(tmp_path):
+    from tidal.train.agent_task import second_turn, warm_start_records
+    from tidal.train.embedded_model import IM_END, IM_START, _supervised, build_chat_tokenizer
+    from transformers import AutoTokenizer
+
+    built = build_chat_tokenizer()
+    built.save_pretrained(tmp_path)  # loaded back as `train`, the gateway and SGLang load it: by the model type
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    row = {"prompt": "07+45=", "label": "052"}
+    messages = [{"role": "system", "content": "Add.\n  Two lines, tabs\t and ünïcode."}, *second_turn(row, "?")]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == built.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text  # newlines, spaces and the specials survive
+    assert text.count(IM_END + "\n") == len(messages) and text.endswith(IM_START + "assistant\n")
+    assert ids.count(tok.convert_tokens_to_ids(IM_END)) == len(messages)  # each one token
+    assert tok.eos_token == IM_END and tok.unk_token_id not in ids
+    # each turn rendered by itself ends with <|im_end|>: the model's EOS is where the template ends a turn
+    for message in messages:
+        one = tok.apply_chat_template([message], tokenize=False)
+        assert one == f"{IM_START}{message['role']}\n{message['content']}{IM_END}\n"
+    # the warm start trains the two answers of a whole episode, each with its EOS, and nothing of the template
+    (episode,), (probe,) = warm_start_records(tok, [row])
+    seq, labels = _supervised(tok, episode)
+    trained = [t for t, label in zip(seq, labels, strict=True) if label != -100]
+    assert tok.decode(trained) == "?" + IM_END + "052" + IM_END
+    assert tok.decode(seq) + "\n" == tok.apply_chat_template(
+        [*second_turn(row, "?"), {"role": "assistant", "content": "052"}], tokenize=False
+    )
+    assert probe == {"prompt": tok.decode(seq[: -len("052") - 1]), "label": "052"}

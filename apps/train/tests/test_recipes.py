@@ -80,7 +80,8 @@ def test_base_recipe_asks_for_what_it_does_not_set(tmp_path):
 
 def test_an_unknown_recipe_names_the_known_ones():
     with pytest.raises(
-        ValueError, match=r"--recipe 'nope' is not a recipe; pick one of \['base', 'embedded', 'embedded-moe'\]"
+        ValueError,
+        match=r"--recipe 'nope' is not a recipe; pick one of \['base', 'embedded', 'embedded-agent', 'embedded-moe'\]",
     ):
         parse_job(["--recipe", "nope"])
 
@@ -110,3 +111,17 @@ def test_the_embedded_moe_recipe_is_the_embedded_one_on_the_moe_model_with_the_b
     assert job.actor.moe_aux_loss_coeff == 0.01
     assert {name: _value(job, name) for name in EMBEDDED} == EMBEDDED
     assert embedded_spec_of(str(tmp_path)) is None  # a user's folder is checked, never built
+
+
+def test_the_embedded_agent_recipe_trains_the_shipped_agent_on_the_chat_model(tmp_path):
+    from tidal.rollout import load_agent_fn
+    from tidal.train.agent_task import MAX_TOKENS, run
+    from tidal.train.embedded_model import CHAT_SPEC, embedded_model_path, embedded_spec_of
+
+    job = parse_job(["--recipe", "embedded-agent", "--output-dir", str(tmp_path / "run")])
+    assert job.actor.hf_checkpoint == str(embedded_model_path(spec=CHAT_SPEC)) == job.train.hf_checkpoint
+    assert embedded_spec_of(job.train.hf_checkpoint) == CHAT_SPEC and CHAT_SPEC.chat
+    assert load_agent_fn(job.rollout.agent_function_path) is run
+    assert job.rollout.rollout_max_response_len == MAX_TOKENS and job.train.num_rollout == 15
+    rest = {k: v for k, v in EMBEDDED.items() if k not in ("rollout_max_response_len", "num_rollout", "eval_interval")}
+    assert {name: _value(job, name) for name in rest} == rest  # the embedded recipe's sizes and lr otherwise

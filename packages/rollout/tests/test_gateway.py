@@ -132,6 +132,20 @@ def test_tools_reach_the_template_and_sampling_options_reach_sglang(gateway: Gat
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_a_sampling_override_wins_over_the_request(recording: Recording, chat_tokenizer) -> None:
+    # what evaluation's gateway does: every call greedy, whatever temperature the agent asks for
+    forced = {"temperature": 0.0, "top_p": 1.0}
+    with Gateway(recording, chat_tokenizer, api_key="k", sampling_override=forced) as gw:
+        client = openai.OpenAI(base_url=gw.session_url(gw.open_session()), api_key="k", max_retries=0)
+        answers = [
+            client.chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=1.5, top_p=0.5)
+            for _ in range(2)
+        ]
+    sent = [call["params"] for call in recording.calls]
+    assert [(p["temperature"], p["top_p"], p["max_new_tokens"]) for p in sent] == [(0.0, 1.0, 4)] * 2
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content  # greedy: the same
+
+
 def test_a_tool_call_the_model_wrote_is_parsed(gateway: Gateway, chat_tokenizer) -> None:
     """An answer whose sampled text holds a ``<tool_call>`` comes back as ``message.tool_calls``."""
     from tidal.rollout.gateway.chat import parse_request

@@ -47,6 +47,7 @@ class DriverRollouts:
             self.generate_fn = load_generate_fn(rollout.custom_generate_function_path)
         self.agent_fn = None
         self.agents = None  # the gateway and its episode runner, started on the first agent rollout
+        self.eval_agents = None  # evaluation's own, sampling at --eval-temperature, started on the first evaluation
         if rollout.agent_function_path:  # agents talk to a gateway in this process, over every engine
             from tidal.rollout import load_agent_fn
 
@@ -157,33 +158,65 @@ class DriverRollouts:
         )
         return result.samples, result.metrics
 
+    def evaluate_agents(self, prompts: list, n: int, sampling_params: dict[str, Any]) -> tuple[list[list[float]], int]:
+        """Rewards of ``n`` agent episodes of each held-out prompt (``[prompt][episode]``), and how many failed.
+
+        Every call of these episodes samples at ``sampling_params``' temperature and top-p, whatever the agent
+        asks (evaluation's ``--eval-temperature``, 0: greedy); a failed episode scores 0 (its traceback goes to
+        ``agent_eval_failures.log``, beside the rollouts' ``agent_failures.log``).
+        """
+        if self.eval_agents is None:
+            forced = {"temperature": sampling_params["temperature"], "top_p": sampling_params["top_p"]}
+            max_tokens = sampling_params.get("max_new_tokens", self.cfg.rollout_max_response_len)
+            self.eval_agents = self._start_runner(
+                n, default_max_tokens=max_tokens, sampling_override=forced, log_name="agent_eval_failures.log"
+            )
+        rows = [p.row if p.row is not None else {"prompt": p.text} for p in prompts]
+        groups = self.eval_agents.run_groups(rows, [p.label for p in prompts])
+        rewards = [[r.reward if r.failure is None else 0.0 for r in group] for group in groups]
+        return rewards, sum(r.failure is not None for group in groups for r in group)
+
     def _agent_runner(self):
         if self.agents is None:
-            from tidal.rollout import AgentRunner, Gateway, SGLangClient
-
             cfg = self.cfg
-            # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm). The
-            # manager's config, not the job's, holds the key it generated for servers on node addresses.
-            clients = [SGLangClient.from_config(self.engines.cfg, url) for url in self.engines.engine_urls]
-            gateway = Gateway(
-                clients,
-                self.tokenizer,
-                max_concurrent_calls=cfg.agent_max_concurrency,
-                default_max_tokens=cfg.rollout_max_response_len,
-                update_gate=self.engines.update_gate,  # --max-staleness: a cut call resumes after the update
-            ).start()
-            self.agents = AgentRunner(
-                gateway,
-                self.agent_fn,
-                n_samples_per_prompt=cfg.n_samples_per_prompt,
-                max_concurrency=cfg.agent_max_concurrency,
-                timeout_s=cfg.agent_timeout_s,
-                failure_log=self.engines.log_dir / "agent_failures.log",
-            )
+            self.agents = self._start_runner(cfg.n_samples_per_prompt, default_max_tokens=cfg.rollout_max_response_len)
         return self.agents
 
+    def _start_runner(
+        self,
+        n: int,
+        *,
+        default_max_tokens: int,
+        sampling_override: dict[str, Any] | None = None,
+        log_name: str = "agent_failures.log",
+    ):
+        """A started gateway over every engine and an episode runner of ``n`` episodes a row on it."""
+        from tidal.rollout import AgentRunner, Gateway, SGLangClient
+
+        cfg = self.cfg
+        # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm). The
+        # manager's config, not the job's, holds the key it generated for servers on node addresses.
+        clients = [SGLangClient.from_config(self.engines.cfg, url) for url in self.engines.engine_urls]
+        gateway = Gateway(
+            clients,
+            self.tokenizer,
+            max_concurrent_calls=cfg.agent_max_concurrency,
+            default_max_tokens=default_max_tokens,
+            sampling_override=sampling_override,
+            update_gate=self.engines.update_gate,  # --max-staleness: a cut call resumes after the update
+        ).start()
+        return AgentRunner(
+            gateway,
+            self.agent_fn,
+            n_samples_per_prompt=n,
+            max_concurrency=cfg.agent_max_concurrency,
+            timeout_s=cfg.agent_timeout_s,
+            failure_log=self.engines.log_dir / log_name,
+        )
+
     def shutdown(self) -> None:
-        """Stop the agent gateway, if one started."""
-        if self.agents is not None:
-            self.agents.gateway.stop()
-            self.agents = None
+        """Stop the agent gateways, if any started."""
+        for runner in (self.agents, self.eval_agents):
+            if runner is not None:
+                runner.gateway.stop()
+        self.agents = self.eval_agents = None

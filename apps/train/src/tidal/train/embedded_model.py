@@ -1,5 +1,7 @@
 """Build the embedded models: a character tokenizer and a tiny Qwen2 (or Qwen3-MoE), warm-started with supervised steps.
 
+The chat model (``--recipe embedded-agent``) has a byte-level Qwen2 tokenizer with a ChatML template instead.
+
 No model hub is reachable, so ``uv run train`` with no ``--hf-checkpoint`` builds its own model once and caches it.
 The result is an ordinary Hugging Face checkpoint (``config.json``, ``model.safetensors``, tokenizer files,
 ``generation_config.json``): the rest of tidal loads it through exactly the path a user's checkpoint takes.
@@ -25,6 +27,16 @@ logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 UNK = "<unk>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+ROLES = ("system", "user", "assistant", "tool")
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""The chat model's template, Qwen's ChatML shape: ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`` per message, then
+``<|im_start|>assistant\\n`` to answer; the model ends a turn with ``<|im_end|>`` (its EOS)."""
 BUILDER_VERSION = 4
 
 
@@ -48,6 +60,9 @@ class EmbeddedModelSpec:
     """Experts each token is routed to (MoE)."""
     moe_intermediate_size: int = 128
     """Each expert's MLP width (MoE)."""
+    chat: bool = False
+    """A chat model: ``<|im_start|>``/``<|im_end|>`` tokens, a ChatML template, warm-started on the two-turn
+    hidden-operand episodes of :mod:`tidal.train.agent_task` (what ``--recipe embedded-agent`` trains)."""
     sft_steps: int = 1500
     """Length of the supervised warm-start schedule (one-cycle); it usually stops early, see below."""
     sft_target_accuracy: float = 0.3
@@ -73,6 +88,10 @@ class EmbeddedModelSpec:
             }
         else:
             fields["moe_builder"] = 2  # 2: an untied LM head
+        if not self.chat:  # nor the chat field
+            fields.pop("chat")
+        else:
+            fields["chat_builder"] = 1  # the chat tokenizer and warm start, versioned apart from the others
         blob = json.dumps({"v": BUILDER_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -84,8 +103,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tidal"
 
 
-def build_tokenizer(texts: list[str]):
-    """Train a character-level tokenizer on the task text (digits and operators stay single tokens)."""
+def build_tokenizer(texts: list[str], *, chat: bool = False):
+    """Train a character-level tokenizer on the task text (digits and operators stay single tokens).
+
+    ``chat``: :func:`build_chat_tokenizer` instead (``texts`` are not needed).
+    """
+    if chat:
+        return build_chat_tokenizer()
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -99,16 +123,43 @@ def build_tokenizer(texts: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, unk_token=UNK)
 
 
+def build_chat_tokenizer():
+    """A Qwen2 tokenizer with a byte-level vocabulary and no merges: one token per byte, ChatML special tokens.
+
+    Being Qwen2's own class (its pre-tokenizer, byte-level mapping and decoder), it loads back from the checkpoint
+    unchanged through ``AutoTokenizer`` (which rebuilds a ``qwen2`` model's tokenizer as ``Qwen2Tokenizer``), so
+    newlines, spaces and every other byte survive. ``<|im_start|>``, ``<|im_end|>`` (the EOS) and the role names
+    are single tokens; it carries :data:`CHAT_TEMPLATE`.
+    """
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {token: i for i, token in enumerate([EOS, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=EOS,
+        eos_token=IM_END,
+        pad_token=EOS,
+        extra_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+    )
+    tok.add_tokens(list(ROLES))  # as in a BPE vocabulary; keeps an episode's turns short
+    return tok
+
+
 MOE_SPEC = EmbeddedModelSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
 """The embedded mixture-of-experts model (``--recipe embedded-moe``): the dense model's width and depth, 8 experts
 of a quarter of its MLP width each, 2 per token (so a token's MLP costs half the dense model's)."""
+CHAT_SPEC = EmbeddedModelSpec(chat=True)
+"""The embedded chat model (``--recipe embedded-agent``): the dense model's shape with a ChatML template."""
 
 
 def embedded_spec_of(hf_checkpoint: str | None) -> EmbeddedModelSpec | None:
     """The spec whose cache folder ``hf_checkpoint`` is (None: the default embedded model's), or None if no spec's."""
     if hf_checkpoint is None:
         return EmbeddedModelSpec()
-    for spec in (EmbeddedModelSpec(), MOE_SPEC):
+    for spec in (EmbeddedModelSpec(), MOE_SPEC, CHAT_SPEC):
         if Path(hf_checkpoint) == embedded_model_path(spec=spec):
             return spec
     return None
@@ -146,14 +197,19 @@ def _build(out: Path, spec: EmbeddedModelSpec) -> None:
     from transformers import GenerationConfig
 
     records = read_jsonl(shipped_path(TRAIN_FILE))
-    tokenizer = build_tokenizer([r["prompt"] + r["label"] for r in records])
+    tokenizer = build_tokenizer([r["prompt"] + r["label"] for r in records], chat=spec.chat)
+    probe = None
+    if spec.chat:  # two-turn episodes of the agent task, rendered by the chat template
+        from tidal.train.agent_task import warm_start_records
+
+        records, probe = warm_start_records(tokenizer, records)
     model = new_model(tokenizer, spec)
     threads = torch.get_num_threads()
     # One thread: this model is too small to gain from more, and several threads spin-waiting against other busy
     # processes slow the warm start by orders of magnitude on a loaded machine with few cores.
     torch.set_num_threads(1)
     try:
-        warm_start(model, tokenizer, records, spec)
+        warm_start(model, tokenizer, records, spec, probe=probe)
     finally:
         torch.set_num_threads(threads)
     from transformers.utils import logging as hf_logging
@@ -211,11 +267,15 @@ def new_model(tokenizer, spec: EmbeddedModelSpec):
     return Qwen3MoeForCausalLM(config)
 
 
-def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -> None:
+def warm_start(
+    model, tokenizer, records: list[dict], spec: EmbeddedModelSpec, *, probe: list[dict] | None = None
+) -> None:
     """Supervised steps on prompt→answer pairs (loss on the answer and EOS only), on the model's device.
 
-    Stops after ``spec.sft_steps``, or earlier once greedy accuracy on 128 training prompts (checked every
-    ``spec.sft_check_every`` steps) reaches ``spec.sft_target_accuracy``.
+    A record is ``{"prompt": ..., "label": ...}``, or ``{"turns": [[context, answer], ...]}``: one sequence of
+    several answers, each after its context (the text since the previous answer's EOS), loss on every answer and
+    its EOS. Stops after ``spec.sft_steps``, or earlier once greedy accuracy on 128 training prompts (of ``probe``
+    if given, checked every ``spec.sft_check_every`` steps) reaches ``spec.sft_target_accuracy``.
     """
     import torch
 
@@ -224,20 +284,20 @@ def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -
     gen = torch.Generator().manual_seed(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.1)
-    prompts = [tokenizer.encode(r["prompt"]) for r in records]
-    answers = [[*tokenizer.encode(r["label"]), tokenizer.eos_token_id] for r in records]
+    sequences = [_supervised(tokenizer, r) for r in records]
     model.train()
     start = last_log = time.monotonic()
-    probe = torch.randperm(len(records), generator=gen)[:128].tolist()
+    probe_records = probe or records
+    probe_idx = torch.randperm(len(probe_records), generator=gen)[:128].tolist()
     for step in range(1, spec.sft_steps + 1):
         idx = torch.randint(len(records), (spec.sft_batch_size,), generator=gen).tolist()
-        width = max(len(prompts[i]) + len(answers[i]) for i in idx)
+        width = max(len(sequences[i][0]) for i in idx)
         ids = torch.full((len(idx), width), tokenizer.eos_token_id)
         labels = torch.full((len(idx), width), -100)
         for row, i in enumerate(idx):
-            seq = prompts[i] + answers[i]
+            seq, target = sequences[i]
             ids[row, : len(seq)] = torch.tensor(seq)
-            labels[row, len(prompts[i]) : len(seq)] = torch.tensor(answers[i])
+            labels[row, : len(seq)] = torch.tensor(target)
         loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -245,7 +305,7 @@ def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % spec.sft_check_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, [records[i] for i in probe])
+            accuracy = greedy_accuracy(model, tokenizer, [probe_records[i] for i in probe_idx])
             if accuracy >= spec.sft_target_accuracy:
                 stop = "warm start stops at step %d: greedy accuracy %.2f on training prompts"
                 logger.info(stop, step, accuracy, extra=TERMINAL)
@@ -264,6 +324,18 @@ def warm_start(model, tokenizer, records: list[dict], spec: EmbeddedModelSpec) -
             )
             last_log = now
     model.eval()
+
+
+def _supervised(tokenizer, record: dict) -> tuple[list[int], list[int]]:
+    """A warm-start record's token ids and labels (-100 on context tokens, the token itself on answers and EOS)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for context, answer in record.get("turns") or [(record["prompt"], record["label"])]:
+        prompt = tokenizer.encode(context, add_special_tokens=False)
+        target = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+        ids += prompt + target
+        labels += [-100] * len(prompt) + target
+    return ids, labels
 
 
 def greedy_accuracy(model, tokenizer, records: list[dict]) -> float:

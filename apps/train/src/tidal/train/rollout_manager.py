@@ -326,7 +326,9 @@ class RolloutManager:
         """mean@k and pass@k of each held-out set (``eval/<name>/...``); the first set's mean@k as ``eval/accuracy``.
 
         Sampling: ``--n-samples-per-eval-prompt`` responses per prompt at ``--eval-temperature`` (0: greedy),
-        ``--eval-top-p``, at most ``--eval-max-response-len`` tokens.
+        ``--eval-top-p``, at most ``--eval-max-response-len`` tokens. With ``--agent-function-path`` each response
+        is an agent episode (every call sampled so) and its reward the episode's; failed ones count as 0
+        (``eval/<name>/agent_failed``).
         """
         from tidal.train.metrics import eval_metrics
 
@@ -335,8 +337,12 @@ class RolloutManager:
         self.resume_memory(["weights", "kv_cache"])
         out: dict[str, float] = {}
         for index, (name, prompts) in enumerate(held_out.items()):
-            samples, _ = self._generate_on_engines(prompts, params)
-            rewards = [[float(s.reward) for s in samples[i : i + n]] for i in range(0, len(samples), n)]
+            if self.driver.agent_fn is not None:  # the agent's episodes, each scored by its own reward
+                rewards, failed = self.driver.evaluate_agents(prompts, n, params)
+                out[f"eval/{name}/agent_failed"] = float(failed)
+            else:
+                samples, _ = self._generate_on_engines(prompts, params)
+                rewards = [[float(s.reward) for s in samples[i : i + n]] for i in range(0, len(samples), n)]
             metrics = eval_metrics(name, rewards)
             if index == 0:
                 out["eval/accuracy"] = metrics[f"eval/{name}/mean@{n}"]

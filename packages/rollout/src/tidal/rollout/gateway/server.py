@@ -85,6 +85,7 @@ class Gateway:
         max_concurrent_calls: int = 256,
         default_max_tokens: int | None = None,
         update_gate: UpdateGate | None = None,
+        sampling_override: dict[str, Any] | None = None,
     ) -> None:
         """Describe the gateway; nothing listens until :meth:`start`.
 
@@ -103,6 +104,8 @@ class Gateway:
             update_gate: The weight updates that abort the engines' requests (``--max-staleness``): a call they cut
                 waits for the update before it resumes, so its next tokens come from the new weights (None: it
                 resumes at once).
+            sampling_override: SGLang sampling parameters forced on every call whatever the request asks, e.g.
+                ``{"temperature": 0.0}`` for an evaluation's greedy episodes.
         """
         engine_list = [engines] if hasattr(engines, "generate") else list(engines)  # type: ignore[arg-type]
         if not engine_list:
@@ -118,6 +121,7 @@ class Gateway:
         self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else self._default_stops()))
         self.default_max_tokens = default_max_tokens
         self.update_gate = update_gate
+        self.sampling_override = dict(sampling_override or {})
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
@@ -227,7 +231,7 @@ class Gateway:
             params["sampling_seed"] = request.seed
         if request.logit_bias:
             params["logit_bias"] = request.logit_bias
-        return params
+        return params | self.sampling_override
 
     async def complete(self, session: Session, request: ChatRequest) -> Completion:
         """Answer one chat call of ``session``: render, extend or fork its tokens, generate, record, parse.
