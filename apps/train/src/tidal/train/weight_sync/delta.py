@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from itertools import chain, pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,8 +206,8 @@ def _send(link: _Link, named, snap: DeltaSnapshot, full: bool, bucket_bytes: int
     counts = {"weight_sync/delta_elements": 0.0, "weight_sync/delta_changed": 0.0}
     fallbacks, pending = 0, None
     requests = _requests(_entries(named, snap, full or snap.dtype is None, counts), bucket_bytes)
-    for request in _lookahead(requests):
-        batch, last = request
+    for batch, following in pairwise(chain(requests, [None])):  # each request with whether it is the last
+        last = following is None
         report = link.send([(key, payload) for _, key, payload, _ in batch], version if last else None, flush and last)
         if snap.dtype is None:  # the first sync: now the engines' dtype is known, the snapshot and sums follow it
             snap.dtype = getattr(torch, report["dtype"])
@@ -246,16 +247,6 @@ def _mismatched(expected: dict[str, int], reports: list[dict[str, str | None]]) 
     "error": it could not apply the entry; None: it holds only a shard, so it cannot check the whole tensor.
     """
     return sorted(n for n, s in expected.items() if any(r.get(n, "missing") not in (str(s), None) for r in reports))
-
-
-def _lookahead(items: Iterator) -> Iterator[tuple[Any, bool]]:
-    pending = None
-    for item in items:
-        if pending is not None:
-            yield pending, False
-        pending = item
-    if pending is not None:
-        yield pending, True
 
 
 class DeltaSync:
