@@ -62,7 +62,7 @@ def agent_run(tmp_path_factory, external_engine):
 
 
 def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_run):
-    from tidal.rollout import load_rollout_data
+    from tidal.rollout import load_rollout_data, num_episodes
     from transformers import AutoTokenizer
 
     root, code, log, leftovers = agent_run
@@ -85,11 +85,25 @@ def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_r
     (eval_log,) = (root / "run").rglob("agent_eval_failures.log")
     assert eval_log.read_text().count("RuntimeError: broken agent on") == 4
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
-    for rollout_id in (0, 1):
+    forked = 0
+    for rollout_id, record in zip((0, 1), records, strict=True):
         samples = load_rollout_data(root / "debug", rollout_id)
-        assert len(samples) == 4 and [s.group_index for s in samples] == [0, 0, 1, 1]
+        assert num_episodes(samples) == 4 and record["rollout/num_episodes"] == 4.0
+        assert len(samples) == 6 and record["rollout/agent/samples_per_episode"] == 1.5
         assert all(int(str(s.label)[-1]) % 2 == 1 and s.reward in (0.0, 1.0) for s in samples)
-        _assert_two_sampled_turns(samples, tokenizer)
+        episodes: dict[tuple, list] = {}
+        for s in samples:
+            episodes.setdefault((s.group_index, s.episode), []).append(s)
+        assert list(episodes) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for parts in episodes.values():
+            if len(parts) == 1:
+                _assert_two_sampled_turns(parts, tokenizer)
+                continue
+            # a rewritten history: each call's answer is a sample of its own, both with the episode's reward
+            forked += 1
+            assert len(parts) == 2 and all(0 not in s.response_loss_mask for s in parts)
+            assert parts[0].reward == parts[1].reward and parts[0].tokens != parts[1].tokens[: len(parts[0].tokens)]
+    assert forked == 4  # one episode of each group rewrote its history, and trained (train/loss above)
 
 
 def _assert_two_sampled_turns(samples, tokenizer) -> None:

@@ -5,9 +5,11 @@ Both read files named by environment variables, so that a test decides what they
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
+from collections import defaultdict
 from typing import Any
 
 from tidal.rollout import Sample
@@ -71,18 +73,24 @@ AGENT_CHAT_TEMPLATE = (
 )
 
 
+_EPISODES: defaultdict[str, itertools.count] = defaultdict(itertools.count)
+
+
 async def arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
     """Two turns with the openai client: answer, get "check" feedback, answer again; reward 1 when right.
 
-    Rows whose label ends in an even digit raise (a broken agent), so the run must replace their groups.
+    Rows whose label ends in an even digit raise (a broken agent), so the run must replace their groups. Every
+    other episode of a row rewrites its history before the second turn (the first answer folded into the user's
+    message), so its second call extends nothing: a fork, and the episode gives two samples (of a group of two
+    episodes, exactly one forks).
     """
     if int(row["label"][-1]) % 2 == 0:
         raise RuntimeError(f"broken agent on {row['prompt']}")
-    return await steady_arithmetic_agent(base_url, api_key, row)
+    return await steady_arithmetic_agent(base_url, api_key, row, rewrite=next(_EPISODES[row["prompt"]]) % 2 == 1)
 
 
-async def steady_arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
-    """``arithmetic_agent`` on every row (none raises): each rollout's groups are its own prompt batch."""
+async def steady_arithmetic_agent(base_url: str, api_key: str, row: dict, *, rewrite: bool = False) -> float:
+    """``arithmetic_agent`` on every row (none raises, none rewrites): each rollout's groups are its own prompts."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -92,5 +100,7 @@ async def steady_arithmetic_agent(base_url: str, api_key: str, row: dict) -> flo
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "check"},
     ]
+    if rewrite:  # a compacted history: the rendered prompt no longer starts with the first call's tokens
+        messages = [{"role": "user", "content": f"{row['prompt']} ({first.choices[0].message.content}) check"}]
     second = await client.chat.completions.create(model="tidal", messages=messages)
     return float((second.choices[0].message.content or "").strip() == row["label"])

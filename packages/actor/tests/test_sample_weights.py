@@ -140,3 +140,33 @@ def test_response_len_counts_from_the_first_trained_token():
     assert response_len([0, 0, 1, 0, 1, 0]) == 4
     assert response_len([1]) == 1 and response_len([0, 0]) == 0 and response_len([]) == 0
     assert math.isclose(sum(sample_weights(_cfg(), loss_masks=[[0, 1]], rewards=[1.0], group_size=1).advantages), 0)
+
+
+def test_an_agent_episode_of_several_trajectories_counts_as_one_sample():
+    """Episode 0 rewrote its history (two samples): it gets the advantage its reward earns among its group's
+    episodes, on every token of both samples, and the two share one sample's loss weight."""
+    masks = [[0, 1, 1], [0, 0, 1, 1, 1], *MASKS[1:]]  # episode 0 = samples 0 and 1; then one sample per episode
+    rewards = [REWARDS[0], REWARDS[0], *REWARDS[1:]]
+    ids = [0, 0, 1, 2, 3, 4, 5]
+    w = sample_weights(_cfg(), loss_masks=masks, rewards=rewards, group_size=3, episode_ids=ids)
+    episode_adv = _grpo(REWARDS, 3, std=True)
+    assert w.advantages.tolist() == pytest.approx([episode_adv[e] for e in ids], rel=1e-5)
+    weights = w.token_fields["loss_weights"]
+    assert weights[0] == [1 / 5] * 3 and weights[1] == [1 / 5] * 5  # 2 + 3 sampled tokens in the episode
+    for m, mw in zip(masks[2:], weights[2:], strict=True):
+        assert mw == [1 / max(sum(m), 1)] * len(m)
+    # every episode weighs one: the episode's trajectories together as much as any other sample
+    per_episode = [0.0] * 6
+    for e, m, mw in zip(ids, masks, weights, strict=True):
+        per_episode[e] += sum(a * b for a, b in zip(m, mw, strict=True))
+    assert per_episode == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # sample 4 has no response token
+
+
+def test_episode_ids_that_split_an_episode_or_disagree_on_its_reward_are_refused():
+    masks, rewards = [[0, 1]] * 4, [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="consecutive"):
+        sample_weights(_cfg(), loss_masks=masks, rewards=rewards, group_size=1, episode_ids=[0, 1, 0, 2])
+    with pytest.raises(ValueError, match="sample 1 has another reward than the rest of its episode 0"):
+        sample_weights(_cfg(), loss_masks=masks, rewards=[1.0, 0.0, 0.0, 0.0], group_size=1, episode_ids=[0, 0, 1, 2])
+    with pytest.raises(ValueError, match="3 entries for 4 samples"):
+        sample_weights(_cfg(), loss_masks=masks, rewards=rewards, group_size=1, episode_ids=[0, 0, 1])

@@ -192,7 +192,8 @@ def test_each_dp_rank_computes_the_forward_passes_of_exactly_the_samples_it_trai
     actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir)))
     whole = pack(tokens)
     expected = unpack(actor.compute_log_probs(whole), whole)
-    steps = _plan_steps(batching, lengths, dp_size=2)
+    steps, pads = _plan_steps(batching, lengths, dp_size=2)
+    assert pads == []
     passes = _forward_passes(actor, None, None, old_log_probs=True)
     covered, counts = set(), []
     for rank in (0, 1):
@@ -238,3 +239,55 @@ def test_the_trained_micro_batches_carry_each_samples_own_advantage_and_loss_wei
         got = unpack_micro_batches([mb.token_fields[name] for mb in step], step, num_samples=len(TOKENS))
         for values, tokens, value in zip(got, TOKENS, per_sample, strict=True):
             torch.testing.assert_close(values, torch.full((len(tokens),), float(value)))
+
+
+def test_steps_count_episodes_and_pad_a_step_that_does_not_split_over_the_ranks():
+    """4 episodes, 2 steps of 2 episodes: the first holds 3 samples (episode 0 forked), padded to 4 for 2 ranks."""
+    from tidal.actor.trainer import _plan_steps
+
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2, num_steps_per_rollout=2)
+    lengths = [9, 4, 7, 6, 8]
+    steps, pads = _plan_steps(batching, lengths, dp_size=2, episode=torch.tensor([0, 0, 1, 2, 3]))
+    assert [indices for indices, _ in steps] == [[0, 1, 2, 5], [3, 4]] and pads == [1]  # the shortest, sample 1
+    for indices, plan in steps:
+        assert plan.lengths.tolist() == [lengths[i] if i < 5 else lengths[pads[i - 5]] for i in indices]
+    with pytest.raises(ValueError, match=r"holds 3 episodes \(5 samples\)"):
+        _plan_steps(batching, lengths, dp_size=2, episode=torch.tensor([0, 0, 1, 1, 2]))
+
+
+def test_a_forked_episode_trains_both_trajectories_and_padding_trains_nothing(dist_env, qwen2_dir):
+    """The samples of each rank of a 2-rank split: every real sample once with its episode's advantage and loss
+    weight, the padding sample with loss mask 0; a step's loss weights sum to its episodes' count."""
+    from tidal.actor.sample_weights import sample_weights
+
+    tokens = [*TOKENS[:1], [5, 17, 99, 3, 61, 62], *TOKENS[1:]]  # episode 0 forked: a second trajectory
+    masks = [*MASKS[:1], [0, 0, 0, 0, 1, 1], *MASKS[1:]]
+    rewards = [REWARDS[0], *REWARDS]
+    ids = [0, 0, 1, 2, 3]
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2, micro_batch_size=1)
+    actor = Actor(ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2))
+    seen: dict[int, list] = {}
+    train_step = actor.train_step
+    expected = sample_weights(actor.cfg, loss_masks=masks, rewards=rewards, group_size=2, episode_ids=ids)
+    found: dict[int, tuple] = {}
+    for rank in (0, 1):
+        actor.train_step = lambda mbs, rank=rank: seen.setdefault(rank, list(mbs)) and train_step(mbs)
+        train_on_rollout(
+            actor, batching, tokens=tokens, loss_masks=masks, rewards=rewards, group_size=2, rank=rank, dp_size=2,
+            episode_ids=ids,
+        )  # fmt: skip
+        step = seen[rank]
+        assert len(step) == 3  # 6 samples (5 and one padding) over 2 ranks, one per micro-batch
+        weights = [mb.token_fields["loss_weights"] * mb.loss_mask for mb in step]
+        for mb, w in zip(step, weights, strict=True):  # one sample per micro-batch; one step: indices are global
+            found.setdefault(int(mb.sample_indices[0]), []).append(
+                (mb.token_fields["advantages"], w, mb.loss_mask.tolist())
+            )
+    assert sorted(found) == [0, 1, 2, 3, 4, 5] and all(len(v) == 1 for v in found.values())
+    for i in range(5):
+        [(adv, _, mask)] = found[i]
+        assert mask[: len(masks[i])] == masks[i]
+        torch.testing.assert_close(adv[: len(tokens[i])], torch.full((len(tokens[i]),), float(expected.advantages[i])))
+    [(_, padding_weight, padding_mask)] = found[5]
+    assert not any(padding_mask) and float(padding_weight.sum()) == 0.0
+    assert sum(float(lw.sum()) for v in found.values() for _, lw, _ in v) == pytest.approx(4.0)  # 4 episodes

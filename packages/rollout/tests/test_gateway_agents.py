@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from tidal.rollout import RolloutError, SGLangClient
+from tidal.rollout import RolloutError, SGLangClient, episode_ids, num_episodes, rollout_metrics
 from tidal.rollout.gateway import Gateway
 from tidal.rollout.gateway.agents import AgentRunner, agent_rollout, load_agent_fn
 
@@ -42,6 +42,23 @@ def test_groups_of_episodes_replace_a_failed_group_and_record_why(gateway, plugi
     assert text.count("ValueError: no tool for 'add 1 and 2'") == 2 and "Traceback" in text
     assert text.count(" timeout row=") == 2 and "the agent ran past --agent-timeout-s 2" in text
     assert not gateway.sessions  # every session closed, the failed ones too
+
+
+def test_an_episode_that_rewrote_its_history_gives_a_sample_per_trajectory_in_its_place(gateway, plugins) -> None:
+    """A fork's trajectories stay together, in their group, with the episode's reward and index (one episode)."""
+    agent = load_agent_fn("tidal_rollout_agents:two_turns")
+    runner = AgentRunner(gateway, agent, n_samples_per_prompt=2, max_concurrency=4, timeout_s=10.0)
+    result = agent_rollout(runner, lambda r: _rows("rewrite", "ok"), num_groups=2, max_rounds=1)
+    samples = result.samples
+    assert [(s.group_index, s.episode) for s in samples] == [(0, 0), (0, 0), (0, 1), (0, 1), (1, 0), (1, 1)]
+    assert episode_ids(samples) == [0, 0, 1, 1, 2, 3] and num_episodes(samples) == 4
+    for first, second in (samples[0:2], samples[2:4]):  # one sampled call each, from its own prompt
+        assert first.reward == second.reward and 0 not in first.response_loss_mask + second.response_loss_mask
+        assert first.tokens != second.tokens[: len(first.tokens)]
+    assert all(0 in s.response_loss_mask for s in samples[4:])  # the extending episodes: one sample, two turns
+    assert result.metrics["rollout/agent/samples_per_episode"] == 1.5
+    assert result.metrics["rollout/agent/forks/mean"] == 0.5
+    assert rollout_metrics(samples)["rollout/num_episodes"] == 4.0
 
 
 def test_a_batch_still_short_after_the_last_round_is_one_line(gateway, plugins) -> None:

@@ -24,6 +24,8 @@ async def two_turns(base_url: str, api_key: str, row: dict) -> float:
     messages = [{"role": "user", "content": row["prompt"]}]
     first = await client.chat.completions.create(model="tidal", messages=messages, max_tokens=4)
     messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "1"}]
+    if mode == "rewrite":  # a compacted history that extends no earlier call's tokens: a fork
+        messages = [{"role": "user", "content": f"{row['prompt']}, then 1"}]
     second = await client.chat.completions.create(model="tidal", messages=messages, max_tokens=4)
     return float(len(second.choices[0].message.content or "") % 2)
 

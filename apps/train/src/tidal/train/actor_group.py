@@ -212,6 +212,8 @@ def rollout_data(
     Raises:
         ValueError: ``routing_replay`` (--use-rollout-routing-replay) and a sample without routed experts.
     """
+    from tidal.rollout import episode_ids
+
     routed = [s.rollout_routed_experts for s in samples]
     missing = [i for i, r in enumerate(routed) if r is None]
     if routing_replay and missing:
@@ -229,4 +231,5 @@ def rollout_data(
         group_size=group_size,
         rollout_id=rollout_id,
         routed_experts=None if missing else routed,
+        episode_ids=episode_ids(samples),
     )

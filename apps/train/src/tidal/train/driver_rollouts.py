@@ -156,6 +156,10 @@ class DriverRollouts:
             max_rounds=max_rounds,
             group_filter=self.group_filter,
         )
+        from tidal.rollout import num_episodes
+
+        episodes = num_episodes(result.samples)  # an episode that forked gave one sample per trajectory
+        assert episodes == self.rollout_batch_size * self.cfg.n_samples_per_prompt, (episodes, len(result.samples))
         return result.samples, result.metrics
 
     def evaluate_agents(self, prompts: list, n: int, sampling_params: dict[str, Any]) -> tuple[list[list[float]], int]:

@@ -39,6 +39,8 @@ class RolloutData:
     """The rollout's index (the actor waits during the first --num-critic-only-steps)."""
     routed_experts: list | None = None
     """Per sample, the engine's expert ids of every token but the last (--use-rollout-routing-replay), else None."""
+    episode_ids: list[int] | None = None
+    """Each sample's agent episode when one gave several samples (its trajectories), else None."""
 
 
 @ray.remote
@@ -126,6 +128,7 @@ class ActorWorker(WeightSender, AdapterSender, DeltaSender):
             critic=self.critic,
             rollout_id=rollout.rollout_id,
             routed_experts=rollout.routed_experts,
+            episode_ids=rollout.episode_ids,
         )
 
     def save_hf(self, out_dir: str, max_shard_bytes: int | None = None) -> str:

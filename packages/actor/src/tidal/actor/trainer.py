@@ -32,7 +32,7 @@ from tidal.actor.advantages import (
 )
 from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
 from tidal.actor.routing_replay import FIELD, routed_experts_field
-from tidal.actor.sample_weights import sample_weights
+from tidal.actor.sample_weights import episode_index, sample_weights
 from tidal.batching import (
     BatchingConfig,
     PackedBatch,
@@ -45,18 +45,44 @@ from tidal.batching import (
 logger = logging.getLogger(__name__)
 
 
-def _plan_steps(batching: BatchingConfig, lengths: list[int], *, dp_size: int):
+def _plan_steps(
+    batching: BatchingConfig, lengths: list[int], *, dp_size: int, episode: torch.Tensor | None = None
+) -> tuple[list[tuple[list[int], object]], list[int]]:
+    """Each optimizer step's sample indices and micro-batch plan, and the padding samples they use.
+
+    A step holds the samples of ``--global-batch-size`` episodes. When an episode gave several samples the count
+    may not split over the data-parallel ranks: the step is padded with copies of its shortest sample that the loss
+    ignores (loss mask 0), indexed from ``len(lengths)`` on; ``pads[j]`` is the sample padding ``len(lengths) + j``
+    copies.
+    """
     arith = batching.resolve(dp_size=dp_size)
-    if arith.rollout_size != len(lengths):
+    if episode is None:
+        episode = torch.arange(len(lengths))
+    episodes = int(episode[-1]) + 1 if episode.numel() else 0
+    if arith.rollout_size != episodes:
+        what = "samples" if episodes == len(lengths) else f"episodes ({len(lengths)} samples)"
         raise ValueError(
-            f"the rollout holds {len(lengths)} samples but --rollout-batch-size x --n-samples-per-prompt is "
+            f"the rollout holds {episodes} {what} but --rollout-batch-size x --n-samples-per-prompt is "
             f"{arith.rollout_size}; every prompt must contribute exactly --n-samples-per-prompt samples"
         )
-    steps = []
-    for indices in arith.step_slices():
-        plan = plan_from_config(batching, [lengths[i] for i in indices], dp_size=dp_size)
-        steps.append((list(indices), plan))
-    return steps
+    starts = torch.searchsorted(episode, torch.arange(episodes + 1)).tolist()
+    steps, pads = [], []
+    for episodes_of_step in arith.step_slices():
+        indices = list(range(starts[episodes_of_step.start], starts[episodes_of_step.stop]))
+        shortest = min(indices, key=lambda i: lengths[i])
+        for _ in range(-len(indices) % dp_size):
+            indices.append(len(lengths) + len(pads))
+            pads.append(shortest)
+        step_lengths = [lengths[i] if i < len(lengths) else lengths[pads[i - len(lengths)]] for i in indices]
+        plan = plan_from_config(batching, step_lengths, dp_size=dp_size)
+        steps.append((indices, plan))
+    return steps, pads
+
+
+def _padded(values: Sequence, pads: list[int], fill=None) -> list:
+    """``values`` and, for each padding sample, its source's value (or ``fill`` of the source's length)."""
+    extra = [values[i] if fill is None else [fill] * len(values[i]) for i in pads]
+    return [*values, *extra]
 
 
 def train_on_rollout(
@@ -76,6 +102,7 @@ def train_on_rollout(
     rollout_id: int = 0,
     reuse_step_log_probs: bool = True,
     routed_experts: Sequence | None = None,
+    episode_ids: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
 
@@ -105,6 +132,10 @@ def train_on_rollout(
             top-k]``, ``Sample.rollout_routed_experts``): every pass routes the tokens to them under
             ``--use-rollout-routing-replay``, and "rollout/routing_mismatch_share" says how often the actor's router
             chose otherwise in the pass that computed the old log-probs (replay on or off).
+        episode_ids: each sample's agent episode (consecutive samples of one episode share it; see
+            :func:`tidal.actor.sample_weights.sample_weights`): groups and optimizer steps count episodes, and a
+            step whose samples do not split over the ranks is padded with samples the loss ignores. None: every
+            sample is an episode.
 
     Returns:
         Mean of the steps' train metrics, batching statistics (the first step's plan, and
@@ -118,9 +149,15 @@ def train_on_rollout(
     """
     cfg = actor.cfg
     weights = sample_weights(
-        cfg, loss_masks=loss_masks, rewards=rewards, group_size=group_size, normalize_std=normalize_std
+        cfg,
+        loss_masks=loss_masks,
+        rewards=rewards,
+        group_size=group_size,
+        normalize_std=normalize_std,
+        episode_ids=episode_ids,
     )
-    steps = _plan_steps(batching, [len(t) for t in tokens], dp_size=dp_size)
+    episode = episode_index(episode_ids, len(tokens))
+    steps, pads = _plan_steps(batching, [len(t) for t in tokens], dp_size=dp_size, episode=episode)
     token_fields = dict(weights.token_fields)
     if cfg.kl_coef > 0 and reference is None:
         raise ValueError("--kl-coef needs a reference model: pass reference=ReferenceModel(...)")
@@ -130,6 +167,10 @@ def train_on_rollout(
         token_fields["rollout_log_probs"] = [list(map(float, lp)) for lp in rollout_log_probs]
     inputs = _routing_fields(cfg, routed_experts, tokens)
     token_fields |= inputs
+    if pads:  # padding samples: their sources' tokens and fields, loss mask 0
+        tokens, loss_masks = _padded(tokens, pads), _padded(loss_masks, pads, fill=0)
+        token_fields = {k: _padded(v, pads) for k, v in token_fields.items()}
+        inputs = {k: token_fields[k] for k in inputs}
     replay = actor.routing_replay if inputs else None  # counts from here on
     if replay is not None:
         replay.reset()

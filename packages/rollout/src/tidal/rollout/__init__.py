@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from tidal.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
     from tidal.rollout.staleness import mask_stale_tokens, staleness_metrics, version_number
-    from tidal.rollout.types import Sample
+    from tidal.rollout.types import Sample, episode_ids, num_episodes
     from tidal.rollout.weight_sync import (
         destroy_weights_update_group,
         init_weights_update_group,
@@ -101,6 +101,8 @@ _LAZY = {
     "staleness_metrics": "staleness",
     "version_number": "staleness",
     "Sample": "types",
+    "episode_ids": "types",
+    "num_episodes": "types",
     "destroy_weights_update_group": "weight_sync",
     "init_weights_update_group": "weight_sync",
     "update_weights_from_distributed": "weight_sync",
@@ -151,6 +153,7 @@ __all__ = [
     "delta_checksum",
     "destroy_weights_update_group",
     "encode_delta",
+    "episode_ids",
     "filter_uniform_groups",
     "generate_partial_rollout",
     "generate_samples",
@@ -162,6 +165,7 @@ __all__ = [
     "load_rollout_data",
     "lora_server_args",
     "mask_stale_tokens",
+    "num_episodes",
     "resolve_group_filter",
     "resolve_reward_fn",
     "reward_variance",

@@ -15,7 +15,7 @@ from tidal.rollout.custom_generate import GenerateFn, run_generate_fn
 from tidal.rollout.dispatch import fresh_group, run_groups
 from tidal.rollout.progress import DEFAULT_LOG_EVERY_S, GenerationProgress
 from tidal.rollout.router import RolloutRouter
-from tidal.rollout.types import Sample
+from tidal.rollout.types import Sample, episode_ids
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,10 @@ def generate_samples(
 
 
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """Per-rollout metrics with slash keys: response length, truncated fraction, rewards, reward errors."""
+    """Per-rollout metrics with slash keys: response length, truncated fraction, rewards, reward errors.
+
+    The reward mean and std count each agent episode once (its trajectories share its reward).
+    """
     if not samples:
         return {}
     lengths = [len(s.response_ids) for s in samples]
@@ -231,7 +234,11 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         "rollout/truncated_frac": sum(s.truncated for s in samples) / len(samples),
         "rollout/aborted_frac": sum(s.finish_reason == "abort" for s in samples) / len(samples),
     }
-    rewards = [s.reward for s in samples if s.reward is not None]
+    ids = episode_ids(samples)
+    if ids is not None:  # an agent episode's trajectories share its reward: count it once
+        last = [s for i, s in enumerate(samples) if i + 1 == len(samples) or ids[i + 1] != ids[i]]
+        metrics["rollout/num_episodes"] = float(len(last))
+    rewards = [s.reward for s in (samples if ids is None else last) if s.reward is not None]
     if rewards:
         metrics["rollout/reward/mean"] = statistics.fmean(rewards)
         metrics["rollout/reward/std"] = statistics.pstdev(rewards)

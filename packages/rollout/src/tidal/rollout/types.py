@@ -42,6 +42,10 @@ class Sample:
     response_weight_versions: Sequence[str | None] | None = None
     """Weight version that sampled each response token (a partial rollout resumed after a weight update
     mixes versions); None: all came from ``weight_version``."""
+    episode: int | None = None
+    """Within its group, the agent episode this sample is a trajectory of: an agent that rewrote its history gives
+    several samples of one episode, consecutive and with its reward, and training counts the episode as one sample
+    (one advantage, one sample's loss weight over all its trajectories). None: the sample is an episode by itself."""
     rollout_routed_experts: Any = field(default=None, compare=False)
     """Experts the engine routed each token it forwarded to (``--use-rollout-routing-replay``): an int array
     ``[len(tokens) - 1, MoE layers x top-k]`` (row t: token t's top-k expert ids of layer 0, then of layer 1, ...;
@@ -95,3 +99,28 @@ class Sample:
     def truncated(self) -> bool:
         """Whether the response was cut by the length limit rather than ended by a stop token."""
         return self.finish_reason == "length"
+
+
+def episode_ids(samples: Sequence[Sample]) -> list[int] | None:
+    """Each sample's episode, counted 0, 1, ... over ``samples``; None when every sample is an episode by itself.
+
+    Consecutive samples of one group with the same ``episode`` share one.
+    """
+    if all(s.episode is None for s in samples):
+        return None
+    ids: list[int] = []
+    for i, s in enumerate(samples):
+        prev = samples[i - 1] if i else None
+        same = (
+            prev is not None
+            and s.episode is not None
+            and (prev.group_index, prev.episode) == (s.group_index, s.episode)
+        )
+        ids.append(ids[-1] if same else (ids[-1] + 1 if ids else 0))
+    return ids
+
+
+def num_episodes(samples: Sequence[Sample]) -> int:
+    """Episodes among ``samples`` (its length, unless an agent episode gave several)."""
+    ids = episode_ids(samples)
+    return len(samples) if ids is None else (ids[-1] + 1 if ids else 0)

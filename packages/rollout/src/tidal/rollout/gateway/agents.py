@@ -6,6 +6,9 @@ client works unmodified), and returns the episode's reward. ``n_samples_per_prom
 group. An agent that raises, times out, returns no number or never calls the model fails its episode: it is
 counted by reason in the metrics, its traceback goes to the failure log, and its whole group is dropped and
 replaced by a group of another prompt, in rounds, as dynamic sampling replaces a group its filter drops.
+
+An episode whose agent rewrote its history (a fork) gives one sample per trajectory, consecutive, each with the
+episode's reward and ``Sample.episode`` its index in the group: training counts the episode as one sample.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def load_agent_fn(path: str) -> AgentFn:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EpisodeResult:
-    """One finished episode: its trained sample (None when it failed), reward, failure reason and counts."""
+    """One finished episode: its samples (one per trajectory, the final answer's last; none when it failed)."""
 
-    sample: Sample | None
+    samples: list[Sample]
     reward: float | None = None
     failure: str | None = None
     """``timeout``, ``no_model_call``, ``bad_reward`` or the exception's type name; None when it succeeded."""
@@ -122,9 +125,12 @@ class AgentRunner:
             reason, detail = "no_model_call", "the agent returned without calling the model"
         if reason is not None:
             self._log_failure(row, reason, detail)
-            return EpisodeResult(sample=None, failure=reason, metrics=episode.metrics())
-        sample = last.sample(reward=reward, label=label)
-        return EpisodeResult(sample=sample, reward=reward, metrics=episode.metrics())
+            return EpisodeResult(samples=[], failure=reason, metrics=episode.metrics())
+        earlier = [
+            t.sample(reward=reward, label=label) for t in episode.trajectories if t is not last and any(t.loss_mask)
+        ]
+        samples = [*earlier, last.sample(reward=reward, label=label)]
+        return EpisodeResult(samples=samples, reward=reward, metrics=episode.metrics())
 
     def run_groups(self, rows: Sequence[Mapping[str, Any]], labels: Sequence[Any]) -> list[list[EpisodeResult]]:
         """``n_samples_per_prompt`` episodes of each row, all at once (bounded); the results group by row."""
@@ -157,7 +163,7 @@ def agent_rollout(
     kept: list[list[Sample]] = []
     failures: Counter[str] = Counter()
     totals: Counter[str] = Counter()
-    generated = filtered = rounds = untrained = 0
+    generated = filtered = rounds = 0
     while len(kept) < num_groups:
         if rounds == max_rounds:
             raise RolloutError(
@@ -174,12 +180,10 @@ def agent_rollout(
                 totals.update({**result.metrics, "episodes": 1})
                 if result.failure is not None:
                     failures[result.failure] += 1
-                else:  # one sample per episode is trained on (its last trajectory); its forks are counted
-                    untrained += int(result.metrics.get("samples", 1)) - 1
             if any(r.failure is not None for r in group):
                 continue
-            samples = [r.sample for r in group if r.sample is not None]
-            if group_filter is not None and not group_filter(samples):
+            samples = [replace(s, episode=e) for e, r in enumerate(group) for s in r.samples]
+            if group_filter is not None and not group_filter([r.samples[-1] for r in group]):  # one per episode
                 filtered += 1
                 continue
             kept.append(samples)
@@ -194,7 +198,7 @@ def agent_rollout(
         "rollout/agent/turns/mean": totals["turns"] / episodes,
         "rollout/agent/forks/mean": totals["forks"] / episodes,
         "rollout/agent/tokens/mean": totals["tokens"] / episodes,
-        "rollout/agent/fork_samples_untrained": float(untrained),
+        "rollout/agent/samples_per_episode": len(samples) / max(num_groups * runner.n, 1),
     }
     metrics |= {f"rollout/agent/failed/{reason}": float(count) for reason, count in failures.items()}
     return AgentRollout(samples=samples, metrics=metrics)
