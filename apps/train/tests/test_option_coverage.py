@@ -265,7 +265,7 @@ COVERED: dict[str, tuple[str, str]] = {
     "--update-weight-transport": (CLI, BAD_CONFIG),
     "--update-weight-delta": (
         "tests/test_delta_sync.py",
-        "test_a_pipeline_run_syncs_deltas_over_disk_with_equal_log_probs",
+        "test_a_server_serving_another_version_gets_the_next_sync_whole_then_deltas_again",
     ),
     "--offload": (CLI, BAD_CONFIG),
     "--update-weight-timeout": (CLI, BAD_CONFIG),
