@@ -1,9 +1,9 @@
 """--update-weight-delta against the session's real SGLang server: `train` runs, and the sender's functions.
 
-The runs: two pipeline stages (each sends its own delta) over the disk transport to the external engine, with
---check-weight-update-equal; and, over disk and over nccl (gloo on CPU, two pipeline stages), four rollouts during
-the third of which the server is given other weights and another version (its initial ones, as a restarted server
-serves): that sync goes whole, the next one as deltas again. The functions: the "actor" is the embedded
+The runs, over disk and over nccl (gloo on CPU) to the external engine, with two pipeline stages (each sends its own
+delta) and --check-weight-update-equal: four rollouts during the third of which the server is given other weights
+and another version (its initial ones, as a restarted server serves): that sync goes whole, the next one as deltas
+again. The functions: the "actor" is the embedded
 checkpoint's own tensors (what the server loaded), then a copy with a few elements changed, sent as on the sending
 rank (one delta corrupted on purpose).
 """
