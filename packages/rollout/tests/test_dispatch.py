@@ -49,7 +49,8 @@ def test_a_running_server_that_fails_every_retry_is_restarted_or_named_with_its_
     server = _behind(proxy(["reset"] * 3).url, tmp_path)
     first_pid = server.pid
     try:
-        samples = generate_samples(server, [[3, 4]], {"n": 2, "max_new_tokens": 3}, max_restarts=1)
+        params = {"n": 2, "max_new_tokens": 3, "ignore_eos": True}  # 3 tokens each, whatever the weights sample
+        samples = generate_samples(server, [[3, 4]], params, max_restarts=1)
         assert len(samples) == 2 and all(len(s.response_ids) == 3 for s in samples)
         assert server.pid != first_pid and server.http_retries == 1
     finally:
