@@ -42,19 +42,23 @@ def _agent_model(root: Path) -> Path:
     return model
 
 
+def _agent_args(root: Path, model: Path, engine: str, agent: str) -> list[str]:
+    """The agent runs' shared options: ``tidal_train_plugins:<agent>`` on ``model``, served by ``engine``."""
+    return [
+        "--recipe", "embedded", "--hf-checkpoint", str(model), "--rollout-external-engine-addrs", engine,
+        "--agent-function-path", f"tidal_train_plugins:{agent}", "--agent-timeout-s", "120",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--rollout-max-response-len", "6", "--num-eval-prompts", "4", "--lr", "1e-4",
+        "--save-debug-rollout-data", str(root / "debug"),
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def agent_run(tmp_path_factory, external_engine):
     root = tmp_path_factory.mktemp("agents")
     model = _agent_model(root)
-    args = [
-        "--recipe", "embedded", "--hf-checkpoint", str(model),
-        "--rollout-external-engine-addrs", external_engine,
-        "--agent-function-path", "tidal_train_plugins:arithmetic_agent",
-        "--agent-max-concurrency", "3", "--agent-timeout-s", "120",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2",
-        "--rollout-max-response-len", "6", "--num-eval-prompts", "4", "--lr", "1e-4",
-        "--save-debug-rollout-data", str(root / "debug"),
-    ]  # fmt: skip
+    args = [*_agent_args(root, model, external_engine, "arithmetic_agent"), "--agent-max-concurrency", "3",
+            "--num-rollout", "2"]  # fmt: skip
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
         code, log, leftovers = _train(args, out=root / "run")
@@ -142,16 +146,9 @@ def async_agent_run(tmp_path_factory, external_engine):
     root = tmp_path_factory.mktemp("async_agents")
     model = _agent_model(root)
     tracker = root / "ckpt" / "latest_checkpointed_iteration.txt"
-    args = [
-        "--recipe", "embedded", "--hf-checkpoint", str(model),
-        "--rollout-external-engine-addrs", external_engine,
-        "--agent-function-path", "tidal_train_plugins:steady_arithmetic_agent",
-        "--agent-max-concurrency", "4", "--agent-timeout-s", "120",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "4",
-        "--rollout-max-response-len", "6", "--num-eval-prompts", "4", "--lr", "1e-4",
-        "--max-staleness", "1", "--save-interval", "1", "--save", str(root / "ckpt"),
-        "--save-debug-rollout-data", str(root / "debug"),
-    ]  # fmt: skip
+    args = [*_agent_args(root, model, external_engine, "steady_arithmetic_agent"), "--agent-max-concurrency", "4",
+            "--num-rollout", "4", "--max-staleness", "1", "--save-interval", "1",
+            "--save", str(root / "ckpt")]  # fmt: skip
 
     def checkpointed_rollout_1(_run_dir: Path, _log: Path) -> bool:
         return tracker.exists() and tracker.read_text().strip() == "2"

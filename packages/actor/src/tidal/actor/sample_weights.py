@@ -106,12 +106,9 @@ def episode_index(episode_ids: Sequence[int] | None, num_samples: int) -> torch.
 
 def _episode_ends(episode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Index of each episode's first and last sample."""
-    if not episode.numel():
-        return episode, episode
-    starts = torch.cat([torch.tensor([True]), episode.diff() != 0])
-    first = starts.nonzero().flatten()
-    last = torch.cat([first[1:] - 1, torch.tensor([episode.numel() - 1])])
-    return first, last
+    counts = torch.unique_consecutive(episode, return_counts=True)[1]
+    last = counts.cumsum(0) - 1
+    return last - counts + 1, last
 
 
 def response_len(loss_mask: Sequence[int]) -> int:

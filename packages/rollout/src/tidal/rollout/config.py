@@ -72,8 +72,9 @@ def with_engine_tp(server_args: Sequence[str], gpus_per_engine: int) -> tuple[st
         if value != str(gpus_per_engine):
             raise ValueError(
                 f"--sglang-{name[2:]} {value} disagrees with --rollout-num-gpus-per-engine {gpus_per_engine}: each "
-                f"engine's tensor parallelism spans the GPUs it is given; drop --sglang-{name[2:]} (tidal passes "
-                f"--tp-size {gpus_per_engine} itself) or set --rollout-num-gpus-per-engine {value}"
+                f"engine's tensor parallelism spans the GPUs it is given; drop --sglang-{name[2:]} (tidal starts "
+                f"each SGLang server with a tensor-parallel size of {gpus_per_engine}) or set "
+                f"--rollout-num-gpus-per-engine {value}"
             )
         return args
     return (*args, "--tp-size", str(gpus_per_engine)) if gpus_per_engine > 1 else args

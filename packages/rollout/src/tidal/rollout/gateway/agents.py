@@ -120,16 +120,12 @@ class AgentRunner:
             finally:
                 session = self.gateway.close_session(sid)
         episode = session.episode
-        last = episode.last
-        if reason is None and last is None:
+        if reason is None and episode.last is None:
             reason, detail = "no_model_call", "the agent returned without calling the model"
         if reason is not None:
             self._log_failure(row, reason, detail)
             return EpisodeResult(samples=[], failure=reason, metrics=episode.metrics())
-        earlier = [
-            t.sample(reward=reward, label=label) for t in episode.trajectories if t is not last and any(t.loss_mask)
-        ]
-        samples = [*earlier, last.sample(reward=reward, label=label)]
+        samples = episode.samples(reward=reward, label=label)  # the final answer's trajectory last
         return EpisodeResult(samples=samples, reward=reward, metrics=episode.metrics())
 
     def run_groups(self, rows: Sequence[Mapping[str, Any]], labels: Sequence[Any]) -> list[list[EpisodeResult]]:

@@ -86,7 +86,7 @@ class Episode:
         self.forks = 0
         """Trajectories started by a call that extended none (the first one not counted)."""
         self.last: Trajectory | None = None
-        """The trajectory that holds the latest answer (the one trained on when an episode gives one sample)."""
+        """The trajectory that holds the latest answer (the episode's final one)."""
 
     def prepare(self, rendered: str) -> Turn:
         """The ids to send for a call whose chat template rendered ``rendered``.
@@ -148,8 +148,12 @@ class Episode:
         return target
 
     def samples(self, **fields: Any) -> list[Sample]:
-        """One sample per trajectory that sampled anything, each with ``fields`` (the episode's reward, ...)."""
-        return [t.sample(**fields) for t in self.trajectories if any(t.loss_mask)]
+        """One sample per trajectory that sampled anything, each with ``fields`` (the episode's reward, ...).
+
+        In the order they started, but the one holding the latest answer (:attr:`last`) last.
+        """
+        order = [t for t in self.trajectories if t is not self.last] + ([self.last] if self.last else [])
+        return [t.sample(**fields) for t in order if any(t.loss_mask)]
 
     def metrics(self) -> dict[str, float]:
         """Turns, forks and tokens of this episode."""
