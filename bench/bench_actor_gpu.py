@@ -823,12 +823,22 @@ def hf_section(report: dict, args, ckpt: Path, work: dict, flops: dict) -> None:
 
 
 def save_checkpoint(cfg_kwargs: dict, out: Path) -> tuple[int, int, int]:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     classes = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }
     kwargs = dict(cfg_kwargs)
     config_cls, model_cls = classes[kwargs.pop("model_type", "qwen2")]

@@ -29,7 +29,36 @@ from pathlib import Path
 import torch
 from bench_actor_gpu import CUDA, LLAMA_3_2_3B, QWEN2_1_5B, QWEN3_1_7B, TINY, log, reset_peak, save_checkpoint
 
-SHAPES = {"qwen2-1.5b": QWEN2_1_5B, "qwen3-1.7b": QWEN3_1_7B, "llama-3.2-3b": LLAMA_3_2_3B, "tiny": TINY}
+QWEN3_30B_A3B_4L = dict(  # Qwen3-30B-A3B's shape (128 experts, top-8, expert ffn 768), 4 of its 48 layers
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
+TINY_MOE = QWEN3_30B_A3B_4L | dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=4096,
+)  # fmt: skip
+SHAPES = {
+    "qwen2-1.5b": QWEN2_1_5B,
+    "qwen3-1.7b": QWEN3_1_7B,
+    "llama-3.2-3b": LLAMA_3_2_3B,
+    "qwen3-30b-a3b-4l": QWEN3_30B_A3B_4L,
+    "tiny": TINY,
+    "tiny-moe": TINY_MOE,
+}
 
 
 def micro_batches(tokens: int, count: int, vocab: int, seed: int, *, fields: bool):
@@ -124,7 +153,7 @@ def peak() -> int:
     return torch.cuda.max_memory_allocated() if CUDA else 0
 
 
-def run_model(name: str, args, report: dict) -> None:
+def run_model(name: str, args, report: dict, lora_rank: int = 0) -> None:
     from tidal.actor import Actor, ActorConfig
     from tidal.actor.bridge import enable_layer_recompute
     from tidal.actor.errors import ActorOutOfMemoryError
@@ -132,13 +161,14 @@ def run_model(name: str, args, report: dict) -> None:
     from tidal.ckpt import read_hf_config_json
 
     cfg = SHAPES[name]
-    out: dict = report.setdefault(name, {})
+    out: dict = report.setdefault(f"{name}-lora-r{lora_rank}" if lora_rank else name, {})
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp, "model")
         save_checkpoint(cfg, ckpt)
         shape = ModelShape.from_hf_config(read_hf_config_json(ckpt))
         precision = dict(params_dtype="bfloat16", fp32_main_params=True) if CUDA else {}
-        acfg = ActorConfig(hf_checkpoint=str(ckpt), lr=1e-7, log_probs_chunk_size=args.chunk, **precision)
+        lora = dict(lora_rank=lora_rank, lora_alpha=2.0 * lora_rank) if lora_rank else {}
+        acfg = ActorConfig(hf_checkpoint=str(ckpt), lr=1e-7, log_probs_chunk_size=args.chunk, **precision, **lora)
         actor = Actor(acfg)
         gpu = torch.cuda.get_device_properties(0).total_memory if CUDA else None
         out["params"] = shape.num_params()
@@ -210,7 +240,8 @@ def run_model(name: str, args, report: dict) -> None:
                     rows.append(row)
                     log(f"{name}: {json.dumps(row)}")
                     dump(args, report)
-        if args.oom_tokens and name == args.oom_model:  # last: after it the card may hold the failed pass
+        # last: after it the card may hold the failed pass
+        if args.oom_tokens and name == args.oom_model and not lora_rank:
             undo_recompute(actor)
             oom_test(actor, name, cfg, args, out)
         del actor
@@ -289,11 +320,14 @@ def main() -> None:
     p.add_argument("--recompute", type=int, nargs="*", default=[0], help="recompute settings after 'off' (0: all)")
     p.add_argument("--census-tokens", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--lora-ranks", type=int, nargs="*", default=[0], help="--lora-rank of each run (0: full FT)")
+    p.add_argument("--lora-models", nargs="*", default=None, help="the models the LoRA ranks run on (default: all)")
     p.add_argument("--oom-model", default="llama-3.2-3b")
     p.add_argument("--oom-tokens", type=int, default=0, help="a training budget too large on purpose (0: skip)")
     args = p.parse_args()
     if args.tiny:
-        args.models, args.tokens, args.logprob_tokens, args.census_tokens = ["tiny"], [512, 1024], [1024], 256
+        args.models, args.tokens, args.logprob_tokens = ["tiny", "tiny-moe"], [512, 1024], [1024]
+        args.census_tokens = 256
         args.oom_model = "tiny"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report: dict = {"torch": torch.__version__, "argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M")}
@@ -310,14 +344,17 @@ def main() -> None:
         port = s.getsockname()[1]
     init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
     for name in args.models:
-        try:
-            run_model(name, args, report)
-        except Exception as e:  # keep going: the report says what failed
-            import traceback
+        for rank in args.lora_ranks:
+            if rank and args.lora_models is not None and name not in args.lora_models:
+                continue
+            try:
+                run_model(name, args, report, lora_rank=rank)
+            except Exception as e:  # keep going: the report says what failed
+                import traceback
 
-            traceback.print_exc()
-            report.setdefault("errors", []).append(f"{name}: {e!r}"[:500])
-        dump(args, report)
+                traceback.print_exc()
+                report.setdefault("errors", []).append(f"{name} lora {rank}: {e!r}"[:500])
+            dump(args, report)
     summary(report)
 
 
