@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import requests
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
+from tidal.rollout.generate_stream import StreamedAnswer, read_chunks
 from tidal.rollout.transport import (
     DEFAULT_BACKOFF_S,
     DEFAULT_MAX_IDLE_S,
@@ -151,7 +153,13 @@ class SGLangClient:
         return self.request("POST", endpoint, payload)
 
     def request(
-        self, method: str, endpoint: str, payload: Mapping[str, Any] | None = None, *, idempotent: bool | None = None
+        self,
+        method: str,
+        endpoint: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        idempotent: bool | None = None,
+        stream: bool = False,
     ) -> requests.Response:
         """Send one request; send it again after a transient failure, at most ``max_retries`` times.
 
@@ -159,7 +167,8 @@ class SGLangClient:
         idempotent (``idempotent`` None: whether ``endpoint`` is in ``IDEMPOTENT_ENDPOINTS``, e.g. the
         weight-update session calls are not) is sent again only when it never left (refused or timed-out
         connect). Each retry is logged at WARNING with the endpoint and attempt and counted in
-        :attr:`http_retries`.
+        :attr:`http_retries`. With ``stream`` the answer is returned once its headers are in (its body is read
+        by the caller, and only the headers are retried).
 
         Returns:
             The answer: any status below 500, or a 5xx once the retries are spent (or for a call not retried).
@@ -176,7 +185,7 @@ class SGLangClient:
         while True:
             attempt += 1
             try:
-                response = self._session.request(method, url, json=body, timeout=timeout)
+                response = self._session.request(method, url, json=body, timeout=timeout, stream=stream)
             except requests.RequestException as e:
                 if not is_transient(e):
                     raise RolloutError(f"{method} {url} failed: {e}") from e
@@ -250,6 +259,44 @@ class SGLangClient:
         if len(answers) != len(prompts):
             raise RolloutError(f"/generate at {self.url} returned {len(answers)} outputs for {len(prompts)} prompts")
         return [parse_output(answer, routed_experts=routed) for answer in answers]
+
+    def generate_stream(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        """Sample one continuation of one token-id prompt, streamed as SGLang samples it (``/generate`` with stream).
+
+        Yields ``{"output_ids": <every token so far>, "finish_reason": None}`` per chunk SGLang sends, then, last,
+        the whole answer as :meth:`generate` returns it (log-probs, finish reason, weight version). Closing the
+        iterator early closes the connection (SGLang then aborts the request).
+
+        Raises:
+            ValueError: ``n`` other than 1, or routed experts asked for (not streamed).
+            EngineUnavailableError: As :meth:`generate`, or the stream broke or ended without an answer.
+            RolloutError: The server refused the request or its chunks are inconsistent.
+        """
+        params = dict(sampling_params)
+        if int(params.pop("n", 1)) != 1 or params.pop(ROUTED_EXPERTS_PARAM, False):
+            raise ValueError("generate_stream samples one answer without routed experts: use generate for n > 1")
+        payload: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": params,
+            "return_logprob": True,
+            "stream": True,
+        }
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
+        with contextlib.closing(self.request("POST", "/generate", payload, stream=True)) as response:
+            if response.status_code >= 500:
+                raise EngineUnavailableError(
+                    f"/generate at {self.url} answered {response.status_code}: {response.text[:500]!r}"
+                )
+            if response.status_code != 200:
+                raise RolloutError(f"/generate at {self.url} answered {response.status_code}: {response.text[:2000]}")
+            streamed = StreamedAnswer(self.url)
+            for chunk in read_chunks(response, self.url):
+                if streamed.add(chunk):
+                    yield parse_output(streamed.answer())
+                    return
+                yield {"output_ids": list(streamed.output_ids), "finish_reason": None}
+        raise EngineUnavailableError(f"/generate at {self.url}: the stream ended before the answer did")
 
     def call(self, endpoint: str, payload: Mapping[str, Any] | None = None, *, what: str = "") -> dict[str, Any]:
         """POST JSON to an SGLang control endpoint and check that it succeeded.
