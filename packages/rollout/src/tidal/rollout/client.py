@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import os
@@ -11,10 +10,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import requests
+from tidal.rollout.answers import StreamedAnswer, parse_output, read_chunks
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
-from tidal.rollout.generate_stream import StreamedAnswer, read_chunks
 from tidal.rollout.transport import (
     DEFAULT_BACKOFF_S,
     DEFAULT_MAX_IDLE_S,
@@ -247,7 +245,14 @@ class SGLangClient:
             payload["return_routed_experts"] = True
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
-        response = self._post("/generate", payload)
+        response = self._check_generate(self._post("/generate", payload))
+        answers = response.json()
+        if len(answers) != len(prompts):
+            raise RolloutError(f"/generate at {self.url} returned {len(answers)} outputs for {len(prompts)} prompts")
+        return [parse_output(answer, routed_experts=routed) for answer in answers]
+
+    def _check_generate(self, response: requests.Response) -> requests.Response:
+        """``response`` when it is a 200; else the error of a ``/generate`` that failed (5xx) or was refused."""
         if response.status_code >= 500:  # still failing after the retries: up to the caller (restart or give up)
             raise EngineUnavailableError(
                 f"/generate at {self.url} answered {response.status_code} (retried up to {self.max_retries} times): "
@@ -255,10 +260,7 @@ class SGLangClient:
             )
         if response.status_code != 200:
             raise RolloutError(f"/generate at {self.url} answered {response.status_code}: {response.text[:2000]}")
-        answers = response.json()
-        if len(answers) != len(prompts):
-            raise RolloutError(f"/generate at {self.url} returned {len(answers)} outputs for {len(prompts)} prompts")
-        return [parse_output(answer, routed_experts=routed) for answer in answers]
+        return response
 
     def generate_stream(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
         """Sample one continuation of one token-id prompt, streamed as SGLang samples it (``/generate`` with stream).
@@ -284,12 +286,7 @@ class SGLangClient:
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
         with contextlib.closing(self.request("POST", "/generate", payload, stream=True)) as response:
-            if response.status_code >= 500:
-                raise EngineUnavailableError(
-                    f"/generate at {self.url} answered {response.status_code}: {response.text[:500]!r}"
-                )
-            if response.status_code != 200:
-                raise RolloutError(f"/generate at {self.url} answered {response.status_code}: {response.text[:2000]}")
+            self._check_generate(response)
             streamed = StreamedAnswer(self.url)
             for chunk in read_chunks(response, self.url):
                 if streamed.add(chunk):
@@ -383,49 +380,3 @@ class SGLangClient:
         if response.status_code != 200:
             raise RolloutError(f"/get_model_info at {self.url} answered {response.status_code}: {response.text[:500]}")
         return response.json()
-
-
-def _routed_experts(meta: Mapping[str, Any], num_output: int) -> np.ndarray | None:
-    """SGLang's base64 int32 expert ids of every forwarded token -> ``[tokens, layers x top-k]`` int16 (or int32)."""
-    encoded = meta.get("routed_experts")
-    if not encoded:
-        return None
-    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
-    rows = int(meta["prompt_tokens"]) + num_output - 1  # the last sampled token is never forwarded
-    if rows <= 0 or flat.size % rows:
-        raise RolloutError(f"SGLang returned {flat.size} routed-expert ids for {rows} forwarded tokens")
-    small = flat.size == 0 or flat.max() < np.iinfo(np.int16).max
-    return flat.reshape(rows, -1).astype(np.int16 if small else np.int32)
-
-
-def parse_output(answer: Mapping[str, Any], *, routed_experts: bool = False) -> dict[str, Any]:
-    """One ``/generate`` answer -> the tokens, log-probs and finish reason exactly as sampled.
-
-    With ``routed_experts`` also "routed_experts": the experts SGLang routed each token of the sequence (prompt and
-    response, but the last) to, ``[tokens, layers x top-k]`` (row t: layer 0's top-k ids, then layer 1's, ...), or
-    None when the answer carries none (a server started without ``--enable-return-routed-experts``).
-    """
-    meta = answer["meta_info"]
-    output_ids = [int(t) for t in answer["output_ids"]]
-    # Each entry is (log-prob, token id, token text or None).
-    token_logprobs = meta["output_token_logprobs"]
-    log_probs = [float(entry[0]) for entry in token_logprobs]
-    logprob_ids = [int(entry[1]) for entry in token_logprobs]
-    if logprob_ids != output_ids:
-        raise RolloutError(
-            f"SGLang returned log-probs for tokens {logprob_ids[:16]}... but output_ids {output_ids[:16]}...; "
-            "refusing to pair log-probs with the wrong tokens"
-        )
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, Mapping) else str(reason)
-    if kind not in ("stop", "length", "abort"):
-        raise RolloutError(f"unexpected finish_reason {reason!r} from SGLang")
-    out = {
-        "output_ids": output_ids,
-        "output_log_probs": log_probs,
-        "finish_reason": kind,
-        "weight_version": meta.get("weight_version"),
-    }
-    if routed_experts:
-        out["routed_experts"] = _routed_experts(meta, len(output_ids))
-    return out
