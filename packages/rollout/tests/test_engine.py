@@ -56,6 +56,7 @@ def test_command_on_cpu_adds_cpu_flags_and_lets_extra_args_win(tmp_path: Path) -
     assert cmd[cmd.index("--max-total-tokens") + 1] == "2048"
     gpu_cmd = SGLangEngine("/m", port=1234, log_dir=tmp_path, cpu=False).command()
     assert "--device" not in gpu_cmd and "--nccl-port" not in gpu_cmd
+    assert cmd.count("--incremental-streaming-output") == gpu_cmd.count("--incremental-streaming-output") == 1
 
 
 def test_crash_diagnostics_are_off_unless_the_environment_turns_them_on(tmp_path: Path, monkeypatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -38,6 +39,17 @@ class Recording:
         call = {"input_ids": [list(i) for i in input_ids], "params": dict(sampling_params), "out": out, "sent": sent}
         self.calls.append(call)
         return out
+
+    def generate_stream(self, input_ids, sampling_params):
+        """The client's stream, passed on; the call is kept once its answer is in (``chunks``: those before)."""
+        sent, chunks = time.monotonic(), 0
+        for out in self.client.generate_stream(input_ids, sampling_params):
+            if out["finish_reason"] is None:
+                chunks += 1
+            else:
+                call = {"input_ids": [list(input_ids)], "params": dict(sampling_params), "out": [out], "sent": sent}
+                self.calls.append({**call, "chunks": chunks})
+            yield out
 
 
 @pytest.fixture
@@ -280,3 +292,125 @@ def test_a_call_whose_update_never_ends_answers_503(sglang_server, slowed_genera
         assert isinstance(error, openai.APIStatusError) and error.status_code == 503
         assert "a weight update did not finish in 1 s" in str(error)
         assert len(recording.calls) == 1 and gw.sessions[sid].calls == 0  # nothing resent, nothing recorded
+
+
+@contextlib.contextmanager
+def _slow(server, forward_s: float) -> Iterator[None]:
+    """Every forward of ``server`` takes ``forward_s`` more (an answer then spans time that chunks arrive in)."""
+    server.call("/slow_down", {"forward_sleep_time": forward_s})
+    try:
+        yield
+    finally:
+        server.call("/slow_down", {"forward_sleep_time": None})
+
+
+def _content(chunks) -> list[str]:
+    return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+
+
+def test_a_streamed_answer_arrives_token_by_token_and_records_what_a_plain_call_does(
+    sglang_server, gateway: Gateway, recording: Recording
+) -> None:
+    """Greedy, the same call three ways (plain, streamed sync, streamed async): one answer, one recorded sample."""
+    ask = {"model": "m", "messages": USER, "max_tokens": 24, "temperature": 0.0}
+    ask["logit_bias"] = {str(t): -100 for t in gateway.stop_token_ids}
+
+    def session() -> tuple[str, openai.OpenAI, openai.AsyncOpenAI]:
+        sglang_server.flush_cache()  # each call computes its prompt afresh, so the numbers can be compared exactly
+        sid = gateway.open_session()
+        url = gateway.session_url(sid)
+        return sid, openai.OpenAI(base_url=url, api_key="job-key"), openai.AsyncOpenAI(base_url=url, api_key="job-key")
+
+    sid, client, _ = session()
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    plain_session = gateway.close_session(sid)
+    (plain_sample,) = plain_session.episode.samples()
+    assert len(plain_sample.response_ids) == 24 and len(recording.calls) == 1
+
+    sid, client, _ = session()
+    chunks, engine_calls_at_first = [], None
+    with _slow(sglang_server, 0.02), client.chat.completions.create(**ask, stream=True) as stream:
+        for c in stream:
+            if _content([c]) and engine_calls_at_first is None:
+                engine_calls_at_first = len(recording.calls)
+            chunks.append(c)
+    assert engine_calls_at_first == 1  # the first content came while the engine was still generating
+    assert len(_content(chunks)) > 1 and "".join(_content(chunks)) == plain
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert len({c.id for c in chunks}) == 1 and recording.calls[1]["chunks"] > 1
+    streamed = gateway.close_session(sid)
+    assert streamed.episode.samples() == [plain_sample]
+    assert streamed.episode.trajectories[0].text == plain_session.episode.trajectories[0].text
+
+    sid, _, async_client = session()
+
+    async def run() -> tuple[list, int | None]:
+        got, at_first = [], None
+        stream = await async_client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+        async for c in stream:
+            if _content([c]) and at_first is None:
+                at_first = len(recording.calls)
+            got.append(c)
+        return got, at_first
+
+    with _slow(sglang_server, 0.02):
+        chunks, engine_calls_at_first = asyncio.run(run())
+    assert engine_calls_at_first == 2 and len(_content(chunks)) > 1 and "".join(_content(chunks)) == plain
+    assert chunks[-1].usage.completion_tokens == 24
+    assert gateway.close_session(sid).episode.samples() == [plain_sample]
+
+
+def test_a_client_that_leaves_mid_stream_leaves_its_session_whole(sglang_server, gateway, recording) -> None:
+    """The generation goes on without the client and is recorded whole; the session and the gateway serve on."""
+    sid = gateway.open_session()
+    no_stop = {str(t): -100 for t in gateway.stop_token_ids}
+    body = {"model": "m", "messages": USER, "max_tokens": 40, "temperature": 0.0, "logit_bias": no_stop}
+    url, auth = f"{gateway.session_url(sid)}/chat/completions", {"Authorization": "Bearer job-key"}
+    with _slow(sglang_server, 0.02):
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=auth, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break  # the first content: leave
+        assert not recording.calls  # it left while the engine was generating
+        deadline = time.monotonic() + 60
+        while gateway.sessions[sid].calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    (sample,) = gateway.sessions[sid].episode.samples()
+    assert list(sample.response_ids) == recording.calls[0]["out"][0]["output_ids"] and len(sample.response_ids) == 40
+    client = openai.OpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+    with client.chat.completions.create(**body, stream=True) as stream:
+        assert "".join(_content(stream)) == gateway.tokenizer.decode(sample.response_ids, skip_special_tokens=False)
+    assert gateway.sessions[sid].calls == 2
+
+
+def test_a_streamed_call_cut_by_an_abort_resumes_into_one_continuous_answer(
+    sglang_server, slowed_generation, gateway, recording
+) -> None:
+    sid = gateway.open_session()
+    client = openai.OpenAI(base_url=gateway.session_url(sid), api_key="job-key", max_retries=0)
+    no_stop = {str(t): -100 for t in gateway.stop_token_ids}
+
+    def call():
+        ask = {"model": "m", "messages": USER, "max_tokens": 120, "temperature": 0.0, "logit_bias": no_stop}
+        with client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}) as stream:
+            return list(stream)
+
+    with slowed_generation(sglang_server, call) as (thread, box):
+        sglang_server.abort()
+        thread.join(timeout=120)
+    chunks = box["result"]
+    (first, second) = recording.calls
+    cut = first["out"][0]
+    assert cut["finish_reason"] == "abort" and 0 < len(cut["output_ids"]) < 120 and first["chunks"] > 0
+    assert second["input_ids"][0] == first["input_ids"][0] + cut["output_ids"]
+    session = gateway.close_session(sid)
+    (sample,) = session.episode.samples()
+    assert list(sample.response_ids) == cut["output_ids"] + second["out"][0]["output_ids"] and session.resumes == 1
+    assert list(sample.response_log_probs) == cut["output_log_probs"] + second["out"][0]["output_log_probs"]
+    text = "".join(_content(chunks))
+    assert len(_content(chunks)) > 1 and text == gateway.tokenizer.decode(
+        sample.response_ids, skip_special_tokens=False
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 120

@@ -102,6 +102,9 @@ def test_a_context_longer_than_the_engine_allows_is_a_400_with_the_limit(gateway
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=long, max_tokens=4)
     assert "512" in str(refused.value) and refused.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as refused:  # streamed: refused before the stream begins
+        client.chat.completions.create(model="m", messages=long, max_tokens=4, stream=True)
+    assert "512" in str(refused.value) and refused.value.code == "engine_refused"
     # With the limit known to the gateway, it refuses by itself, naming the limit and the prompt's size.
     gateway.context_length = 512
     with pytest.raises(openai.BadRequestError) as refused:

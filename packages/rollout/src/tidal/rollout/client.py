@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import requests
+from tidal.rollout.answers import StreamedAnswer, parse_output, read_chunks
 from tidal.rollout.errors import EngineUnavailableError, RolloutError
 from tidal.rollout.transport import (
     DEFAULT_BACKOFF_S,
@@ -151,7 +151,13 @@ class SGLangClient:
         return self.request("POST", endpoint, payload)
 
     def request(
-        self, method: str, endpoint: str, payload: Mapping[str, Any] | None = None, *, idempotent: bool | None = None
+        self,
+        method: str,
+        endpoint: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        idempotent: bool | None = None,
+        stream: bool = False,
     ) -> requests.Response:
         """Send one request; send it again after a transient failure, at most ``max_retries`` times.
 
@@ -159,7 +165,8 @@ class SGLangClient:
         idempotent (``idempotent`` None: whether ``endpoint`` is in ``IDEMPOTENT_ENDPOINTS``, e.g. the
         weight-update session calls are not) is sent again only when it never left (refused or timed-out
         connect). Each retry is logged at WARNING with the endpoint and attempt and counted in
-        :attr:`http_retries`.
+        :attr:`http_retries`. With ``stream`` the answer is returned once its headers are in (its body is read
+        by the caller, and only the headers are retried).
 
         Returns:
             The answer: any status below 500, or a 5xx once the retries are spent (or for a call not retried).
@@ -176,7 +183,7 @@ class SGLangClient:
         while True:
             attempt += 1
             try:
-                response = self._session.request(method, url, json=body, timeout=timeout)
+                response = self._session.request(method, url, json=body, timeout=timeout, stream=stream)
             except requests.RequestException as e:
                 if not is_transient(e):
                     raise RolloutError(f"{method} {url} failed: {e}") from e
@@ -238,7 +245,14 @@ class SGLangClient:
             payload["return_routed_experts"] = True
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
-        response = self._post("/generate", payload)
+        response = self._check_generate(self._post("/generate", payload))
+        answers = response.json()
+        if len(answers) != len(prompts):
+            raise RolloutError(f"/generate at {self.url} returned {len(answers)} outputs for {len(prompts)} prompts")
+        return [parse_output(answer, routed_experts=routed) for answer in answers]
+
+    def _check_generate(self, response: requests.Response) -> requests.Response:
+        """``response`` when it is a 200; else the error of a ``/generate`` that failed (5xx) or was refused."""
         if response.status_code >= 500:  # still failing after the retries: up to the caller (restart or give up)
             raise EngineUnavailableError(
                 f"/generate at {self.url} answered {response.status_code} (retried up to {self.max_retries} times): "
@@ -246,10 +260,40 @@ class SGLangClient:
             )
         if response.status_code != 200:
             raise RolloutError(f"/generate at {self.url} answered {response.status_code}: {response.text[:2000]}")
-        answers = response.json()
-        if len(answers) != len(prompts):
-            raise RolloutError(f"/generate at {self.url} returned {len(answers)} outputs for {len(prompts)} prompts")
-        return [parse_output(answer, routed_experts=routed) for answer in answers]
+        return response
+
+    def generate_stream(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        """Sample one continuation of one token-id prompt, streamed as SGLang samples it (``/generate`` with stream).
+
+        Yields ``{"output_ids": <every token so far>, "finish_reason": None}`` per chunk SGLang sends, then, last,
+        the whole answer as :meth:`generate` returns it (log-probs, finish reason, weight version). Closing the
+        iterator early closes the connection (SGLang then aborts the request).
+
+        Raises:
+            ValueError: ``n`` other than 1, or routed experts asked for (not streamed).
+            EngineUnavailableError: As :meth:`generate`, or the stream broke or ended without an answer.
+            RolloutError: The server refused the request or its chunks are inconsistent.
+        """
+        params = dict(sampling_params)
+        if int(params.pop("n", 1)) != 1 or params.pop(ROUTED_EXPERTS_PARAM, False):
+            raise ValueError("generate_stream samples one answer without routed experts: use generate for n > 1")
+        payload: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": params,
+            "return_logprob": True,
+            "stream": True,
+        }
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
+        with contextlib.closing(self.request("POST", "/generate", payload, stream=True)) as response:
+            self._check_generate(response)
+            streamed = StreamedAnswer(self.url)
+            for chunk in read_chunks(response, self.url):
+                if streamed.add(chunk):
+                    yield parse_output(streamed.answer())
+                    return
+                yield {"output_ids": list(streamed.output_ids), "finish_reason": None}
+        raise EngineUnavailableError(f"/generate at {self.url}: the stream ended before the answer did")
 
     def call(self, endpoint: str, payload: Mapping[str, Any] | None = None, *, what: str = "") -> dict[str, Any]:
         """POST JSON to an SGLang control endpoint and check that it succeeded.
@@ -336,49 +380,3 @@ class SGLangClient:
         if response.status_code != 200:
             raise RolloutError(f"/get_model_info at {self.url} answered {response.status_code}: {response.text[:500]}")
         return response.json()
-
-
-def _routed_experts(meta: Mapping[str, Any], num_output: int) -> np.ndarray | None:
-    """SGLang's base64 int32 expert ids of every forwarded token -> ``[tokens, layers x top-k]`` int16 (or int32)."""
-    encoded = meta.get("routed_experts")
-    if not encoded:
-        return None
-    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
-    rows = int(meta["prompt_tokens"]) + num_output - 1  # the last sampled token is never forwarded
-    if rows <= 0 or flat.size % rows:
-        raise RolloutError(f"SGLang returned {flat.size} routed-expert ids for {rows} forwarded tokens")
-    small = flat.size == 0 or flat.max() < np.iinfo(np.int16).max
-    return flat.reshape(rows, -1).astype(np.int16 if small else np.int32)
-
-
-def parse_output(answer: Mapping[str, Any], *, routed_experts: bool = False) -> dict[str, Any]:
-    """One ``/generate`` answer -> the tokens, log-probs and finish reason exactly as sampled.
-
-    With ``routed_experts`` also "routed_experts": the experts SGLang routed each token of the sequence (prompt and
-    response, but the last) to, ``[tokens, layers x top-k]`` (row t: layer 0's top-k ids, then layer 1's, ...), or
-    None when the answer carries none (a server started without ``--enable-return-routed-experts``).
-    """
-    meta = answer["meta_info"]
-    output_ids = [int(t) for t in answer["output_ids"]]
-    # Each entry is (log-prob, token id, token text or None).
-    token_logprobs = meta["output_token_logprobs"]
-    log_probs = [float(entry[0]) for entry in token_logprobs]
-    logprob_ids = [int(entry[1]) for entry in token_logprobs]
-    if logprob_ids != output_ids:
-        raise RolloutError(
-            f"SGLang returned log-probs for tokens {logprob_ids[:16]}... but output_ids {output_ids[:16]}...; "
-            "refusing to pair log-probs with the wrong tokens"
-        )
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, Mapping) else str(reason)
-    if kind not in ("stop", "length", "abort"):
-        raise RolloutError(f"unexpected finish_reason {reason!r} from SGLang")
-    out = {
-        "output_ids": output_ids,
-        "output_log_probs": log_probs,
-        "finish_reason": kind,
-        "weight_version": meta.get("weight_version"),
-    }
-    if routed_experts:
-        out["routed_experts"] = _routed_experts(meta, len(output_ids))
-    return out

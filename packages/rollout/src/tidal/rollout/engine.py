@@ -108,7 +108,8 @@ class SGLangEngine(ManagedServer):
     The server is started with ``sys.executable -m sglang.launch_server`` on the given host and ports.
     Without CUDA it gets the CPU flags of ``CPU_SERVER_ARGS``, ``SGLANG_USE_CPU_ENGINE=1`` and the
     ``sgl_kernel`` stand-in on its ``PYTHONPATH``. Its stdout and stderr go to a log file in ``log_dir``
-    whose tail is quoted in every start-up error.
+    whose tail is quoted in every start-up error. It streams incrementally (``--incremental-streaming-output``:
+    each chunk of a streamed ``/generate`` holds only its new tokens).
     """
 
     kind = "SGLang server"
@@ -238,6 +239,8 @@ class SGLangEngine(ManagedServer):
             cmd += ["--api-key", self._api_key]
         if "--custom-weight-loader" not in _flag_names(self.extra_server_args):
             cmd += ["--custom-weight-loader", DELTA_LOADER]  # only registers the name: deltas apply through it
+        if "--incremental-streaming-output" not in _flag_names(self.extra_server_args):
+            cmd += ["--incremental-streaming-output"]  # a streamed answer's chunks hold only their new tokens
         if self._use_cpu():
             given = _flag_names(self.extra_server_args)
             for flag in CPU_SERVER_ARGS:

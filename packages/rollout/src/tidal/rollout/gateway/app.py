@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
-from tidal.rollout.gateway.chat import GatewayError, parse_request, stream_events
+from tidal.rollout.gateway.chat import GatewayError, parse_request
+from tidal.rollout.gateway.streaming import StreamedCall
 
 if TYPE_CHECKING:
     from tidal.rollout.gateway.server import Gateway, Session
@@ -75,10 +76,9 @@ def build_app(gateway: Gateway) -> FastAPI:
         except (ValueError, UnicodeDecodeError) as e:
             raise GatewayError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
         chat = parse_request(body)
-        completion = await gateway.complete(session, chat)
         if not chat.stream:
-            return completion.body()
-        events = stream_events(completion.chunks(include_usage=chat.include_usage))
+            return (await gateway.complete(session, chat)).body()
+        events = await StreamedCall(gateway, session, chat).start()
         return StreamingResponse(events, media_type="text/event-stream")
 
     return app

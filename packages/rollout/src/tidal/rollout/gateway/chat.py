@@ -1,7 +1,7 @@
 """The OpenAI chat-completions request and answer, as plain data: validation, tool-call parsing, answer bodies.
 
 Nothing here talks to a server: :func:`parse_request` turns a JSON body into a :class:`ChatRequest` or raises
-:class:`GatewayError` (an OpenAI-style 4xx answer), and the ``*_body`` / :func:`stream_events` functions build
+:class:`GatewayError` (an OpenAI-style 4xx answer), and :class:`Completion`, :func:`chunk` and :func:`sse` build
 what the gateway sends back.
 """
 
@@ -11,7 +11,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,29 +306,32 @@ class Completion:
             "usage": self.usage,
         }
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-        }
+    def end_chunks(self, *, include_usage: bool, content: str | None) -> Iterator[dict[str, Any]]:
+        """The last ``chat.completion.chunk`` objects of a stream of this answer.
 
-    def chunks(self, *, include_usage: bool) -> Iterator[dict[str, Any]]:
-        """The streaming answer as ``chat.completion.chunk`` objects: role, content, each tool call, the end."""
-        yield self._chunk({"role": "assistant", "content": ""})
-        if self.content:
-            yield self._chunk({"content": self.content})
+        ``content`` (what of the content is not sent yet), each tool call, the finish reason, and the usage when
+        ``include_usage``.
+        """
+        if content:
+            yield chunk(self, {"content": content})
         for index, call in enumerate(self.tool_calls):
-            yield self._chunk({"tool_calls": [{"index": index, **call}]})
-        yield self._chunk({}, self.finish_reason)
+            yield chunk(self, {"tool_calls": [{"index": index, **call}]})
+        yield chunk(self, {}, self.finish_reason)
         if include_usage:
-            yield {**self._chunk({}), "choices": [], "usage": self.usage}
+            yield {**chunk(self, {}), "choices": [], "usage": self.usage}
 
 
-def stream_events(chunks: Sequence[dict[str, Any]] | Iterator[dict[str, Any]]) -> Iterator[str]:
-    """Server-sent events of ``chunks``, ended by ``data: [DONE]``."""
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"
+def chunk(answer: Any, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` of ``answer`` (anything with ``id``, ``created`` and ``model``)."""
+    return {
+        "id": answer.id,
+        "object": "chat.completion.chunk",
+        "created": answer.created,
+        "model": answer.model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event (``data: [DONE]`` for the string ``"[DONE]"``)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

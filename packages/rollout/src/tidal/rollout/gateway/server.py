@@ -2,9 +2,9 @@
 
 ``Gateway(engines, tokenizer, api_key=...)`` serves, on one port, a base URL per session
 (``http://HOST:PORT/s/<session>/v1``) that the official ``openai`` client uses unmodified:
-``POST /chat/completions`` (streaming or not) and ``GET /models``. Each call renders its messages with the
-tokenizer's chat template, sends token ids to SGLang's ``/generate`` (never SGLang's own OpenAI server, which
-re-tokenizes), and records the exact ids and log-probs in the session's :class:`~.sessions.Episode`. Every
+``POST /chat/completions`` (streamed token by token or not) and ``GET /models``. Each call renders its messages
+with the tokenizer's chat template, sends token ids to SGLang's ``/generate`` (never SGLang's own OpenAI server,
+which re-tokenizes), and records the exact ids and log-probs in the session's :class:`~.sessions.Episode`. Every
 request needs ``Authorization: Bearer <api_key>``. Bad input gets the OpenAI API's 4xx JSON error, never a 500.
 """
 
@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,7 +37,11 @@ _MAX_RESUMES = 8  # an answer aborted more often than this (weight updates in a 
 
 
 class Generator(Protocol):
-    """What the gateway generates with: an SGLang client, engine or router (``SGLangClient.generate``)."""
+    """What the gateway generates with: an SGLang client, engine or router (``SGLangClient.generate``).
+
+    One that also has ``generate_stream`` (as ``SGLangClient`` does) streams the answers of ``stream: true`` calls
+    token by token; without it they are sent once generated.
+    """
 
     url: str
 
@@ -125,6 +129,7 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
+        self._tasks: set[asyncio.Task] = set()
         self._thread: threading.Thread | None = None
 
     def _default_stops(self) -> list[int]:
@@ -151,6 +156,11 @@ class Gateway:
     def session_url(self, session_id: str) -> str:
         """The OpenAI base URL of one session (``base_url`` of ``openai.OpenAI``)."""
         return f"http://{self.host}:{self.port}/s/{session_id}/v1"
+
+    def keep_running(self, task: asyncio.Task) -> None:
+        """Hold ``task`` (a streamed call, which outlives a client that left) until it is done."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -233,16 +243,36 @@ class Gateway:
             params["logit_bias"] = request.logit_bias
         return params | self.sampling_override
 
-    async def complete(self, session: Session, request: ChatRequest) -> Completion:
+    async def complete(
+        self, session: Session, request: ChatRequest, *, on_tokens: Callable[[list[int]], None] | None = None
+    ) -> Completion:
         """Answer one chat call of ``session``: render, extend or fork its tokens, generate, record, parse.
 
         A generation the engine aborts (a weight update interrupting it) is resumed, once the update is in when
         the gateway has an ``update_gate``: the prompt plus the tokens sampled so far go out again for the rest of
         the budget, each token keeping the weight version that sampled it.
+
+        With ``on_tokens`` the engine streams (when it can: ``generate_stream``) and ``on_tokens`` is called, in
+        a gateway thread, with every token of the answer sampled so far (across resumes) as each chunk arrives.
+        What is recorded and answered does not depend on it.
         """
         turn = session.episode.prepare(self.render(request))
         params = self.sampling_params(request, len(turn.prompt_ids))
+        whole = await self._generate(session, turn.prompt_ids, params, on_tokens)
+        session.calls += 1
+        session.engine_urls.append(session.engine.url)
+        return self._answer(session, request, turn, whole)
+
+    async def _generate(
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        on_tokens: Callable[[list[int]], None] | None,
+    ) -> dict[str, Any]:
+        """The whole answer to ``prompt_ids`` on the session's engine, resumed after aborts (see :meth:`complete`)."""
         loop = asyncio.get_running_loop()
+        engine = session.engine
         ids: list[int] = []
         log_probs: list[float] = []
         versions: list[str | None] = []
@@ -255,9 +285,11 @@ class Gateway:
                     out = {**out, "finish_reason": "length"}
                     break
             try:
-                (out,) = await loop.run_in_executor(
-                    self._executor, session.engine.generate, [[*turn.prompt_ids, *ids]], sent
-                )
+                if on_tokens is None or not hasattr(engine, "generate_stream"):
+                    (out,) = await loop.run_in_executor(self._executor, engine.generate, [[*prompt_ids, *ids]], sent)
+                else:
+                    so_far = lambda new, before=list(ids): on_tokens([*before, *new])  # noqa: E731
+                    out = await self._stream(engine, [*prompt_ids, *ids], sent, so_far)
             except RolloutError as e:
                 raise _engine_refusal(e) from e
             ids += out["output_ids"]
@@ -273,10 +305,29 @@ class Gateway:
                 )
         else:
             raise GatewayError(503, f"generation was aborted {_MAX_RESUMES + 1} times; retry", kind="server_error")
-        session.calls += 1
-        session.engine_urls.append(session.engine.url)
-        whole = {**out, "output_ids": ids, "output_log_probs": log_probs, "weight_versions": versions}
-        return self._answer(session, request, turn, whole)
+        return {**out, "output_ids": ids, "output_log_probs": log_probs, "weight_versions": versions}
+
+    async def _stream(
+        self, engine: Generator, input_ids: list[int], params: dict[str, Any], on_tokens: Callable[[list[int]], None]
+    ) -> dict[str, Any]:
+        """One streamed generation: ``on_tokens`` sees each chunk's tokens so far; returns the whole answer."""
+        loop = asyncio.get_running_loop()
+        chunks = engine.generate_stream(input_ids, params)  # type: ignore[attr-defined]
+
+        def step() -> dict[str, Any] | None:
+            out = next(chunks, None)
+            if out is not None and out["finish_reason"] is None:
+                on_tokens(out["output_ids"])
+            return out
+
+        try:
+            while (out := await loop.run_in_executor(self._executor, step)) is not None:
+                if out["finish_reason"] is not None:
+                    return out
+            raise RolloutError(f"the stream of {engine.url} ended without an answer")
+        finally:
+            with contextlib.suppress(ValueError):  # still running in a thread (this task was cancelled)
+                await loop.run_in_executor(self._executor, chunks.close)
 
     def _answer(self, session: Session, request: ChatRequest, turn: Turn, out: dict[str, Any]) -> Completion:
         ids = out["output_ids"]
