@@ -5,7 +5,8 @@ URL of its own gateway session, the job's key and one dataset row, runs any agen
 client works unmodified), and returns the episode's reward. ``n_samples_per_prompt`` episodes of one row form a
 group. An agent that raises, times out, returns no number or never calls the model fails its episode: it is
 counted by reason in the metrics, its traceback goes to the failure log, and its whole group is dropped and
-replaced by a group of another prompt, in rounds, as dynamic sampling replaces a group its filter drops.
+replaced by a group of another prompt, in rounds, as dynamic sampling replaces a group its filter drops. Under
+``--partial-rollout`` groups outlive the rollout that started them instead (``partial_agents``).
 
 An episode whose agent rewrote its history (a fork) gives one sample per trajectory, consecutive, each with the
 episode's reward and ``Sample.episode`` its index in the group: training counts the episode as one sample.
