@@ -6,10 +6,11 @@ attached to the session's SGLang server (fp32, as the actor computes):
 - two rollouts of 2 groups x 2 two-turn episodes, an agent that raises on some rows (their groups are replaced),
   its samples saved with their masks, and the actor trained on them; the engine-actor agreement (mismatch) metrics
   cover the sampled tokens only;
-- --max-staleness 1 with a checkpoint after each rollout: the driver is SIGKILLed once the checkpoint of rollout 1
-  (which holds rollout 2, generated while rollout 1 trained) is written, then resumed with --load: it trains on
-  exactly the checkpointed episodes, regenerates the rollout that was in flight, and no prompt batch is lost or
-  repeated.
+- --max-staleness 1 and --partial-rollout (3 prompts a rollout for 2 groups, so one group a rollout is carried
+  over, running or finished) with a checkpoint after each rollout: the driver is SIGKILLed once the checkpoint of
+  rollout 1 (which holds rollout 2, generated while rollout 1 trained, and the carried groups) is written, then
+  resumed with --load: it trains on exactly the checkpointed episodes, takes the carried groups first, runs the
+  rollout that was in flight again, and no prompt is lost or repeated.
 """
 
 import json
@@ -110,15 +111,20 @@ def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_r
     assert forked == 4  # one episode of each group rewrote its history, and trained (train/loss above)
 
 
-def _assert_two_sampled_turns(samples, tokenizer) -> None:
-    """Each sample: two sampled answers (mask 1) around the template's "check" turn (mask 0, log-prob 0)."""
+def _assert_two_sampled_turns(samples, tokenizer, *, offpolicy_masked: bool = False) -> None:
+    """Each sample: two sampled answers (mask 1) around the template's "check" turn (mask 0, log-prob 0).
+
+    With ``offpolicy_masked`` a sampled token may have mask 0 too (older weights sampled it).
+    """
     for s in samples:
+        sampled = [int(v is not None) for v in s.response_weight_versions]  # the template's tokens have no version
+        first_gap = sampled.index(0)
+        assert 1 <= first_gap <= 6 and sampled[first_gap:].count(1) >= 1 and sum(sampled) <= 12
         mask = list(s.response_loss_mask)
-        first_gap = mask.index(0)
-        assert 1 <= first_gap <= 6 and mask[first_gap:].count(1) >= 1 and sum(mask) <= 12
-        gap = [i for i, m in enumerate(mask) if m == 0]
+        assert all(m <= v for m, v in zip(mask, sampled, strict=True))
+        assert offpolicy_masked or mask == sampled
+        gap = [i for i, v in enumerate(sampled) if v == 0]
         assert all(s.response_log_probs[i] == 0.0 for i in gap)
-        assert all(s.response_weight_versions[i] is None for i in gap)
         # (the embedded tokenizer encodes no whitespace: "user: check\n" is the ids of "user:check")
         assert "user:checkassistant:" in tokenizer.decode([s.response_ids[i] for i in gap])
 
@@ -140,7 +146,7 @@ def test_agent_samples_are_covered_by_the_engine_actor_agreement_metrics(agent_r
 
 @pytest.fixture(scope="module")
 def async_agent_run(tmp_path_factory, external_engine):
-    """--max-staleness 1, 4 rollouts, a checkpoint after each; the driver SIGKILLed after checkpoint 1, resumed."""
+    """--max-staleness 1 and --partial-rollout, 4 rollouts, a checkpoint after each; SIGKILLed after checkpoint 1."""
     from tidal.rollout import load_rollout_data
 
     root = tmp_path_factory.mktemp("async_agents")
@@ -148,7 +154,8 @@ def async_agent_run(tmp_path_factory, external_engine):
     tracker = root / "ckpt" / "latest_checkpointed_iteration.txt"
     args = [*_agent_args(root, model, external_engine, "steady_arithmetic_agent"), "--agent-max-concurrency", "4",
             "--num-rollout", "4", "--max-staleness", "1", "--save-interval", "1",
-            "--save", str(root / "ckpt")]  # fmt: skip
+            "--save", str(root / "ckpt"), "--partial-rollout", "--over-sampling-batch-size", "3",
+            "--mask-offpolicy-in-partial-rollout"]  # fmt: skip
 
     def checkpointed_rollout_1(_run_dir: Path, _log: Path) -> bool:
         return tracker.exists() and tracker.read_text().strip() == "2"
@@ -162,7 +169,7 @@ def async_agent_run(tmp_path_factory, external_engine):
     return root, args, killed, at_kill, resumed
 
 
-def test_async_agents_resume_the_checkpointed_episodes_and_lose_or_repeat_no_prompt(async_agent_run):
+def test_async_partial_agents_resume_the_checkpointed_episodes_and_lose_or_repeat_no_prompt(async_agent_run):
     from tidal.rollout import load_rollout_data
     from tidal.train.cli import parse_job
     from tidal.train.data import PromptDataset
@@ -185,17 +192,46 @@ def test_async_agents_resume_the_checkpointed_episodes_and_lose_or_repeat_no_pro
         (list(s.prompt_ids), list(s.response_ids), s.reward) for s in buffered
     ]
     assert records[k]["rollout/reward/mean"] == pytest.approx(sum(s.reward for s in buffered) / len(buffered))
-    # Each rollout's episodes ran on its own prompt batch, in order (the agent never fails: no replaced group).
+    # Each rollout submits its 3 prompts and takes 2 groups (the agent never fails): one more group is carried over
+    # after each, running or finished, and the checkpoint gave the resumed run the k + 1 that rollout k left.
+    assert f"resumed {k + 1} carried agent group(s) from the checkpoint" in log
+    for r, record in enumerate(records):
+        assert record["rollout/partial/resumed_groups"] == r and record["rollout/partial/carried_over_groups"] == r + 1
+        assert record["rollout/agent/groups_in_flight"] + record["rollout/agent/groups_surplus"] == r + 1
+        assert record["rollout/agent/episodes"] == 4 and record["rollout/agent/groups_dropped"] == 0
     job = parse_job(["--recipe", "embedded", "--hf-checkpoint", str(root / "model")])  # the run's prompt data
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     data = PromptDataset(job.train.prompt_data, tokenizer, input_key=job.train.input_key,
                          label_key=job.train.label_key, seed=job.train.seed)  # fmt: skip
-    for rollout_id in range(4):
+    batches = [[p.text for p in data.batch(r, 3)] for r in range(4)]
+    assert len({text for batch in batches for text in batch}) == 12
+    trained: list[str] = []
+    for rollout_id, record in enumerate(records):
         samples = load_rollout_data(root / "debug", rollout_id)
-        assert [s.label for s in samples] == [p.label for p in data.batch(rollout_id, 2) for _ in range(2)]
         assert [s.group_index for s in samples] == [0, 0, 1, 1]
-        _assert_two_sampled_turns(samples, tokenizer)
+        _assert_two_sampled_turns(samples, tokenizer, offpolicy_masked=True)
+        texts = [_prompt_of(s, batches, tokenizer) for s in samples]
+        assert texts[0] == texts[1] and texts[2] == texts[3]
+        # every group is a prompt of this rollout's batch or of an earlier one (carried over), counted as such
+        earlier = [t for t in texts[::2] if t not in batches[rollout_id]]
+        assert all(any(t in batch for batch in batches[:rollout_id]) for t in earlier)
+        assert record["rollout/agent/carried_groups_taken"] == len(earlier)
+        # --mask-offpolicy-in-partial-rollout: the tokens trained on were all sampled by the rollout's last weights
+        pairs = [pair for s in samples for pair in zip(s.response_weight_versions, s.response_loss_mask, strict=True)]
+        assert len({v for v, m in pairs if m}) <= 1
+        assert 0.0 <= record["rollout/partial/offpolicy_token_frac"] <= 1.0
+        trained += texts[::2]
+    assert sum(r["rollout/agent/carried_groups_taken"] for r in records) >= 1  # carried groups came back
+    # nothing repeated, nothing lost: 8 prompts trained on once each, the other 4 of the 12 still carried at the end
+    assert len(set(trained)) == 8 and records[-1]["rollout/partial/carried_over_groups"] == 12 - 8
     _assert_engine_and_actor_agree(records)
+
+
+def _prompt_of(sample, batches: list[list[str]], tokenizer) -> str:
+    """The prompt (of ``batches``) the sample's episode answered: its row's text is in the first call's prompt."""
+    text = tokenizer.decode(list(sample.prompt_ids))
+    (found,) = {p for batch in batches for p in batch if p in text}
+    return found
 
 
 def test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes(tmp_path, external_engine):

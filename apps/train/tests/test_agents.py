@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +16,6 @@ from tidal.train.flags import build_parser
     ("argv", "expected"),
     [
         (["--agent-function-path", "no_colon"], "--agent-function-path must look like 'pkg.module:fn'"),
-        (
-            ["--agent-function-path", "asyncio:sleep", "--partial-rollout"],
-            "--agent-function-path and --partial-rollout exclude",
-        ),
         (
             ["--agent-function-path", "asyncio:sleep", "--custom-generate-function-path", "asyncio:sleep"],
             "--agent-function-path and --custom-generate-function-path exclude",
@@ -73,3 +70,34 @@ def test_agents_take_the_driver_side_path_and_rows_keep_their_record(tmp_path) -
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
     (prompt,) = PromptDataset(data, tokenizer, input_key="prompt", label_key="label", seed=0).prompts
     assert prompt.row == {"prompt": "1+1", "label": "2", "tools": ["calc"]}
+
+
+def test_partial_rollout_with_agents_is_taken_and_needs_no_router() -> None:
+    from tidal.train.checks import check_router
+
+    agents = ["--agent-function-path", "asyncio:sleep", "--over-sampling-batch-size", "3"]
+    job = parse_job([*agents, "--partial-rollout", "--no-use-router"])
+    assert job.rollout.partial_rollout and job.rollout.over_sampling_batch_size == 3
+    check_router(job.rollout, SimpleNamespace(num_engines=2))  # the gateway reaches each engine itself
+    with pytest.raises(ValueError, match="--partial-rollout with 2 engines sends every request through"):
+        check_router(parse_job(["--partial-rollout", "--no-use-router"]).rollout, SimpleNamespace(num_engines=2))
+
+
+def test_a_checkpoints_agent_groups_are_kept_for_the_pool_and_dropped_with_a_warning_elsewhere(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tidal.train.driver_rollouts")
+    finished = {"row": {"prompt": "1+1"}, "label": "2", "started_in": 3, "episodes": []}
+    running = {"row": {"prompt": "2+2"}, "label": "4", "started_in": 4}
+    plain = [[{"prompt_ids": [1], "response_ids": [], "response_log_probs": [], "finish_reason": "abort"}]]
+    agents = _driver(parse_job(["--agent-function-path", "asyncio:sleep", "--partial-rollout"]))
+    assert agents.carry_state() is None
+    agents.restore_carry([finished, running])  # held until the first rollout starts the pool with them
+    assert agents.carry_state() == [finished, running] and agents.agent_pool is None
+    assert "resumed 2 carried agent group(s) from the checkpoint: 1 finished, 1 to run again" in caplog.text
+    agents_off = _driver(parse_job(["--agent-function-path", "asyncio:sleep"]))
+    agents_off.restore_carry([finished, running])
+    assert agents_off.carry_state() is None and "2 agent group(s) but --partial-rollout is off: dropped" in caplog.text
+    agents.restore_carry(plain)  # a plain run's cut responses cannot become agent episodes
+    assert "1 unfinished partial-rollout group(s) but this run's generation differs: dropped" in caplog.text
+    generation = _driver(parse_job(["--partial-rollout"]))
+    generation.restore_carry([finished])
+    assert generation.carry_state() is None and "1 agent group(s) but this run's generation differs" in caplog.text

@@ -1,7 +1,7 @@
 """Agent functions the tests load by import path (``--agent-function-path`` style), written with the openai client.
 
 Each runs a short chat against its gateway session; the row says what to do (``mode``): answer in two turns, raise,
-stall past the timeout, or return without calling the model.
+stall past the timeout, pause between its turns, or return without calling the model.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ async def two_turns(base_url: str, api_key: str, row: dict) -> float:
     messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "1"}]
     if mode == "rewrite":  # a compacted history that extends no earlier call's tokens: a fork
         messages = [{"role": "user", "content": f"{row['prompt']}, then 1"}]
+    if mode == "pause":  # a slow tool between the two calls
+        await asyncio.sleep(row.get("pause_s", 2.0))
     second = await client.chat.completions.create(model="tidal", messages=messages, max_tokens=4)
     return float(len(second.choices[0].message.content or "") % 2)
 

@@ -344,7 +344,9 @@ def check_router(rollout, placement) -> None:
     a cut response as one continuation, which a custom sample (turns, inserted tokens) is not: that pair is refused.
     """
     engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
-    driver_side = rollout.partial_rollout or rollout.dynamic_sampling_filter_path is not None
+    # agents reach every engine through their gateway, which pins each session to one: no router needed
+    partial = rollout.partial_rollout and not rollout.agent_function_path
+    driver_side = partial or rollout.dynamic_sampling_filter_path is not None
     if rollout.custom_generate_function_path and rollout.partial_rollout:
         raise ValueError(
             "--partial-rollout resumes a cut response as one continuation, and a --custom-generate-function-path "
@@ -352,7 +354,7 @@ def check_router(rollout, placement) -> None:
             "--custom-generate-function-path"
         )
     if driver_side and engines > 1 and rollout.use_router is False:
-        what = "--partial-rollout" if rollout.partial_rollout else "--dynamic-sampling-filter-path"
+        what = "--partial-rollout" if partial else "--dynamic-sampling-filter-path"
         raise ValueError(
             f"{what} with {engines} engines sends every request through sglang-router: drop --no-use-router "
             "(or use one engine)"

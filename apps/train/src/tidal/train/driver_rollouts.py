@@ -47,6 +47,9 @@ class DriverRollouts:
             self.generate_fn = load_generate_fn(rollout.custom_generate_function_path)
         self.agent_fn = None
         self.agents = None  # the gateway and its episode runner, started on the first agent rollout
+        self.agent_pool = None  # --partial-rollout: the groups that run on between rollouts (AgentGroupPool)
+        self.agent_hold = None  # and the hold of their engine calls while the engines give their memory away
+        self.agent_restored: list | None = None  # a checkpoint's groups, handed to the pool when it starts
         self.eval_agents = None  # evaluation's own, sampling at --eval-temperature, started on the first evaluation
         if rollout.agent_function_path:  # agents talk to a gateway in this process, over every engine
             from tidal.rollout import load_agent_fn
@@ -61,23 +64,37 @@ class DriverRollouts:
         wanted = wanted or self.agent_fn is not None
         return bool(self.engines.engines) and (wanted or self.engines.router is not None)
 
-    def carry_state(self) -> list[list[dict[str, Any]]] | None:
-        """Partial rollout's unfinished groups as plain data for the checkpoint (None when nothing is carried)."""
+    def carry_state(self) -> list | None:
+        """Partial rollout's carried groups as plain data for the checkpoint (None when nothing is carried).
+
+        Plain generation: each unfinished group's samples. Agents: each group's record (``AgentGroup.record``):
+        a finished group with its episodes, a running one with its row only (it runs again after ``--load``).
+        """
+        if self.agent_fn is not None:
+            if self.agent_pool is not None:
+                return self.agent_pool.state() or None
+            return self.agent_restored or None  # restored and no rollout since
         if not self.carry:
             return None
         from tidal.rollout import sample_records
 
         return [sample_records(group) for group in self.carry]
 
-    def restore_carry(self, state: list[list[dict[str, Any]]] | None) -> None:
-        """Resume with the groups ``carry_state`` saved: the next rollout continues them first, as without a stop."""
+    def restore_carry(self, state: list | None) -> None:
+        """Resume with the groups ``carry_state`` saved: the next rollout takes them first, as without a stop."""
         if not state:
             return
-        if not self.cfg.partial_rollout:
-            logger.warning(
-                "the checkpoint carries %d unfinished partial-rollout group(s) but --partial-rollout is off: dropped",
-                len(state),
-            )
+        agent_groups = isinstance(state[0], dict)
+        if not self.cfg.partial_rollout or agent_groups != (self.agent_fn is not None):
+            what = "agent" if agent_groups else "unfinished partial-rollout"
+            why = "--partial-rollout is off" if not self.cfg.partial_rollout else "this run's generation differs"
+            logger.warning("the checkpoint carries %d %s group(s) but %s: dropped", len(state), what, why)
+            return
+        if agent_groups:
+            self.agent_restored = list(state)
+            running = sum("episodes" not in g for g in state)
+            logger.info("resumed %d carried agent group(s) from the checkpoint: %d finished, %d to run again from "
+                        "their rows", len(state), len(state) - running, running)  # fmt: skip
             return
         from tidal.rollout import samples_from_records
 
@@ -149,13 +166,24 @@ class DriverRollouts:
                 prompts = self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)
             return [(p.row if p.row is not None else {"prompt": p.text}, p.label) for p in prompts]
 
-        result = agent_rollout(
-            runner,
-            rows_of_round,
-            num_groups=self.rollout_batch_size,
-            max_rounds=max_rounds,
-            group_filter=self.group_filter,
-        )
+        if self.cfg.partial_rollout:  # groups not taken run on, and the next rollout takes them first
+            from tidal.rollout import partial_agent_rollout
+
+            result = partial_agent_rollout(
+                self._agent_pool(),
+                rows_of_round,
+                rollout_id=rollout_id,
+                num_groups=self.rollout_batch_size,
+                max_rounds=max_rounds,
+                group_filter=self.group_filter,
+                current_version=lambda: runner.gateway.engines[0].get_model_info().get("weight_version"),
+                mask_offpolicy=self.cfg.mask_offpolicy_in_partial_rollout,
+            )
+        else:
+            result = agent_rollout(
+                runner, rows_of_round, num_groups=self.rollout_batch_size, max_rounds=max_rounds,
+                group_filter=self.group_filter,
+            )  # fmt: skip
         from tidal.rollout import num_episodes
 
         episodes = num_episodes(result.samples)  # an episode that forked gave one sample per trajectory
@@ -183,8 +211,34 @@ class DriverRollouts:
     def _agent_runner(self):
         if self.agents is None:
             cfg = self.cfg
-            self.agents = self._start_runner(cfg.n_samples_per_prompt, default_max_tokens=cfg.rollout_max_response_len)
+            if cfg.partial_rollout:  # groups run on while the actor trains: their calls wait while engines offload
+                from tidal.rollout import CallHold
+
+                self.agent_hold = CallHold(timeout_s=cfg.rollout_request_timeout_s)
+            self.agents = self._start_runner(
+                cfg.n_samples_per_prompt, default_max_tokens=cfg.rollout_max_response_len, hold=self.agent_hold
+            )
         return self.agents
+
+    def _agent_pool(self):
+        """The pool of groups that outlive a rollout (started on first use, with a checkpoint's groups first)."""
+        if self.agent_pool is None:
+            from tidal.rollout import AgentGroupPool
+
+            self.agent_pool = AgentGroupPool(self._agent_runner())
+            self.agent_pool.restore(self.agent_restored or [])
+            self.agent_restored = None
+        return self.agent_pool
+
+    def hold_agent_calls(self) -> None:
+        """The engines release their memory next: carried agent groups' calls wait, those in flight finish first."""
+        if self.agent_hold is not None:
+            self.agent_hold.hold()
+
+    def release_agent_calls(self) -> None:
+        """The engines serve again: the agent calls held by :meth:`hold_agent_calls` go out."""
+        if self.agent_hold is not None:
+            self.agent_hold.release()
 
     def _start_runner(
         self,
@@ -193,14 +247,20 @@ class DriverRollouts:
         default_max_tokens: int,
         sampling_override: dict[str, Any] | None = None,
         log_name: str = "agent_failures.log",
+        hold=None,
     ):
-        """A started gateway over every engine and an episode runner of ``n`` episodes a row on it."""
+        """A started gateway over every engine and an episode runner of ``n`` episodes a row on it.
+
+        ``hold`` (a ``CallHold``), when given, stops the gateway's engine calls while it is held.
+        """
         from tidal.rollout import AgentRunner, Gateway, SGLangClient
 
         cfg = self.cfg
         # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm). The
         # manager's config, not the job's, holds the key it generated for servers on node addresses.
         clients = [SGLangClient.from_config(self.engines.cfg, url) for url in self.engines.engine_urls]
+        if hold is not None:
+            clients = [hold.wrap(client) for client in clients]
         gateway = Gateway(
             clients,
             self.tokenizer,
@@ -219,7 +279,12 @@ class DriverRollouts:
         )
 
     def shutdown(self) -> None:
-        """Stop the agent gateways, if any started."""
+        """Stop the carried agent groups (their episodes are cancelled), then the agent gateways, if any started."""
+        if self.agent_pool is not None:
+            self.agent_pool.close()
+            self.agent_pool = None
+        if self.agent_hold is not None:
+            self.agent_hold.release()
         for runner in (self.agents, self.eval_agents):
             if runner is not None:
                 runner.gateway.stop()

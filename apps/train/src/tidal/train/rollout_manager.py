@@ -282,6 +282,7 @@ class RolloutManager:
     def release_memory(self) -> None:
         """Every engine releases its weights and KV cache (--offload-rollout), once idle."""
         tags = ["weights", "kv_cache"]
+        self.driver.hold_agent_calls()  # carried agent groups run on: their calls wait until the engines are back
         ray.get([e.release_memory.remote(tags) for e in self.engines])
         self._released = tags
         self.handoff.add("engines.release")
@@ -293,6 +294,8 @@ class RolloutManager:
             return
         ray.get([e.resume_memory.remote(tags) for e in self.engines])
         self._released = [t for t in self._released if t not in tags]
+        if not self._released:
+            self.driver.release_agent_calls()
         self.handoff.add("engines.resume." + "+".join(tags))
 
     def weight_targets(self, timeout_s: float, *, only: Sequence[int] | None = None) -> list[dict[str, Any]]:
@@ -416,11 +419,11 @@ class RolloutManager:
         total = sum(ray.get([e.http_retries.remote() for e in self.engines])) if self.engines else 0
         return total + sum(c.http_retries for c in (self.router, self.driver_client) if c is not None)
 
-    def carry_state(self) -> list[list[dict[str, Any]]] | None:
-        """Partial rollout's unfinished groups as plain data for the checkpoint (None when nothing is carried)."""
+    def carry_state(self) -> list | None:
+        """Partial rollout's carried groups as plain data for the checkpoint (None when nothing is carried)."""
         return self.driver.carry_state()
 
-    def restore_carry(self, state: list[list[dict[str, Any]]] | None) -> None:
+    def restore_carry(self, state: list | None) -> None:
         """Continue the unfinished groups a checkpoint carried (see ``DriverRollouts.restore_carry``)."""
         self.driver.restore_carry(state)
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from tidal.rollout.engine import DELTA_LOADER, SGLangEngine
     from tidal.rollout.engine_delta import DELTA_FILE, DELTA_REPORT, DELTA_ROUTE, delta_checksum, encode_delta
     from tidal.rollout.gateway.agents import AgentRunner, agent_rollout, load_agent_fn
+    from tidal.rollout.gateway.partial_agents import AgentGroupPool, CallHold, partial_agent_rollout
     from tidal.rollout.gateway.server import Gateway
     from tidal.rollout.generation import (
         check_chat_template,
@@ -80,6 +81,9 @@ _LAZY = {
     "AgentRunner": "gateway.agents",
     "agent_rollout": "gateway.agents",
     "load_agent_fn": "gateway.agents",
+    "AgentGroupPool": "gateway.partial_agents",
+    "CallHold": "gateway.partial_agents",
+    "partial_agent_rollout": "gateway.partial_agents",
     "check_chat_template": "generation",
     "check_stop_tokens": "generation",
     "filter_uniform_groups": "generation",
@@ -129,7 +133,9 @@ __all__ = [
     "DELTA_REPORT",
     "DELTA_ROUTE",
     "WILDCARD_HOSTS",
+    "AgentGroupPool",
     "AgentRunner",
+    "CallHold",
     "EngineUnavailableError",
     "Gateway",
     "GenerateFn",
@@ -166,6 +172,7 @@ __all__ = [
     "lora_server_args",
     "mask_stale_tokens",
     "num_episodes",
+    "partial_agent_rollout",
     "resolve_group_filter",
     "resolve_reward_fn",
     "reward_variance",

@@ -224,7 +224,8 @@ class RolloutConfig:
     """Ask the engines for the experts they routed every token to, kept per sample (``--use-rollout-routing-replay``
     sets it); launched engines get ``--enable-return-routed-experts``."""
     partial_rollout: bool = False
-    """Once the batch is full, abort the requests still running and resume them next rollout (slime's flag)."""
+    """Once the batch is full, abort the requests still running and resume them next rollout (slime's flag); agent
+    groups still running run on instead, and the next rollout takes them first (--agent-function-path)."""
     mask_offpolicy_in_partial_rollout: bool = False
     """Loss mask 0 on resumed tokens that older weights sampled (needs --partial-rollout)."""
     use_router: bool | None = None
@@ -337,18 +338,17 @@ class RolloutConfig:
                 if value != default:
                     logger.warning("%s has no effect without --agent-function-path", flag)
             return
-        for flag, on in (
-            ("--custom-generate-function-path", self.custom_generate_function_path is not None),
-            ("--partial-rollout", self.partial_rollout),
-        ):
-            if on:
-                raise ValueError(f"--agent-function-path and {flag} exclude each other (not supported yet); drop one")
+        if self.custom_generate_function_path is not None:
+            raise ValueError(
+                "--agent-function-path and --custom-generate-function-path exclude each other (not supported yet); "
+                "drop one"
+            )
 
     def _check_sampling_strategy(self) -> None:
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
             raise ValueError(f"--over-sampling-batch-size must be >= 1, got {self.over_sampling_batch_size!r}")
         spec = self.dynamic_sampling_filter_path
-        if self.over_sampling_batch_size is not None and spec is None:
+        if self.over_sampling_batch_size is not None and spec is None and self.agent_function_path is None:
             logger.warning("--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path")
         if self.dynamic_sampling_max_rounds != 16 and spec is None and self.agent_function_path is None:
             logger.warning("--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path")

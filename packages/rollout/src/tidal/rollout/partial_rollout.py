@@ -185,8 +185,10 @@ class PartialRolloutResult:
     """``rollout/partial/*``: resumed, carried over, dropped groups; off-policy token fraction."""
 
 
-def _offpolicy_frac(samples: Sequence[Sample], current: str | None) -> float:
-    tokens = [v for s in samples for v in s.token_weight_versions]
+def offpolicy_token_frac(samples: Sequence[Sample], current: str | None) -> float:
+    """The share of the loss tokens (loss mask 1) of ``samples`` that weights other than ``current`` sampled."""
+    tokens = [v for s in samples for v, m in zip(s.token_weight_versions, s.loss_mask[len(s.prompt_ids) :], strict=True)
+              if m]  # fmt: skip
     return sum(v != current for v in tokens) / len(tokens) if tokens else 0.0
 
 
@@ -317,7 +319,7 @@ def generate_partial_rollout(
         metrics |= _dynamic_sampling_metrics(rounds, kept=len(kept), dropped=len(dropped), taken=len(taken))
     if samples:
         current = target.get_model_info().get("weight_version")
-        metrics["rollout/partial/offpolicy_token_frac"] = _offpolicy_frac(samples, current)
+        metrics["rollout/partial/offpolicy_token_frac"] = offpolicy_token_frac(samples, current)
         if mask_offpolicy:
             samples = mask_offpolicy_tokens(samples, current)
     logger.info(

@@ -5,7 +5,8 @@ URL of its own gateway session, the job's key and one dataset row, runs any agen
 client works unmodified), and returns the episode's reward. ``n_samples_per_prompt`` episodes of one row form a
 group. An agent that raises, times out, returns no number or never calls the model fails its episode: it is
 counted by reason in the metrics, its traceback goes to the failure log, and its whole group is dropped and
-replaced by a group of another prompt, in rounds, as dynamic sampling replaces a group its filter drops.
+replaced by a group of another prompt, in rounds, as dynamic sampling replaces a group its filter drops. Under
+``--partial-rollout`` groups outlive the rollout that started them instead (``partial_agents``).
 
 An episode whose agent rewrote its history (a fork) gives one sample per trajectory, consecutive, each with the
 episode's reward and ``Sample.episode`` its index in the group: training counts the episode as one sample.
@@ -128,17 +129,70 @@ class AgentRunner:
         samples = episode.samples(reward=reward, label=label)  # the final answer's trajectory last
         return EpisodeResult(samples=samples, reward=reward, metrics=episode.metrics())
 
+    async def group(self, row: Mapping[str, Any], label: Any, limit: asyncio.Semaphore) -> list[EpisodeResult]:
+        """``n_samples_per_prompt`` episodes of one row, each taking a slot of ``limit`` while it runs."""
+        return list(await asyncio.gather(*(self.episode(row, label, limit) for _ in range(self.n))))
+
     def run_groups(self, rows: Sequence[Mapping[str, Any]], labels: Sequence[Any]) -> list[list[EpisodeResult]]:
         """``n_samples_per_prompt`` episodes of each row, all at once (bounded); the results group by row."""
 
-        async def run() -> list[EpisodeResult]:
+        async def run() -> list[list[EpisodeResult]]:
             limit = asyncio.Semaphore(self.max_concurrency)
-            pairs = zip(rows, labels, strict=True)
-            episodes = [self.episode(row, label, limit) for row, label in pairs for _ in range(self.n)]
-            return await asyncio.gather(*episodes)
+            return await asyncio.gather(
+                *(self.group(row, label, limit) for row, label in zip(rows, labels, strict=True))
+            )
 
-        flat = asyncio.run(run())
-        return [flat[i * self.n : (i + 1) * self.n] for i in range(len(rows))]
+        return asyncio.run(run())
+
+
+class GroupTally:
+    """A rollout's count of the agent groups it looked at: kept, dropped (a failed episode, the filter), why."""
+
+    def __init__(self, group_filter: Callable[[Sequence[Sample]], bool] | None = None) -> None:
+        """Count groups; ``group_filter`` (dynamic sampling) sees one sample per episode, its final answer's."""
+        self.group_filter = group_filter
+        self.failures: Counter[str] = Counter()
+        self.totals: Counter[str] = Counter()
+        self.looked_at = self.filtered = self.kept = 0
+
+    def add(self, group: Sequence[EpisodeResult]) -> list[Sample] | None:
+        """The group's samples (``Sample.episode`` set) when it is kept; None when it is dropped."""
+        self.looked_at += 1
+        for result in group:
+            self.totals.update({**result.metrics, "episodes": 1})
+            if result.failure is not None:
+                self.failures[result.failure] += 1
+        if any(r.failure is not None for r in group):
+            return None
+        if self.group_filter is not None and not self.group_filter([r.samples[-1] for r in group]):
+            self.filtered += 1
+            return None
+        self.kept += 1
+        return [replace(s, episode=e) for e, r in enumerate(group) for s in r.samples]
+
+    def short(self, num_groups: int, rounds: int) -> RolloutError:
+        """The one-line error of a rollout still short of ``num_groups`` kept groups after ``rounds`` rounds."""
+        return RolloutError(
+            f"agent rollout kept {self.kept} of {num_groups} groups after {rounds} rounds ({self.looked_at} groups "
+            f"run, failed episodes by reason: {dict(self.failures) or 'none'}, {self.filtered} groups dropped by the "
+            "filter): see the agent failure log, raise --agent-timeout-s or --dynamic-sampling-max-rounds"
+        )
+
+    def metrics(self, *, rounds: int, surplus: int, samples: int, episodes_wanted: int) -> dict[str, float]:
+        """``rollout/agent/*`` of the groups looked at; ``surplus``: kept groups beyond the batch."""
+        episodes = max(self.totals["episodes"], 1)
+        metrics = {
+            "rollout/agent/episodes": float(self.totals["episodes"]),
+            "rollout/agent/failed": float(sum(self.failures.values())),
+            "rollout/agent/rounds": float(rounds),
+            "rollout/agent/groups_dropped": float(self.looked_at - self.kept),
+            "rollout/agent/groups_surplus": float(surplus),
+            "rollout/agent/turns/mean": self.totals["turns"] / episodes,
+            "rollout/agent/forks/mean": self.totals["forks"] / episodes,
+            "rollout/agent/tokens/mean": self.totals["tokens"] / episodes,
+            "rollout/agent/samples_per_episode": samples / max(episodes_wanted, 1),
+        }
+        return metrics | {f"rollout/agent/failed/{reason}": float(count) for reason, count in self.failures.items()}
 
 
 def agent_rollout(
@@ -156,45 +210,20 @@ def agent_rollout(
     Raises:
         RolloutError: Still short after ``max_rounds`` rounds (one line: counts, failure reasons, options).
     """
+    tally = GroupTally(group_filter)
     kept: list[list[Sample]] = []
-    failures: Counter[str] = Counter()
-    totals: Counter[str] = Counter()
-    generated = filtered = rounds = 0
+    rounds = 0
     while len(kept) < num_groups:
         if rounds == max_rounds:
-            raise RolloutError(
-                f"agent rollout kept {len(kept)} of {num_groups} groups after {rounds} rounds ({generated} groups "
-                f"run, failed episodes by reason: {dict(failures) or 'none'}, {filtered} groups dropped by the "
-                "filter): see the agent failure log, raise --agent-timeout-s or --dynamic-sampling-max-rounds"
-            )
+            raise tally.short(num_groups, rounds)
         rounds += 1
         pairs = list(rows_of_round(rounds))
-        groups = runner.run_groups([row for row, _ in pairs], [label for _, label in pairs])
-        generated += len(groups)
-        for group in groups:
-            for result in group:
-                totals.update({**result.metrics, "episodes": 1})
-                if result.failure is not None:
-                    failures[result.failure] += 1
-            if any(r.failure is not None for r in group):
-                continue
-            samples = [replace(s, episode=e) for e, r in enumerate(group) for s in r.samples]
-            if group_filter is not None and not group_filter([r.samples[-1] for r in group]):  # one per episode
-                filtered += 1
-                continue
-            kept.append(samples)
+        for group in runner.run_groups([row for row, _ in pairs], [label for _, label in pairs]):
+            samples = tally.add(group)
+            if samples is not None:
+                kept.append(samples)
     samples = [replace(s, group_index=i) for i, group in enumerate(kept[:num_groups]) for s in group]
-    episodes = max(totals["episodes"], 1)
-    metrics = {
-        "rollout/agent/episodes": float(totals["episodes"]),
-        "rollout/agent/failed": float(sum(failures.values())),
-        "rollout/agent/rounds": float(rounds),
-        "rollout/agent/groups_dropped": float(generated - len(kept)),
-        "rollout/agent/groups_surplus": float(len(kept) - num_groups),
-        "rollout/agent/turns/mean": totals["turns"] / episodes,
-        "rollout/agent/forks/mean": totals["forks"] / episodes,
-        "rollout/agent/tokens/mean": totals["tokens"] / episodes,
-        "rollout/agent/samples_per_episode": len(samples) / max(num_groups * runner.n, 1),
-    }
-    metrics |= {f"rollout/agent/failed/{reason}": float(count) for reason, count in failures.items()}
+    metrics = tally.metrics(
+        rounds=rounds, surplus=len(kept) - num_groups, samples=len(samples), episodes_wanted=num_groups * runner.n
+    )
     return AgentRollout(samples=samples, metrics=metrics)
