@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -103,7 +104,10 @@ def test_a_checkpointed_pool_keeps_its_finished_groups_and_runs_the_running_ones
     (surplus,) = {"label-a", "label-b", "label-c"} - taken
     assert [(g["label"], "episodes" in g, g["started_in"]) for g in state] == [(surplus, True, 0),
                                                                                ("label-slow", False, 0)]  # fmt: skip
-    assert first.metrics["rollout/agent/groups_surplus"] == 0  # the third group finished after the batch was full
+    # the third fast group finished after the batch was full, or just before it was taken: either way it waits
+    m = first.metrics
+    assert m["rollout/agent/groups_surplus"] + m["rollout/agent/groups_in_flight"] == 2
+    assert m["rollout/partial/carried_over_groups"] == 2
 
     restored = _pool(gateway, 8)
     try:
@@ -145,3 +149,22 @@ def test_held_engine_calls_wait_for_the_release_and_a_hold_past_its_bound_fails_
         finally:
             hold.release()
             pool.close()
+
+
+def test_a_held_engines_stream_waits_for_the_release_too(sglang_server) -> None:
+    hold = CallHold(timeout_s=30.0)
+    engine = hold.wrap(SGLangClient(sglang_server.url))
+    chunks: list[dict] = []
+    hold.hold()
+    try:
+        reader = threading.Thread(
+            target=lambda: chunks.extend(engine.generate_stream([1, 2, 3], {"max_new_tokens": 4, "ignore_eos": True}))
+        )
+        reader.start()
+        reader.join(timeout=1.0)
+        assert reader.is_alive() and not chunks  # nothing went out while held
+    finally:
+        hold.release()
+    reader.join(timeout=60.0)
+    assert not reader.is_alive() and chunks and chunks[-1]["finish_reason"] is not None
+    assert len(chunks[-1]["output_ids"]) == 4

@@ -300,5 +300,10 @@ class HeldEngine:
         with self.hold.call():
             return self.engine.generate(input_ids, sampling_params)
 
+    def generate_stream(self, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The engine's ``generate_stream``, once the hold lets it go out (held as one call until it ends)."""
+        with self.hold.call():
+            yield from self.engine.generate_stream(input_ids, sampling_params)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
