@@ -216,10 +216,12 @@ def test_async_partial_agents_resume_the_checkpointed_episodes_and_lose_or_repea
         earlier = [t for t in texts[::2] if t not in batches[rollout_id]]
         assert all(any(t in batch for batch in batches[:rollout_id]) for t in earlier)
         assert record["rollout/agent/carried_groups_taken"] == len(earlier)
-        # --mask-offpolicy-in-partial-rollout: the tokens trained on were all sampled by the rollout's last weights
+        # --mask-offpolicy-in-partial-rollout: the tokens trained on were sampled by the rollout's own weights, those
+        # the engines had when it began or when it ended (under --max-staleness 1 an update lands while it runs):
+        # what it generated itself is never all masked away
         pairs = [pair for s in samples for pair in zip(s.response_weight_versions, s.response_loss_mask, strict=True)]
-        assert len({v for v, m in pairs if m}) <= 1
-        assert 0.0 <= record["rollout/partial/offpolicy_token_frac"] <= 1.0
+        assert 1 <= len({v for v, m in pairs if m}) <= 2
+        assert 0.0 <= record["rollout/partial/offpolicy_token_frac"] < 1.0
         trained += texts[::2]
     assert sum(r["rollout/agent/carried_groups_taken"] for r in records) >= 1  # carried groups came back
     # nothing repeated, nothing lost: 8 prompts trained on once each, the other 4 of the 12 still carried at the end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -198,13 +199,20 @@ def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_s
 
 
 def test_mask_offpolicy_tokens_keeps_tool_masks() -> None:
-    from tidal.rollout.partial_rollout import mask_offpolicy_tokens
+    from tidal.rollout.partial_rollout import mask_offpolicy_tokens, offpolicy_token_frac
 
     s = Sample(prompt_ids=[1], response_ids=[2, 3, 4], response_log_probs=[-1.0, 0.0, -1.0], finish_reason="stop",
                response_loss_mask=[1, 0, 1], response_weight_versions=["1", "2", "2"], weight_version="2")  # fmt: skip
     (masked,) = mask_offpolicy_tokens([s], "2")
     assert masked.loss_mask == [0, 0, 0, 1]
     assert mask_offpolicy_tokens([s], "1")[0].loss_mask == [0, 1, 0, 0]
+    # a weight update ("1" -> "2") landed while the rollout ran: both are its own weights, an older one is not
+    assert mask_offpolicy_tokens([s], "2", since="1")[0] is s
+    older = dataclasses.replace(s, response_weight_versions=["0", "1", "2"])
+    assert mask_offpolicy_tokens([older], "2", since="1")[0].loss_mask == [0, 0, 0, 1]
+    assert offpolicy_token_frac([older], "2", since="1") == 0.5  # "0" and "2" sampled the loss tokens
+    assert offpolicy_token_frac([older], "2") == 0.5 and offpolicy_token_frac([older], "1") == 1.0
+    assert offpolicy_token_frac([dataclasses.replace(older, response_loss_mask=[1, 1, 1])], "2", since="1") == 1 / 3
     fresh = Sample(prompt_ids=[1], response_ids=[2], response_log_probs=[-1.0], finish_reason="stop")
     assert mask_offpolicy_tokens([fresh], None)[0] is fresh  # all tokens from the current (None) version
 

@@ -62,19 +62,32 @@ def resume_samples(
     ]
 
 
-def mask_offpolicy_tokens(samples: Sequence[Sample], current_version: str | None) -> list[Sample]:
-    """``--mask-offpolicy-in-partial-rollout``: loss mask 0 on response tokens not sampled by ``current_version``.
+def _this_rollouts(current_version: str | None, since: str | object | None) -> set[str | None]:
+    return {current_version} if since is _CURRENT else {current_version, since}  # type: ignore[arg-type]
 
-    Samples whose tokens all come from ``current_version`` are returned as they are.
+
+_CURRENT = object()
+
+
+def mask_offpolicy_tokens(
+    samples: Sequence[Sample], current_version: str | None, *, since: str | object | None = _CURRENT
+) -> list[Sample]:
+    """``--mask-offpolicy-in-partial-rollout``: loss mask 0 on response tokens older weights sampled.
+
+    Kept: the tokens of ``current_version`` and of ``since``, the version the engines had when the rollout began
+    (under ``--max-staleness`` a weight update may land while a rollout generates: what it sampled before that
+    update is this rollout's own, not a resumed response's). Samples whose tokens are all kept are returned as they
+    are.
     """
+    keep = _this_rollouts(current_version, since)
     out = []
     for s in samples:
         versions = s.token_weight_versions
-        if all(v == current_version for v in versions):
+        if all(v in keep for v in versions):
             out.append(s)
             continue
         mask = [1] * len(s.response_ids) if s.response_loss_mask is None else list(s.response_loss_mask)
-        mask = [m if v == current_version else 0 for m, v in zip(mask, versions, strict=True)]
+        mask = [m if v in keep else 0 for m, v in zip(mask, versions, strict=True)]
         out.append(dataclasses.replace(s, response_loss_mask=mask))
     return out
 
@@ -185,11 +198,17 @@ class PartialRolloutResult:
     """``rollout/partial/*``: resumed, carried over, dropped groups; off-policy token fraction."""
 
 
-def offpolicy_token_frac(samples: Sequence[Sample], current: str | None) -> float:
-    """The share of the loss tokens (loss mask 1) of ``samples`` that weights other than ``current`` sampled."""
+def offpolicy_token_frac(
+    samples: Sequence[Sample], current: str | None, *, since: str | object | None = _CURRENT
+) -> float:
+    """The share of the loss tokens (loss mask 1) of ``samples`` that weights older than the rollout's sampled.
+
+    The rollout's weights are ``current`` and ``since`` (the version when it began; see :func:`mask_offpolicy_tokens`).
+    """
+    keep = _this_rollouts(current, since)
     tokens = [v for s in samples for v, m in zip(s.token_weight_versions, s.loss_mask[len(s.prompt_ids) :], strict=True)
               if m]  # fmt: skip
-    return sum(v != current for v in tokens) / len(tokens) if tokens else 0.0
+    return sum(v not in keep for v in tokens) / len(tokens) if tokens else 0.0
 
 
 def generate_partial_rollout(
@@ -228,8 +247,8 @@ def generate_partial_rollout(
         reward_fn: Scores each group as it finishes (needed by ``group_filter``).
         group_filter: Dynamic sampling: a finished group counts only if this returns True; dropped
             groups are discarded and counted.
-        mask_offpolicy: Zero the loss mask of tokens that older weights sampled (see :func:`mask_offpolicy_tokens`);
-            the current version is the target's ``weight_version``.
+        mask_offpolicy: Zero the loss mask of tokens that older weights sampled (see :func:`mask_offpolicy_tokens`):
+            older than the target's ``weight_version`` at this call's start and at its end.
         max_concurrency: Most requests (or ``generate_fn`` calls) in flight.
         progress_every_s: Seconds between progress log lines.
         resume_interrupted: Samples that an interruptible weight update (not this call's own abort) cut are sent
@@ -254,6 +273,7 @@ def generate_partial_rollout(
     if group_filter is not None and reward_fn is None:
         raise ValueError("group_filter needs reward_fn: groups are filtered on their rewards")
     _check_resumable(carry_over, generate_fn)
+    began = target.get_model_info().get("weight_version")  # a weight update may land while this rollout runs
     n = int(sampling_params.get("n", 1))
     groups = [list(group) for group in carry_over]
     groups += [fresh_group(ids, n, label=None if labels is None else labels[i]) for i, ids in enumerate(prompts)]
@@ -319,9 +339,9 @@ def generate_partial_rollout(
         metrics |= _dynamic_sampling_metrics(rounds, kept=len(kept), dropped=len(dropped), taken=len(taken))
     if samples:
         current = target.get_model_info().get("weight_version")
-        metrics["rollout/partial/offpolicy_token_frac"] = offpolicy_token_frac(samples, current)
+        metrics["rollout/partial/offpolicy_token_frac"] = offpolicy_token_frac(samples, current, since=began)
         if mask_offpolicy:
-            samples = mask_offpolicy_tokens(samples, current)
+            samples = mask_offpolicy_tokens(samples, current, since=began)
     logger.info(
         "partial rollout: %d/%d groups finished, %d carried over, %d dropped",
         len(taken),

@@ -191,12 +191,13 @@ def partial_agent_rollout(
     rollout, ``groups_in_flight``: groups still running, ``carried_groups_taken``: groups of the batch that an
     earlier rollout started) and ``rollout/partial/{resumed_groups,carried_over_groups,offpolicy_token_frac}`` as
     plain partial rollout reports them. ``current_version()`` is the engines' weight version: with
-    ``mask_offpolicy`` tokens other weights sampled get loss mask 0.
+    ``mask_offpolicy`` tokens sampled by weights older than its value at the start and at the end get loss mask 0.
 
     Raises:
         RolloutError: Still short after ``max_rounds`` rounds (one line: counts, failure reasons, options).
     """
     tally = GroupTally(group_filter)
+    began = current_version() if current_version is not None else None  # an update may land while this runs
     resumed = sum(pool.counts())
     kept: list[tuple[AgentGroup, list[Sample]]] = []
     rounds = 1
@@ -225,10 +226,10 @@ def partial_agent_rollout(
         "rollout/agent/carried_groups_taken": float(sum(g.started_in != rollout_id for g, _ in kept)),
         "rollout/partial/resumed_groups": float(resumed),
         "rollout/partial/carried_over_groups": float(running + finished),
-        "rollout/partial/offpolicy_token_frac": offpolicy_token_frac(samples, current),
+        "rollout/partial/offpolicy_token_frac": offpolicy_token_frac(samples, current, since=began),
     }
     if mask_offpolicy:
-        samples = mask_offpolicy_tokens(samples, current)
+        samples = mask_offpolicy_tokens(samples, current, since=began)
     logger.info("agent partial rollout: %d/%d groups kept (%d of earlier rollouts), %d running and %d finished "
                 "carried over", len(kept), num_groups, metrics["rollout/agent/carried_groups_taken"], running,
                 finished)  # fmt: skip
