@@ -28,29 +28,12 @@ from pathlib import Path
 
 import torch
 from bench_actor_gpu import CUDA, LLAMA_3_2_3B, QWEN2_1_5B, QWEN3_1_7B, TINY, log, reset_peak, save_checkpoint
+from moe_gpu import QWEN3_30B_A3B
+from moe_gpu import TINY as MOE_TINY
 
-QWEN3_30B_A3B_4L = dict(  # Qwen3-30B-A3B's shape (128 experts, top-8, expert ffn 768), 4 of its 48 layers
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    max_position_embeddings=40960,
-    rope_theta=1e6,
-    tie_word_embeddings=False,
-)
-TINY_MOE = QWEN3_30B_A3B_4L | dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-    max_position_embeddings=4096,
-)  # fmt: skip
+# Qwen3-30B-A3B's shape (128 experts, top-8, expert ffn 768) with 4 of its 48 layers, and a tiny one like it
+QWEN3_30B_A3B_4L = QWEN3_30B_A3B | dict(model_type="qwen3_moe", num_hidden_layers=4)
+TINY_MOE = MOE_TINY | dict(model_type="qwen3_moe", intermediate_size=128, num_hidden_layers=2)
 SHAPES = {
     "qwen2-1.5b": QWEN2_1_5B,
     "qwen3-1.7b": QWEN3_1_7B,
