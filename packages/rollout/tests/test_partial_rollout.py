@@ -86,6 +86,22 @@ def test_an_interruptible_update_aborts_the_generation_which_finishes_under_the_
     assert any(s.token_weight_versions[0] == "old" for s in samples)  # cut mid-response
 
 
+def test_a_disk_update_while_requests_run_loads_then_flushes_once_they_are_done(
+    sglang_server: SGLangEngine, tiny_model_dir: Path, slowed_generation
+) -> None:
+    # SGLang's own flush inside the update fails the call while requests run (the new weights already loaded):
+    # the update's flush waits for idle instead, as it must after an interruptible update's abort
+    def generate():
+        return generate_samples(sglang_server, PROMPTS, PARAMS)
+
+    with slowed_generation(sglang_server, generate) as (thread, box):
+        sglang_server.update_weights_from_disk(tiny_model_dir, weight_version="loaded-busy")  # 400 before
+    thread.join(timeout=60.0)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    assert all(len(s.response_ids) == MAX_NEW for s in box["result"])
+    assert sglang_server.get_model_info()["weight_version"] == "loaded-busy"
+
+
 def test_the_driver_side_sends_again_what_an_update_cut(
     sglang_server: SGLangEngine, tiny_model_dir: Path, caplog, slowed_generation
 ):

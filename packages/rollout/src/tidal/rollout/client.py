@@ -326,13 +326,19 @@ class SGLangClient:
     def update_weights_from_disk(self, path: str | os.PathLike[str], *, weight_version: str | None = None) -> None:
         """Load new weights from an HF checkpoint directory (as the server sees its file system) into the server.
 
+        The prefix cache the old weights filled is flushed afterwards, once the server is idle (:meth:`flush_cache`):
+        SGLang's own flush inside the update fails the whole call while requests just aborted by a weight update
+        (``--max-staleness``) are still being retired, with the new weights already loaded.
+
         Raises:
-            RolloutError: The server refused the update; the message is the server's.
+            RolloutError: The server refused the update (the message is the server's), or stayed busy past the
+                flush's wait.
         """
-        payload: dict[str, Any] = {"model_path": str(path)}
+        payload: dict[str, Any] = {"model_path": str(path), "flush_cache": False}
         if weight_version is not None:
             payload["weight_version"] = weight_version
         self.call("/update_weights_from_disk", payload, what=f"update_weights_from_disk({path})")
+        self.flush_cache()
 
     def abort(self, rid: str | None = None) -> None:
         """Abort in-flight requests (all of them, or the one with ``rid``) via ``/abort_request``.
