@@ -1,6 +1,7 @@
 """The walking skeleton end to end: `train` for 2 rollouts on the real Ray, SGLang and Megatron-core.
 
-One run per module (it starts an SGLang server, ~80 s on two cores); every test reads its outputs. The server
+One run per module (it starts an SGLang server, ~30 s on two cores); every test reads its outputs. A second, smaller
+job runs beside it, started at the same moment: two jobs on one host finish on distinct ports. The server
 serves the float32 embedded model in bfloat16 (--sglang-dtype), as a production engine serves next to an fp32
 actor, so the engine-actor agreement metrics measure a real gap here (test_train_modes_e2e.py's runs serve fp32).
 It logs to an offline W&B run (the real client; W&B's folders are the test's, its server a closed loopback port).
@@ -10,6 +11,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,9 +78,29 @@ def offline_wandb_env(home: Path) -> dict[str, str]:
     return env
 
 
+COMPANION_ARGS = [
+    "--num-rollout", "2",
+    "--rollout-batch-size", "4",
+    "--n-samples-per-prompt", "4",
+    "--rollout-max-response-len", "6",
+    "--num-eval-prompts", "4",
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _jobs(tmp_path_factory):
+    """The main run and, started at the same moment beside it, a second job: two `train` jobs on one host.
+
+    Each is its own OS process with its own Ray and SGLang. Their port allocators (one per job,
+    tidal.placement.ports) test ports free and reserve them, and each reserved port holds a host-wide lock file
+    until the job ends, so neither job can be handed a port the other tested free but has not bound yet: the SGLang
+    servers' HTTP and NCCL ports and the actor's rendezvous port.
+    """
+    from tidal.train.embedded_model import ensure_embedded_model
+
+    ensure_embedded_model()  # built once here, not twice at once by the two jobs
     out = tmp_path_factory.mktemp("run")
+    companion = tmp_path_factory.mktemp("companion")
     args = [
         "--num-rollout", "2",
         "--rollout-batch-size", "4",
@@ -101,20 +123,48 @@ def run(tmp_path_factory):
     before = _children(os.getpid())
     _set_child_subreaper(True)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "tidal.train.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=1500,
-            env=offline_wandb_env(out.parent / "wandb_home"),
-        )
+        with (companion / "output.log").open("w") as log:
+            second = subprocess.Popen(
+                [sys.executable, "-m", "tidal.train.cli", *COMPANION_ARGS, "--output-dir", str(companion / "run")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "tidal.train.cli", *args],
+                    capture_output=True,
+                    text=True,
+                    timeout=1500,
+                    env=offline_wandb_env(out.parent / "wandb_home"),
+                )
+                second_code = second.wait(timeout=600)
+            finally:
+                if second.poll() is None:
+                    os.killpg(second.pid, 9)
+                    second.wait(timeout=60)
         leftovers = _leftovers(before)
     finally:
         _set_child_subreaper(False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return job, summary, records, leftovers, proc.stdout + proc.stderr
+    main = (job, summary, records, leftovers, proc.stdout + proc.stderr)
+    second_output = (companion / "output.log").read_text()
+    jobs = [(0, proc.stdout + proc.stderr, out), (second_code, second_output, companion / "run")]
+    return main, jobs
+
+
+@pytest.fixture(scope="module")
+def run(_jobs):
+    """The main run: ``(job config, summary, records, leftover processes, its terminal output)``."""
+    return _jobs[0]
+
+
+@pytest.fixture(scope="module")
+def two_jobs(_jobs):
+    """``[(returncode, output, run folder)]`` of both jobs, and the processes either left behind."""
+    return _jobs[1], _jobs[0][3]
 
 
 def test_one_record_per_rollout_with_finite_loss(run):
@@ -267,3 +317,34 @@ def test_terminal_gets_one_plain_line_per_rollout_and_no_warning(run):
         said = [line for line in actor_log.splitlines() if notice in line]
         assert len(said) == 1 and " INFO tidal.notices: " in said[0], said
     assert "rollout 2/2 | reward" in (logs / "train.log").read_text()
+
+
+def test_both_jobs_finish(two_jobs):
+    results, _ = two_jobs
+    for code, output, run in results:
+        assert code == 0, output[-6000:]
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["rollout"] for r in records] == [0, 1]
+
+
+def test_their_servers_ran_on_distinct_ports(two_jobs):
+    results, _ = two_jobs
+    ports = []
+    for _, _, run in results:
+        log = "".join(f.read_text() for f in (run / "logs").glob("engine_*.log"))
+        started = re.findall(r"starting SGLang server at http://[\d.]+:(\d+):.* --nccl-port (\d+)", log)
+        assert len(started) == 1, log[-3000:]  # one server each, started once: no port had to be retried
+        ports.append({int(p) for p in started[0]})
+    assert not ports[0] & ports[1], ports
+
+
+def test_each_job_read_the_hf_weights_once(two_jobs):
+    from safetensors.torch import load_file
+    from tidal.train.embedded_model import embedded_model_path
+
+    tensors = load_file(embedded_model_path() / "model.safetensors").values()
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    results, _ = two_jobs
+    for _, _, run in results:
+        log = (run / "logs" / "actor_r0.log").read_text()
+        assert re.findall(r"actor weights: .*this rank read (\d+) bytes of HF weights", log) == [str(total)]
