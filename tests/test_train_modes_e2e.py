@@ -64,7 +64,7 @@ def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL,
     _set_child_subreaper(True)
     log = out.parent / f"{out.name}-{len(list(out.parent.glob(out.name + '-*.log')))}.log"  # one per run
     try:
-        with log.open("w") as f:
+        with log.open("w") as f, _sigint_not_ignored():
             proc = subprocess.Popen(
                 # --verbose: these tests read the workers' INFO lines (SGLang starts, broadcasts, resumes)
                 [sys.executable, "-m", "tidal.train.cli", *args, "--verbose", "--output-dir", str(out)],
@@ -86,6 +86,20 @@ def _train(args, *, out: Path, timeout=1200, kill_when=None, sig=signal.SIGKILL,
     finally:
         _set_child_subreaper(False)
     return code, log.read_text(), leftovers
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored():
+    """A child started in this block takes SIGINT as Ctrl-C even where this pytest ignores it.
+
+    A process ignoring SIGINT passes that on to what it starts (a shell's background job ignores it, so does a
+    pytest started with ``&`` from a script); a handler of its own is not inherited, the default is.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _kill_until_none_left(before: set[int], timeout_s: float = 60.0) -> None:
