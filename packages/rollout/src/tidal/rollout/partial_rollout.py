@@ -62,15 +62,8 @@ def resume_samples(
     ]
 
 
-def _this_rollouts(current_version: str | None, since: str | object | None) -> set[str | None]:
-    return {current_version} if since is _CURRENT else {current_version, since}  # type: ignore[arg-type]
-
-
-_CURRENT = object()
-
-
 def mask_offpolicy_tokens(
-    samples: Sequence[Sample], current_version: str | None, *, since: str | object | None = _CURRENT
+    samples: Sequence[Sample], current_version: str | None, *, since: str | None = None
 ) -> list[Sample]:
     """``--mask-offpolicy-in-partial-rollout``: loss mask 0 on response tokens older weights sampled.
 
@@ -79,7 +72,7 @@ def mask_offpolicy_tokens(
     update is this rollout's own, not a resumed response's). Samples whose tokens are all kept are returned as they
     are.
     """
-    keep = _this_rollouts(current_version, since)
+    keep = {current_version, since}  # a token without a version (None) carries no loss either way
     out = []
     for s in samples:
         versions = s.token_weight_versions
@@ -198,14 +191,12 @@ class PartialRolloutResult:
     """``rollout/partial/*``: resumed, carried over, dropped groups; off-policy token fraction."""
 
 
-def offpolicy_token_frac(
-    samples: Sequence[Sample], current: str | None, *, since: str | object | None = _CURRENT
-) -> float:
+def offpolicy_token_frac(samples: Sequence[Sample], current: str | None, *, since: str | None = None) -> float:
     """The share of the loss tokens (loss mask 1) of ``samples`` that weights older than the rollout's sampled.
 
     The rollout's weights are ``current`` and ``since`` (the version when it began; see :func:`mask_offpolicy_tokens`).
     """
-    keep = _this_rollouts(current, since)
+    keep = {current, since}
     tokens = [v for s in samples for v, m in zip(s.token_weight_versions, s.loss_mask[len(s.prompt_ids) :], strict=True)
               if m]  # fmt: skip
     return sum(v not in keep for v in tokens) / len(tokens) if tokens else 0.0
