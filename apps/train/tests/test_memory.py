@@ -102,3 +102,63 @@ def test_no_gpu_and_no_flag_means_no_verdict(user):
     shape = ModelShape.from_hf_config(QWEN3_1_7B)
     assert largest_fitting_tokens(shape, plan.inputs, gpu_bytes=80 * GIB) < 1000000
     assert not Path("memory_plan.json").exists()
+
+
+def test_auto_picks_a_budget_and_recompute_that_fit_and_records_them(user, tmp_path):
+    from tidal.train.memory import write_memory_plan
+
+    argv = [*user, "--use-dynamic-batch-size", "--rollout-max-response-len", "16384", "--output-dir", str(tmp_path)]
+    job = parse_job(
+        [*argv, "--gpu-memory-gib", "64", "--max-tokens-per-gpu", "auto", "--recompute-activations", "auto"]
+    )
+    choice = job.memory_choice
+    assert choice is not None and job.batching.max_tokens_per_gpu == choice.max_tokens_per_gpu
+    assert job.batching.max_tokens_per_gpu >= 16384 + 1024  # holds the longest sample
+    assert (job.actor.recompute_activations, job.actor.recompute_num_layers) == (
+        choice.recompute_activations,
+        choice.recompute_num_layers,
+    )
+    # on 64 GiB the longest sample needs some layers recomputed, not all: the plan's own check passes them, and the
+    # same budget without recompute does not fit
+    assert job.actor.recompute_activations and 0 < job.actor.recompute_num_layers < 28
+    fixed = ["--max-tokens-per-gpu", str(job.batching.max_tokens_per_gpu), "--gpu-memory-gib", "64"]
+    layers = ["--recompute-activations", "--recompute-num-layers", str(job.actor.recompute_num_layers)]
+    parse_job([*argv, *fixed, *layers])
+    assert any("memory plan" in p for p in _problems([*argv, *fixed]))
+    # a larger card needs no recompute
+    roomy = parse_job(
+        [*argv, "--gpu-memory-gib", "141", "--max-tokens-per-gpu", "auto", "--recompute-activations", "auto"]
+    )
+    assert not roomy.actor.recompute_activations
+    plan = write_memory_plan(job, QWEN3_1_7B, tmp_path)
+    record = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert plan is not None and record["auto"]["max_tokens_per_gpu"] == job.batching.max_tokens_per_gpu
+    assert record["auto"]["alternatives"] and record["auto"]["reason"]
+
+
+def test_auto_keeps_what_the_user_sets_and_refuses_a_recompute_count_with_auto(user):
+    argv = [*user, "--use-dynamic-batch-size", "--gpu-memory-gib", "80"]
+    job = parse_job([*argv, "--max-tokens-per-gpu", "4096", "--recompute-activations", "auto"])
+    assert job.batching.max_tokens_per_gpu == 4096 and not job.actor.recompute_activations
+    job = parse_job([*argv, "--max-tokens-per-gpu", "auto", "--recompute-activations"])
+    assert job.actor.recompute_activations and job.actor.recompute_num_layers == 0
+    problems = _problems([*argv, "--max-tokens-per-gpu", "auto", "--recompute-activations", "auto",
+                          "--recompute-num-layers", "3"])  # fmt: skip
+    assert any("--recompute-num-layers 3 is chosen by --recompute-activations auto" in p for p in problems)
+    with pytest.raises(ValueError, match="--max-tokens-per-gpu: invalid integer or auto value: 'lots'"):
+        parse_job([*argv, "--max-tokens-per-gpu", "lots"])
+
+
+def test_auto_without_a_gpu_holds_the_longest_sample(user, monkeypatch):
+    monkeypatch.setattr("tidal.train.memory.gpu_memory_bytes", lambda: None)
+    job = parse_job([*user, "--use-dynamic-batch-size", "--rollout-max-response-len", "20000",
+                     "--max-tokens-per-gpu", "auto", "--recompute-activations", "auto"])  # fmt: skip
+    assert job.batching.max_tokens_per_gpu == 21120 and not job.actor.recompute_activations  # 20000 + 1024, aligned
+
+
+def test_auto_refuses_a_sample_nothing_holds_naming_what_would(user):
+    argv = [*user, "--use-dynamic-batch-size", "--gpu-memory-gib", "80", "--rollout-max-response-len", "200000"]
+    problems = _problems([*argv, "--max-tokens-per-gpu", "auto", "--recompute-activations", "auto"])
+    (line,) = [p for p in problems if "longest sample" in p]
+    assert "201024 tokens" in line and re.search(r"--context-parallel-size \d|--tensor-model-parallel-size \d", line)
+    assert not [p for p in problems if "memory plan needs" in p]  # no second line about the unresolved budget

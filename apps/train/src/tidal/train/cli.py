@@ -117,6 +117,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     from tidal.placement import PlacementConfig
     from tidal.rollout import RolloutConfig
     from tidal.train import checks
+    from tidal.train.auto_memory import resolve_auto, take_auto
     from tidal.train.config import APP_SECTIONS, JobConfig, TrainConfig
     from tidal.train.flags import SECTIONS
     from tidal.train.run_folder import default_output_dir
@@ -126,6 +127,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     for line in _unknown_problems(unknown, sorted(parser._option_string_actions)):
         problems.add(line)
     _pass_through(sections, unknown, problems)
+    auto = take_auto(sections, problems)
     train, rollout, actor, ckpt = sections["train"], sections["rollout"], sections["actor"], sections["ckpt"]
     train.setdefault("output_dir", str(default_output_dir()))  # runs/DATE-TIME; runs/latest links to it
     ckpt.setdefault("save", str(Path(train["output_dir"]) / "ckpt"))
@@ -158,9 +160,14 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
         "placement": problems.run(PlacementConfig, **sections["placement"]),
         "rollout": problems.run(RolloutConfig, **rollout),
     }
+    choice = None
+    if auto and None not in job.values():
+        resolved = problems.run(resolve_auto, auto, job, hf_config)
+        # unresolved, the budgets hold placeholders that no later check should read
+        job, choice = resolved or ({**job, "batching": None}, None)
     checks.check_job(problems, **job, hf=hf, hf_config=hf_config, given=sections)
     problems.raise_if_any()
-    return JobConfig(**job)
+    return JobConfig(**job, memory_choice=choice)
 
 
 def _warn_without_effect(actor: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tidal.actor import ActorConfig
+    from tidal.actor import ActorConfig, MemoryChoice
     from tidal.batching import BatchingConfig
     from tidal.ckpt import CkptConfig
     from tidal.placement import PlacementConfig
@@ -294,3 +294,6 @@ class JobConfig:
     """Model, optimizer and loss."""
     ckpt: CkptConfig
     """Where checkpoints are loaded from and saved to."""
+    memory_choice: MemoryChoice | None = None
+    """What ``auto`` budgets and recompute resolved to (tidal.train.auto_memory), for the run folder; None: none
+    was ``auto``."""

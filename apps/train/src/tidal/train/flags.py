@@ -10,7 +10,8 @@ From the field come
   True, a ``--no-...`` flag that stores False); ``bool | None``, or ``metadata={"negatable": True}``, is a
   pair such as ``--colocate/--no-colocate`` (``BooleanOptionalAction``); ``int``/``float`` (or ``| None``)
   parse as such; ``tuple[T, ...]`` takes one or more values; ``metadata={"action": "append"}`` repeats the
-  flag (``--ray-env``) and ``metadata={"metavar": ...}`` names the value in ``--help``.
+  flag (``--ray-env``) and ``metadata={"metavar": ...}`` names the value in ``--help``; ``metadata={"auto": True}``
+  lets the flag also take ``auto`` (a switch then takes an optional value), resolved by :mod:`tidal.train.auto_memory`.
 
 A field with ``metadata={"flag": None}`` is no option: the app fills it (a value shared between packages,
 :data:`tidal.train.shared.SHARED`, or the ``--sglang-*`` pass-through). argparse stays the parser (it is the
@@ -68,7 +69,7 @@ TITLES = {
     "actor": "actor (tidal-actor)",
 }
 
-METADATA_KEYS = frozenset({"flag", "short", "negatable", "action", "metavar"})
+METADATA_KEYS = frozenset({"flag", "short", "negatable", "action", "metavar", "auto"})
 """What a field's metadata may say about its option (anything else is a mistake the generator refuses)."""
 
 # The app's own options: how the job is assembled, not a field of any section.
@@ -136,6 +137,12 @@ def _kind(tp: Any, default: Any, flag: str, meta: dict[str, Any]) -> dict[str, A
     optional = isinstance(tp, UnionType) and type(None) in args
     base = next(a for a in args if a is not type(None)) if optional else tp
     kind: dict[str, Any] = {k: meta[k] for k in ("action", "metavar") if k in meta}
+    if meta.get("auto"):  # the value may also be `auto`: the app's memory plan chooses it (tidal.train.auto_memory)
+        from tidal.train.auto_memory import bool_or_auto, int_or_auto
+
+        if base is bool:
+            return kind | {"nargs": "?", "const": True, "type": bool_or_auto, "metavar": "auto"}
+        return kind | {"type": int_or_auto, "metavar": "N|auto"}
     if base is bool:
         if optional or meta.get("negatable"):
             kind["action"] = argparse.BooleanOptionalAction

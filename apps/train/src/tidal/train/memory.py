@@ -7,6 +7,7 @@ to the run folder (``memory_plan.json``).
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -137,7 +138,11 @@ def write_memory_plan(job, hf_config: dict[str, Any], out_dir: str | Path) -> Me
     )
     path = Path(out_dir) / "memory_plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(plan.to_json() + "\n")
+    record = json.loads(plan.to_json())
+    if job.memory_choice is not None:  # what `auto` chose and the configurations it beat
+        record["auto"] = job.memory_choice.to_dict()
+        logger.info("memory auto: %s", job.memory_choice.reason, extra=TERMINAL)
+    path.write_text(json.dumps(record, indent=2) + "\n")
     if gpu is None:
         line = "memory plan: %.2f GiB peak per trainer GPU (no GPU here to check it against; %s)"
         logger.info(line, plan.peak / GIB, path, extra=TERMINAL)

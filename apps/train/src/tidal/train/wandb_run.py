@@ -24,7 +24,8 @@ def wandb_options(job, out: Path) -> dict[str, Any] | None:
     log = job.logging
     if not log.use_wandb:
         return None
-    config = {f.name: dataclasses.asdict(getattr(job, f.name)) for f in dataclasses.fields(job)}
+    values = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+    config = {name: dataclasses.asdict(value) for name, value in values.items() if value is not None}
     return {
         "project": log.wandb_project,
         "group": log.wandb_group,

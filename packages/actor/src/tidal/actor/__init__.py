@@ -21,6 +21,7 @@ sys.modules.setdefault("flash_mla", None)
 if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")):
     sys.modules.setdefault("flashinfer", None)
 
+from tidal.actor.auto_plan import MemoryChoice, choose_memory_config  # noqa: E402
 from tidal.actor.config import ActorConfig  # noqa: E402
 from tidal.actor.errors import ActorError, ActorOutOfMemoryError  # noqa: E402
 from tidal.actor.memory_plan import (  # noqa: E402
@@ -96,12 +97,14 @@ __all__ = [
     "BaseReference",
     "Critic",
     "HFTensorBucket",
+    "MemoryChoice",
     "MemoryInputs",
     "MemoryPlan",
     "ModelShape",
     "ReferenceModel",
     "build_gpt_model",
     "check_adapter_checkpoint",
+    "choose_memory_config",
     "data_parallel_rank_and_size",
     "destroy_distributed",
     "gather_adapter_tensors",

@@ -39,8 +39,9 @@ class ActorConfig:
     """On CUDA in bf16/fp16: packed sequences of at least this many tokens attend through cuDNN's kernel instead of
     FlashAttention-2 (each padded to one of 32 lengths per power of two so cuDNN builds few plans): +1.3-2.2 points
     of training MFU on an H200 at 32k tokens per GPU, and 3-7 GiB more peak memory there; 0: FlashAttention-2 only."""
-    recompute_activations: bool = False
-    """Recompute each transformer layer in backward instead of storing its activations."""
+    recompute_activations: bool = field(default=False, metadata={"auto": True})
+    """Recompute each transformer layer in backward instead of storing its activations; `auto` (train): the layers
+    to recompute, none to all, of the fastest configuration the memory plan says fits the GPU."""
     recompute_num_layers: int = 0
     """With --recompute-activations: recompute only the first N layers of each pipeline stage (Megatron's block
     method), keeping the others' activations; 0 recomputes every layer. Trades memory

@@ -39,9 +39,10 @@ GIB = 2**30
 ALIGN = 128
 """Token budgets the plan proposes are multiples of this (the usual --pad-to-multiple-of)."""
 RECOMPUTED_QKV_HOLD = 4.25
-"""Elements per q/k/v channel and token that a recomputed layer still holds until its backward, as measured on the
-GPU path (torch's non-reentrant checkpoint around megatron's layer; bench/memory_plan_gpu.py): far more than the
-layer's input alone, and growing with the attention's width rather than the MLP's, for a cause not pinned down."""
+"""Elements per q/k/v channel and token that a recomputed layer still holds until its backward when every layer is
+recomputed, as measured on the GPU path (torch's non-reentrant checkpoint around megatron's layer;
+bench/memory_plan_gpu.py, bench/auto_plan_gpu.py): far more than the layer's input alone, for a cause not pinned
+down. With only the first layers recomputed, the measured peaks (bench/auto_plan_gpu.py) fit the layer's input alone."""
 ALLOCATOR_HEADROOM = 0.05
 """Share of the card kept free for the caching allocator's fragmentation and the CUDA context."""
 
@@ -333,12 +334,26 @@ def _max_layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
     return max(dense, moe_layer_activation_bytes(shape, inputs) if shape.num_moe_layers else 0)
 
 
-def _mlp_transient_elements(shape: ModelShape, inputs: MemoryInputs) -> int:
-    """Elements per token of one layer's MLP working set (forward and the backward's gradients)."""
-    dense = 3 * shape.ffn_hidden_size // inputs.tensor_parallel
+def _mlp_transient_elements(shape: ModelShape, inputs: MemoryInputs, *, forward_only: bool = False) -> int:
+    """Elements per token of one layer's MLP working set (forward and the backward's gradients).
+
+    In a forward-only pass with a LoRA adapter on the gate/up projection, the adapter's per-module outputs and their
+    fused delta sit beside the projection's output while they are added: three times the projection's width in all
+    (measured on an H100, bench/auto_plan_gpu.py; in training the backward's gradients are the larger set).
+    """
+    f = shape.ffn_hidden_size // inputs.tensor_parallel
+    dense = 3 * f
+    if forward_only and inputs.lora_rank and _lora_on_fc1(inputs):
+        dense = 6 * f
     if not shape.num_moe_layers:
         return dense
     return max(dense, shape.experts_per_token * (shape.hidden_size + 3 * shape.moe_ffn_hidden_size))
+
+
+def _lora_on_fc1(inputs: MemoryInputs) -> bool:
+    from tidal.actor.lora_targets import resolve_target_modules
+
+    return bool({"gate_proj", "up_proj"} & set(resolve_target_modules(inputs.lora_target_modules)))
 
 
 def _layers_per_stage(shape: ModelShape, inputs: MemoryInputs) -> int:
@@ -398,9 +413,14 @@ def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[t
     per_layer = _mean_layer_activation_bytes(shape, inputs)
     rows = [(f"activations ({layers - recomputed} layers kept)", (layers - recomputed) * per_layer * t)]
     if recomputed:
-        held = int(RECOMPUTED_QKV_HOLD * shape.qkv_width // inputs.tensor_parallel) * e
+        held = h * e  # the recomputed layer's input, kept by the checkpoint
+        if recomputed == layers:  # every layer recomputed: far more stays held (RECOMPUTED_QKV_HOLD)
+            held = int(RECOMPUTED_QKV_HOLD * shape.qkv_width // inputs.tensor_parallel) * e
         rows.append((f"recomputed layers ({recomputed}, held)", recomputed * held * t))
-        rows.append(("one layer rebuilt in backward", _max_layer_activation_bytes(shape, inputs) * t))
+        # the first layers are recomputed, so their backward runs after every kept layer's has freed its
+        # activations: a rebuilt layer adds to the peak only where it exceeds what the kept layers held
+        rebuilt = _max_layer_activation_bytes(shape, inputs) * t - (layers - recomputed) * per_layer * t
+        rows.append(("one layer rebuilt in backward", max(rebuilt, 0)))
     if inputs.cudnn_attention_min_tokens and inputs.longest_sequence >= inputs.cudnn_attention_min_tokens:
         padded = (layers - recomputed) * shape.qkv_width // inputs.tensor_parallel * e * t
         rows.append(("cuDNN's padded q/k/v copies", padded))
@@ -430,7 +450,7 @@ def plan_memory(
     activations = _activations(shape, inputs, inputs.train_tokens)
     t = -(-inputs.logprob_tokens // inputs.context_parallel)
     e, h = _activation_bytes(inputs), shape.hidden_size
-    one_layer = t * (_mlp_transient_elements(shape, inputs) + 3 * h) * e
+    one_layer = t * (_mlp_transient_elements(shape, inputs, forward_only=True) + 3 * h) * e
     chunk = _chunk_bytes(shape, inputs, min(inputs.log_probs_chunk_size, t))
     logprob_peak = static + max(one_layer, chunk) + t * h * e
     engine = int(engine_fraction * gpu_bytes) if gpu_bytes else 0

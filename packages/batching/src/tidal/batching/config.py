@@ -24,12 +24,13 @@ class BatchingConfig:
     """Optimizer steps per rollout; derived, or 1, when None."""
     use_dynamic_batch_size: bool = field(default=False, metadata={"negatable": True})
     """Pack micro-batches up to --max-tokens-per-gpu tokens instead of a fixed count."""
-    max_tokens_per_gpu: int | None = None
-    """Token budget of one micro-batch on one GPU, with dynamic batch size."""
-    log_probs_max_tokens_per_gpu: int | None = None
+    max_tokens_per_gpu: int | None = field(default=None, metadata={"auto": True})
+    """Token budget of one micro-batch on one GPU, with dynamic batch size; `auto` (train): the budget of the fastest
+    configuration the memory plan says fits the GPU."""
+    log_probs_max_tokens_per_gpu: int | None = field(default=None, metadata={"auto": True})
     """Token budget of one micro-batch of the forward-only passes (old and reference log-probs, critic values) on one
     GPU, with dynamic batch size: they keep no activations for backward, so they fit more; None: they run on the
-    training micro-batches (--max-tokens-per-gpu)."""
+    training micro-batches (--max-tokens-per-gpu); `auto` (train): the largest the memory plan says fits."""
     micro_batch_size: int | None = None
     """Sequences per micro-batch without dynamic batch size; 1 when None."""
     pad_to_multiple_of: int = 1
