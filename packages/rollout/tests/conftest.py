@@ -380,11 +380,20 @@ def family_tokenizer(chat_template: str, *, eos: str = "<|im_end|>"):
     return fast
 
 
+FAMILY_TEMPLATES = {
+    "qwen3": (QWEN3_TEMPLATE, "<|im_end|>"),
+    "llama31": (LLAMA31_TEMPLATE, "<|eot_id|>"),
+    "qwen3_coder": (QWEN3_CODER_TEMPLATE, "<|im_end|>"),
+}
+
+
+@pytest.fixture(scope="session")
+def family_templates() -> dict[str, tuple[str, str]]:
+    """``(chat template, EOS token)`` of the Qwen3-, Llama 3.1- and Qwen3-Coder-shaped families, by family."""
+    return FAMILY_TEMPLATES
+
+
 @pytest.fixture(scope="session")
 def family_tokenizers() -> dict:
     """Byte-level tokenizers with the Qwen3-, Llama 3.1- and Qwen3-Coder-shaped chat templates, by family."""
-    return {
-        "qwen3": family_tokenizer(QWEN3_TEMPLATE),
-        "llama31": family_tokenizer(LLAMA31_TEMPLATE, eos="<|eot_id|>"),
-        "qwen3_coder": family_tokenizer(QWEN3_CODER_TEMPLATE),
-    }
+    return {family: family_tokenizer(template, eos=eos) for family, (template, eos) in FAMILY_TEMPLATES.items()}
