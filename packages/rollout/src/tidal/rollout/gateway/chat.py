@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,3 +108,23 @@ def chunk(answer: Any, delta: dict[str, Any], finish_reason: str | None = None) 
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event (``data: [DONE]`` for the string ``"[DONE]"``)."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def token_logprobs(
+    token_text: Callable[[int], str], out: dict[str, Any], n: int, top_logprobs: int
+) -> list[dict[str, Any]]:
+    """OpenAI ``logprobs.content`` of the first ``n`` tokens of an engine answer ``out``.
+
+    Each token's sampler log-prob and, up to ``top_logprobs``, SGLang's most likely alternatives
+    (``output_top_logprobs``).
+    """
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = token_text(token_id)
+        return {"token": token, "logprob": float(logprob), "bytes": list(token.encode())}
+
+    tops = out.get("output_top_logprobs") or [[]] * n
+    return [
+        {**entry(token_id, logprob), "top_logprobs": [entry(int(t[1]), t[0]) for t in (top or [])[:top_logprobs]]}
+        for token_id, logprob, top in zip(out["output_ids"][:n], out["output_log_probs"][:n], tops, strict=False)
+    ]

@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tidal.rollout.client import TOP_LOGPROBS_PARAM
 from tidal.rollout.errors import RolloutError
-from tidal.rollout.gateway.chat import Completion, GatewayError
+from tidal.rollout.gateway.chat import Completion, GatewayError, token_logprobs
 from tidal.rollout.gateway.sessions import Episode, Turn
-from tidal.rollout.gateway.tool_calls import ToolCallFormat
-from tidal.rollout.tool_call_parsers import FLAG as TOOL_CALL_PARSER_FLAG
+from tidal.rollout.gateway.tool_calls import ToolCallFormat, tool_sampling_params
 from tidal.rollout.tool_call_parsers import parser_for_template
 
 if TYPE_CHECKING:
@@ -177,6 +176,9 @@ class Gateway:
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     # -- serving --------------------------------------------------------------------------------------------------
 
     def start(self) -> Gateway:
@@ -243,14 +245,7 @@ class Gateway:
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
-        if request.parse_tools and self.tool_format is None:
-            raise GatewayError(
-                400,
-                "this gateway cannot read the model's tool calls (its chat template has no known tool-call marker): "
-                f"start it with {TOOL_CALL_PARSER_FLAG} NAME, or send no 'tools'",
-                param="tools",
-            )
-        tool_params = self.tool_format.sampling_params(request) if self.tool_format is not None else {}
+        tool_params = tool_sampling_params(self.tool_format, request)
         room = None if self.context_length is None else self.context_length - prompt_len
         if room is not None and room < 1:
             raise GatewayError(
@@ -396,24 +391,10 @@ class Gateway:
             finish_reason=finish,
             prompt_tokens=len(turn.prompt_ids),
             completion_tokens=len(ids),
-            logprobs=self._logprobs(request, out, len(visible)) if request.logprobs else None,
+            logprobs=token_logprobs(self._token_text, out, len(visible), request.top_logprobs)
+            if request.logprobs
+            else None,
         )
-
-    def _logprobs(self, request: ChatRequest, out: dict[str, Any], n: int) -> list[dict[str, Any]]:
-        """OpenAI ``logprobs.content`` of the first ``n`` sampled tokens: the sampler's log-probs and alternatives."""
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            return {"token": token, "logprob": float(logprob), "bytes": list(token.encode())}
-
-        tops = out.get("output_top_logprobs") or [[]] * n
-        return [
-            {
-                **entry(token_id, logprob),
-                "top_logprobs": [entry(int(t[1]), t[0]) for t in (top or [])[: request.top_logprobs]],
-            }
-            for token_id, logprob, top in zip(out["output_ids"][:n], out["output_log_probs"][:n], tops, strict=False)
-        ]
 
 
 def _engine_refusal(e: RolloutError) -> GatewayError:

@@ -163,3 +163,22 @@ class ToolCallFormat:
         if cuts:
             return text[: min(cuts)]
         return text[: len(text) - partial_suffix(text, self.start_markers)]
+
+
+def tool_sampling_params(tool_format: ToolCallFormat | None, request: ChatRequest) -> dict[str, Any]:
+    """SGLang sampling parameters enforcing ``request``'s tool fields (see :meth:`ToolCallFormat.sampling_params`).
+
+    Raises:
+        GatewayError: 400 naming ``tools`` when the request has tools but the model's tool-call format is unknown,
+            or the field ``tool_format`` cannot enforce.
+    """
+    if tool_format is not None:
+        return tool_format.sampling_params(request)
+    if request.parse_tools:
+        raise GatewayError(
+            400,
+            "this gateway cannot read the model's tool calls (its chat template has no known tool-call marker): "
+            f"start it with {FLAG} NAME, or send no 'tools'",
+            param="tools",
+        )
+    return {}
