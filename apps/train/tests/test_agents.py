@@ -25,6 +25,10 @@ from tidal.train.flags import build_parser
             ["--agent-function-path", "asyncio:sleep", "--agent-max-concurrency", "0"],
             "--agent-max-concurrency must be >= 1",
         ),
+        (
+            ["--agent-function-path", "asyncio:sleep", "--tool-call-parser", "qwen3-xml"],
+            "--tool-call-parser must be one of SGLang's tool-call parsers",
+        ),
     ],
 )
 def test_bad_agent_options_are_one_line(argv, expected) -> None:
@@ -101,3 +105,25 @@ def test_a_checkpoints_agent_groups_are_kept_for_the_pool_and_dropped_with_a_war
     generation = _driver(parse_job(["--partial-rollout"]))
     generation.restore_carry([finished])
     assert generation.carry_state() is None and "1 agent group(s) but this run's generation differs" in caplog.text
+
+
+def test_the_tool_call_parser_reaches_the_agents_gateway(tmp_path) -> None:
+    """``--tool-call-parser`` picks the parser the gateway reads calls with; without it, the chat template's own."""
+    from tidal.train.embedded_model import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer()  # its template writes no tool calls: no parser of its own
+    parsers = {}
+    for argv in (["--tool-call-parser", "llama3"], ["--tool-call-parser", "qwen3_coder"], []):
+        job = parse_job(["--agent-function-path", "asyncio:sleep", *argv])
+        engines = SimpleNamespace(
+            cfg=job.rollout, engine_urls=["http://127.0.0.1:9"], update_gate=None, log_dir=tmp_path
+        )  # never called: the gateway is only built and started
+        driver = DriverRollouts(
+            job.rollout, engines, None, None, rollout_batch_size=1, fault_tolerant=False, tokenizer=tokenizer
+        )
+        runner = driver._start_runner(1, default_max_tokens=8)
+        try:
+            parsers[job.rollout.tool_call_parser] = getattr(runner.gateway.tool_format, "name", None)
+        finally:
+            runner.gateway.stop()
+    assert parsers == {"llama3": "llama3", "qwen3_coder": "qwen3_coder", None: None}

@@ -294,3 +294,106 @@ def stripping_chat_tokenizer(tiny_model_dir: Path):
     from transformers import AutoConfig
 
     return build_chat_tokenizer(AutoConfig.from_pretrained(tiny_model_dir).vocab_size, strip_think=True)
+
+
+# Chat templates shaped like three model families' (how each renders tools, tool calls and tool results), over a
+# byte-level tokenizer that encodes any text: for the gateway's tests of each family's tool-call format.
+# Qwen3 / Hermes: calls as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, results in a user turn.
+QWEN3_TEMPLATE = """
+{%- if tools -%}{{- '<|im_start|>system\\n# Tools\\n<tools>' -}}
+{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}{{- '\\n</tools><|im_end|>\\n' -}}{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\\n' + (message.content or '') -}}
+{%- for call in message.tool_calls or [] -%}
+{%- if loop.first and message.content -%}{{- '\\n' -}}{%- elif not loop.first -%}{{- '\\n' -}}{%- endif -%}
+{{- '<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) -}}
+{{- '}\\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif message.role == 'tool' -%}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' -}}
+{%- else -%}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
+"""
+
+# Llama 3.1: calls as a bare `{"name": ..., "parameters": {...}}` JSON answer (`<|python_tag|>` for built-in tools),
+# results in an `ipython` turn.
+LLAMA31_TEMPLATE = """
+{%- for message in messages -%}
+{%- set role = 'ipython' if message.role == 'tool' else message.role -%}
+{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' -}}
+{%- if message.role == 'user' and tools and loop.first -%}
+{%- for tool in tools -%}{{- (tool | tojson) + '\\n\\n' -}}{%- endfor -%}{%- endif -%}
+{%- if message.tool_calls -%}
+{%- for call in message.tool_calls -%}
+{{- '{"name": "' + call.function.name + '", "parameters": ' + (call.function.arguments | tojson) + '}' -}}
+{%- endfor -%}
+{%- elif message.role == 'assistant' and message.content and message.content.startswith('<|python_tag|>') -%}
+{{- message.content -}}
+{%- else -%}{{- message.content -}}{%- endif -%}
+{{- '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}
+"""
+
+# Qwen3-Coder: XML calls, `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</tool_call>`.
+QWEN3_CODER_TEMPLATE = """
+{%- if tools -%}{{- '<|im_start|>system\\n<tools>' -}}
+{%- for tool in tools -%}{{- '\\n<function>' + tool.function.name + '</function>' -}}{%- endfor -%}
+{{- '\\n</tools><|im_end|>\\n' -}}{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\\n' + (message.content or '') -}}
+{%- for call in message.tool_calls or [] -%}
+{{- '\\n<tool_call>\\n<function=' + call.function.name + '>\\n' -}}
+{%- for key, value in call.function.arguments.items() -%}
+{{- '<parameter=' + key + '>\\n' + (value | string) + '\\n</parameter>\\n' -}}
+{%- endfor -%}
+{{- '</function>\\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif message.role == 'tool' -%}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' -}}
+{%- else -%}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
+"""
+
+FAMILY_SPECIALS = [
+    *("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>")
+]
+
+
+def family_tokenizer(chat_template: str, *, eos: str = "<|im_end|>"):
+    """A byte-level tokenizer (one token per byte, the family's special tokens whole) with ``chat_template``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, additional_special_tokens=FAMILY_SPECIALS)
+    fast.chat_template = chat_template
+    return fast
+
+
+FAMILY_TEMPLATES = {
+    "qwen3": (QWEN3_TEMPLATE, "<|im_end|>"),
+    "llama31": (LLAMA31_TEMPLATE, "<|eot_id|>"),
+    "qwen3_coder": (QWEN3_CODER_TEMPLATE, "<|im_end|>"),
+}
+
+
+@pytest.fixture(scope="session")
+def family_templates() -> dict[str, tuple[str, str]]:
+    """``(chat template, EOS token)`` of the Qwen3-, Llama 3.1- and Qwen3-Coder-shaped families, by family."""
+    return FAMILY_TEMPLATES
+
+
+@pytest.fixture(scope="session")
+def family_tokenizers() -> dict:
+    """Byte-level tokenizers with the Qwen3-, Llama 3.1- and Qwen3-Coder-shaped chat templates, by family."""
+    return {family: family_tokenizer(template, eos=eos) for family, (template, eos) in FAMILY_TEMPLATES.items()}

@@ -160,7 +160,7 @@ def test_a_sampling_override_wins_over_the_request(recording: Recording, chat_to
 
 def test_a_tool_call_the_model_wrote_is_parsed(gateway: Gateway, chat_tokenizer) -> None:
     """An answer whose sampled text holds a ``<tool_call>`` comes back as ``message.tool_calls``."""
-    from tidal.rollout.gateway.chat import parse_request
+    from tidal.rollout.gateway import parse_request
 
     sid = gateway.open_session()
     request = parse_request({"model": "m", "messages": USER, "tools": TOOLS})

@@ -7,9 +7,20 @@ import json
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from tidal.rollout.gateway import Completion, parse_request, parse_tool_calls
+from tidal.rollout.gateway import Completion, ToolCallFormat, parse_request
 from tidal.rollout.gateway.chat import chunk
 from tidal.rollout.gateway.streaming import ContentStream
+
+HERMES = ToolCallFormat("hermes")
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+TOOLS += [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+
+
+def parse_tool_calls(text: str):
+    """What the gateway answers for ``text`` written by a Hermes/Qwen-format model given TOOLS."""
+    return HERMES.parse(
+        text, parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS})
+    )
 
 
 def test_qwen_tool_calls_are_parsed_out_of_the_text() -> None:
@@ -30,6 +41,7 @@ def test_qwen_tool_calls_are_parsed_out_of_the_text() -> None:
         "no call here",
         "<tool_call>{not json}</tool_call>",
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "absent", "arguments": {}}</tool_call>',  # not one of the tools
         '<tool_call>["add"]</tool_call>',
     ],
 )
@@ -80,7 +92,9 @@ def test_a_tool_call_is_never_streamed_as_content(chat_tokenizer) -> None:
     text = 'sum is 3 <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|im_end|>'
     ids = chat_tokenizer(text, add_special_tokens=False)["input_ids"]
     im_end = chat_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    stream = ContentStream(chat_tokenizer.decode, stop_token_ids=[im_end], request=_request(tools=tools))
+    stream = ContentStream(
+        chat_tokenizer.decode, stop_token_ids=[im_end], request=_request(tools=tools), tool_format=HERMES
+    )
     deltas = _streamed(stream, ids)
     assert len(deltas) > 1 and "".join(deltas) == stream.sent == "sum is 3"  # the space before the call waits
     content, calls = parse_tool_calls(text.removesuffix("<|im_end|>"))
@@ -88,7 +102,10 @@ def test_a_tool_call_is_never_streamed_as_content(chat_tokenizer) -> None:
     # A "<" that turns out not to open a call is sent once it cannot; leading whitespace waits for the end.
     for written, sent in [("1 <t2 3", "1 <t2 3"), ("1 <tool_c", "1"), ("  3 a", "")]:
         chars = ContentStream(
-            lambda ids, t=written: "".join(t[i] for i in ids), stop_token_ids=[], request=_request(tools=tools)
+            lambda ids, t=written: "".join(t[i] for i in ids),
+            stop_token_ids=[],
+            request=_request(tools=tools),
+            tool_format=HERMES,
         )
         assert "".join(_streamed(chars, list(range(len(written))))) == sent  # one character a token
         assert sent + chars.rest(written) == written  # no tool call: the rest follows at the end

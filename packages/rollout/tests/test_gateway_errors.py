@@ -50,6 +50,29 @@ BAD_BODIES = [
         },
         "messages[0].tool_calls[0]",
     ),
+    # Fields the gateway would not honour are refused by name, never silently ignored.
+    ({**GOOD, "frobnicate": 1}, "frobnicate"),
+    ({**GOOD, "functions": [{"name": "f"}]}, "functions"),
+    ({**GOOD, "modalities": ["text", "audio"]}, "modalities"),
+    ({**GOOD, "stream": True, "stream_options": {"chunk_size": 3}}, "stream_options"),
+    ({**GOOD, "presence_penalty": 2.5}, "presence_penalty"),
+    ({**GOOD, "frequency_penalty": "high"}, "frequency_penalty"),
+    ({**GOOD, "logprobs": "yes"}, "logprobs"),
+    ({**GOOD, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**GOOD, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({**GOOD, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({**GOOD, "response_format": {"type": "xml"}}, "response_format"),
+    ({**GOOD, "response_format": {"type": "json_schema", "json_schema": {"schema": "{"}}}, "response_format"),
+    ({**GOOD, "tool_choice": "required"}, "tool_choice"),  # no tools to choose from
+    (
+        {
+            **GOOD,
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": {}}}],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "response_format",
+    ),
 ]
 
 
@@ -59,6 +82,23 @@ def test_bad_bodies_are_refused_naming_the_field(body, param) -> None:
         parse_request(body)
     assert refused.value.status == 400 and refused.value.param == param
     assert refused.value.body()["error"]["message"]
+
+
+def test_harmless_fields_are_accepted_and_honoured_ones_kept() -> None:
+    request = parse_request(
+        {
+            **GOOD,
+            **{"user": "u1", "metadata": {"run": "a"}, "store": False, "service_tier": "auto", "n": 1},
+            **{"presence_penalty": 0.5, "frequency_penalty": -0.25, "logprobs": True, "top_logprobs": 3},
+            "parallel_tool_calls": False,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "array"}}},
+        }
+    )
+    assert (request.presence_penalty, request.frequency_penalty) == (0.5, -0.25)
+    assert (request.logprobs, request.top_logprobs, request.parallel_tool_calls) == (True, 3, False)
+    assert request.json_schema == '{"type": "array"}'
+    assert parse_request({**GOOD, "response_format": {"type": "json_object"}}).json_schema == '{"type": "object"}'
+    assert parse_request({**GOOD, "response_format": {"type": "text"}}).json_schema is None
 
 
 @pytest.fixture

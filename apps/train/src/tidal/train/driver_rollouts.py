@@ -268,6 +268,7 @@ class DriverRollouts:
             default_max_tokens=default_max_tokens,
             sampling_override=sampling_override,
             update_gate=self.engines.update_gate,  # --max-staleness: a cut call resumes after the update
+            tool_call_parser=cfg.tool_call_parser,
         ).start()
         return AgentRunner(
             gateway,

@@ -44,6 +44,7 @@ class StreamedAnswer:
         self.output_ids: list[int] = []
         """Every token sampled so far."""
         self._log_probs: list[Any] = []
+        self._top: list[Any] = []
         self._meta: dict[str, Any] = {}
 
     def add(self, chunk: Mapping[str, Any]) -> bool:
@@ -57,12 +58,17 @@ class StreamedAnswer:
         self.output_ids = _merge(self.output_ids, [int(t) for t in chunk["output_ids"]], total, "ids", self.url)
         if "output_token_logprobs" in meta:
             self._log_probs = _merge(self._log_probs, meta["output_token_logprobs"], total, "log-probs", self.url)
+        if meta.get("output_top_logprobs") is not None:
+            self._top = _merge(self._top, meta["output_top_logprobs"], total, "top log-probs", self.url)
         self._meta = meta
         return meta.get("finish_reason") is not None
 
     def answer(self) -> dict[str, Any]:
         """The whole answer in ``/generate``'s non-streamed form (for ``parse_output``)."""
-        return {"output_ids": self.output_ids, "meta_info": {**self._meta, "output_token_logprobs": self._log_probs}}
+        meta = {**self._meta, "output_token_logprobs": self._log_probs}
+        if self._top:
+            meta["output_top_logprobs"] = self._top
+        return {"output_ids": self.output_ids, "meta_info": meta}
 
 
 def read_chunks(response: requests.Response, url: str) -> Iterator[dict[str, Any]]:
@@ -99,6 +105,9 @@ def _routed_experts(meta: Mapping[str, Any], num_output: int) -> np.ndarray | No
 def parse_output(answer: Mapping[str, Any], *, routed_experts: bool = False) -> dict[str, Any]:
     """One ``/generate`` answer -> the tokens, log-probs and finish reason exactly as sampled.
 
+    When the answer holds them (``top_logprobs_num`` asked), also "output_top_logprobs": the most likely tokens at
+    each sampled position, ``[(log-prob, id), ...]``.
+
     With ``routed_experts`` also "routed_experts": the experts SGLang routed each token of the sequence (prompt and
     response, but the last) to, ``[tokens, layers x top-k]`` (row t: layer 0's top-k ids, then layer 1's, ...), or
     None when the answer carries none (a server started without ``--enable-return-routed-experts``).
@@ -124,6 +133,10 @@ def parse_output(answer: Mapping[str, Any], *, routed_experts: bool = False) -> 
         "finish_reason": kind,
         "weight_version": meta.get("weight_version"),
     }
+    if meta.get("output_top_logprobs") is not None:  # asked for: each position's [(log-prob, id, text), ...]
+        out["output_top_logprobs"] = [
+            [(float(e[0]), int(e[1])) for e in top or []] for top in meta["output_top_logprobs"]
+        ]
     if routed_experts:
         out["routed_experts"] = _routed_experts(meta, len(output_ids))
     return out

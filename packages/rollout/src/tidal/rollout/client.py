@@ -38,6 +38,9 @@ _FLUSH_IDLE_TIMEOUT_S = 30.0  # SGLang flushes only once its scheduler is fully 
 _CONNECT_TIMEOUT_S = 10.0
 ROUTED_EXPERTS_PARAM = "return_routed_experts"
 """Sampling-parameter key (tidal's, not sent as one) asking ``/generate`` for the routed experts of every token."""
+TOP_LOGPROBS_PARAM = "top_logprobs_num"
+"""Sampling-parameter key (sent as ``/generate``'s own field of that name): how many of the most likely tokens to
+give at each sampled position (answers then hold ``output_top_logprobs``)."""
 
 
 class SGLangClient:
@@ -225,7 +228,8 @@ class SGLangClient:
             ``output_ids`` (the sampled tokens, a matched stop token included), ``output_log_probs``
             (log-prob of each of those tokens under the sampling distribution's model), ``finish_reason``
             ("stop", "length" or "abort") and ``weight_version``; with ``sampling_params["return_routed_experts"]``
-            true also ``routed_experts`` (see :func:`parse_output`).
+            true also ``routed_experts``, with ``sampling_params["top_logprobs_num"]`` k also
+            ``output_top_logprobs`` (see :func:`parse_output`).
 
         Raises:
             EngineUnavailableError: The server could not be reached, dropped the connection, timed out or
@@ -235,6 +239,7 @@ class SGLangClient:
         params = dict(sampling_params)
         n = int(params.pop("n", 1))
         routed = bool(params.pop(ROUTED_EXPERTS_PARAM, False))
+        top = int(params.pop(TOP_LOGPROBS_PARAM, 0))
         if n < 1:
             raise ValueError(f"sampling_params['n'] must be >= 1, got {n}")
         if not input_ids:
@@ -243,6 +248,8 @@ class SGLangClient:
         payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
         if routed:
             payload["return_routed_experts"] = True
+        if top:
+            payload[TOP_LOGPROBS_PARAM] = top
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
         response = self._check_generate(self._post("/generate", payload))
@@ -283,6 +290,8 @@ class SGLangClient:
             "return_logprob": True,
             "stream": True,
         }
+        if top := int(params.pop(TOP_LOGPROBS_PARAM, 0)):
+            payload[TOP_LOGPROBS_PARAM] = top
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
         with contextlib.closing(self.request("POST", "/generate", payload, stream=True)) as response:

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.rollout.tool_call_parsers import check_parser_name
+
 logger = logging.getLogger(__name__)
 
 SGLANG_FLAG_PREFIX = "--sglang-"
@@ -206,6 +208,9 @@ class RolloutConfig:
     """Most agent episodes running at once (--agent-function-path)."""
     agent_timeout_s: float = 600.0
     """An agent episode running longer is cut and counted as failed; its group is replaced (--agent-function-path)."""
+    tool_call_parser: str | None = None
+    """SGLang's parser of the model's tool calls in agent answers (hermes, qwen25, llama3, qwen3_coder, glm45, ...);
+    None: the one the chat template's tool-call markers call for (--agent-function-path)."""
     save_debug_rollout_data: str | None = None
     """Directory to write each rollout's samples to as it completes (one JSONL file per rollout)."""
     load_debug_rollout_data: str | None = None
@@ -330,10 +335,13 @@ class RolloutConfig:
         return urls
 
     def _check_agents(self) -> None:
+        if self.tool_call_parser is not None:
+            check_parser_name(self.tool_call_parser)
         if self.agent_function_path is None:
             for flag, value, default in (
                 ("--agent-max-concurrency", self.agent_max_concurrency, 64),
                 ("--agent-timeout-s", self.agent_timeout_s, 600.0),
+                ("--tool-call-parser", self.tool_call_parser, None),
             ):
                 if value != default:
                     logger.warning("%s has no effect without --agent-function-path", flag)

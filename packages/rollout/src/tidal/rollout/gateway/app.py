@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
-from tidal.rollout.gateway.chat import GatewayError, parse_request
+from tidal.rollout.gateway.chat import GatewayError
+from tidal.rollout.gateway.request import parse_request
 from tidal.rollout.gateway.streaming import StreamedCall
 
 if TYPE_CHECKING:

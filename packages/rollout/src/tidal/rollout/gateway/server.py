@@ -23,11 +23,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tidal.rollout.client import TOP_LOGPROBS_PARAM
 from tidal.rollout.errors import RolloutError
-from tidal.rollout.gateway.chat import ChatRequest, Completion, GatewayError, parse_tool_calls
+from tidal.rollout.gateway.chat import Completion, GatewayError, token_logprobs
 from tidal.rollout.gateway.sessions import Episode, Turn
+from tidal.rollout.gateway.tool_calls import ToolCallFormat, tool_sampling_params
+from tidal.rollout.tool_call_parsers import parser_for_template
 
 if TYPE_CHECKING:
+    from tidal.rollout.gateway.request import ChatRequest
     from tidal.rollout.partial_rollout import UpdateGate
 
 logger = logging.getLogger(__name__)
@@ -90,6 +94,7 @@ class Gateway:
         default_max_tokens: int | None = None,
         update_gate: UpdateGate | None = None,
         sampling_override: dict[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         """Describe the gateway; nothing listens until :meth:`start`.
 
@@ -110,6 +115,9 @@ class Gateway:
                 resumes at once).
             sampling_override: SGLang sampling parameters forced on every call whatever the request asks, e.g.
                 ``{"temperature": 0.0}`` for an evaluation's greedy episodes.
+            tool_call_parser: SGLang's name of the parser that reads the model's tool calls (``hermes``,
+                ``llama3``, ``qwen3_coder``, ...; see :mod:`.tool_calls`); None: the one the chat template's tool-call
+                markers call for, and calls with tools are refused when it has none.
         """
         engine_list = [engines] if hasattr(engines, "generate") else list(engines)  # type: ignore[arg-type]
         if not engine_list:
@@ -126,6 +134,9 @@ class Gateway:
         self.default_max_tokens = default_max_tokens
         self.update_gate = update_gate
         self.sampling_override = dict(sampling_override or {})
+        parser = tool_call_parser or parser_for_template(tokenizer.chat_template)
+        self.tool_format = ToolCallFormat(parser, tokenizer) if parser is not None else None
+        """How the model writes tool calls (None: unknown, so requests with tools are refused)."""
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
@@ -164,6 +175,9 @@ class Gateway:
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- serving --------------------------------------------------------------------------------------------------
 
@@ -215,7 +229,15 @@ class Gateway:
             raise GatewayError(400, f"the chat template refused these messages: {e}", param="messages") from e
 
     def sampling_params(self, request: ChatRequest, prompt_len: int) -> dict[str, Any]:
-        """SGLang sampling parameters of ``request`` (its answer capped to what the context has room for)."""
+        """SGLang sampling parameters of ``request`` (its answer capped to what the context has room for).
+
+        Penalties, the JSON ``response_format`` and a forced ``tool_choice`` go to SGLang's sampler and grammar;
+        ``top_logprobs`` asks ``/generate`` for the alternatives (``top_logprobs_num``).
+
+        Raises:
+            GatewayError: 400 for a prompt over the context, tools this gateway cannot read the calls of, or a
+                ``tool_choice`` / ``parallel_tool_calls`` the tool-call format cannot enforce.
+        """
         params: dict[str, Any] = {
             "temperature": request.temperature,
             "top_p": request.top_p,
@@ -223,6 +245,7 @@ class Gateway:
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
+        tool_params = tool_sampling_params(self.tool_format, request)
         room = None if self.context_length is None else self.context_length - prompt_len
         if room is not None and room < 1:
             raise GatewayError(
@@ -235,8 +258,17 @@ class Gateway:
         wanted = request.max_tokens if request.max_tokens is not None else (self.default_max_tokens or room)
         if wanted is not None:
             params["max_new_tokens"] = min(wanted, room) if room is not None else wanted
-        if request.stop:
-            params["stop"] = request.stop
+        stops = [*request.stop, *tool_params.pop("stop", [])]
+        if stops:
+            params["stop"] = stops
+        params |= tool_params
+        if request.json_schema is not None:
+            params["json_schema"] = request.json_schema
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name) is not None:
+                params[name] = getattr(request, name)
+        if request.top_logprobs:
+            params[TOP_LOGPROBS_PARAM] = request.top_logprobs
         if request.seed is not None:
             params["sampling_seed"] = request.seed
         if request.logit_bias:
@@ -275,6 +307,7 @@ class Gateway:
         engine = session.engine
         ids: list[int] = []
         log_probs: list[float] = []
+        tops: list[Any] = []
         versions: list[str | None] = []
         out: dict[str, Any] = {}
         for _ in range(_MAX_RESUMES + 1):
@@ -294,6 +327,7 @@ class Gateway:
                 raise _engine_refusal(e) from e
             ids += out["output_ids"]
             log_probs += out["output_log_probs"]
+            tops += out.get("output_top_logprobs") or []
             versions += [out.get("weight_version")] * len(out["output_ids"])
             if out["finish_reason"] != "abort":
                 break
@@ -305,7 +339,8 @@ class Gateway:
                 )
         else:
             raise GatewayError(503, f"generation was aborted {_MAX_RESUMES + 1} times; retry", kind="server_error")
-        return {**out, "output_ids": ids, "output_log_probs": log_probs, "weight_versions": versions}
+        whole = {**out, "output_ids": ids, "output_log_probs": log_probs, "weight_versions": versions}
+        return whole | ({"output_top_logprobs": tops} if tops else {})
 
     async def _stream(
         self, engine: Generator, input_ids: list[int], params: dict[str, Any], on_tokens: Callable[[list[int]], None]
@@ -346,7 +381,8 @@ class Gateway:
         for stop in request.stop:  # a matched stop string is not part of the answer (its tokens stay sampled)
             if stop in text:
                 text = text[: text.index(stop)]
-        content, calls = parse_tool_calls(text) if request.parse_tools else (text, [])
+        tools = self.tool_format if request.parse_tools else None
+        content, calls = tools.parse(text, request) if tools is not None else (text, [])
         finish = "tool_calls" if calls else ("length" if out["finish_reason"] == "length" else "stop")
         return Completion(
             model=request.model,
@@ -355,6 +391,9 @@ class Gateway:
             finish_reason=finish,
             prompt_tokens=len(turn.prompt_ids),
             completion_tokens=len(ids),
+            logprobs=token_logprobs(self._token_text, out, len(visible), request.top_logprobs)
+            if request.logprobs
+            else None,
         )
 
 

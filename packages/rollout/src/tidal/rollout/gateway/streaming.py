@@ -20,18 +20,19 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tidal.rollout.gateway.chat import ChatRequest, GatewayError, chunk, sse
+from tidal.rollout.gateway.chat import GatewayError, chunk, sse
 
 if TYPE_CHECKING:
+    from tidal.rollout.gateway.request import ChatRequest
     from tidal.rollout.gateway.server import Gateway, Session
+    from tidal.rollout.gateway.tool_calls import ToolCallFormat
 
 logger = logging.getLogger(__name__)
 
-TOOL_CALL_OPEN = "<tool_call>"
 _END = object()
 
 
-def _partial_suffix(text: str, markers: Sequence[str]) -> int:
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that begins one of ``markers`` (without being all of it)."""
     longest = 0
     for marker in markers:
@@ -47,17 +48,28 @@ class ContentStream:
 
     The sampled ids so far are decoded whole (a token may end mid-character: a trailing U+FFFD waits for the rest
     of its bytes), a trailing stop token is left out, the text is cut at the first stop string, and an end that
-    may begin a stop string waits. With tools, nothing from a ``<tool_call>`` on is content, nor an end that may
-    begin one; trailing whitespace waits (content before a tool call is stripped), and so does all of an answer
+    may begin a stop string waits. With tools, nothing from where a call of the tool-call format may begin is
+    content (:meth:`~.tool_calls.ToolCallFormat.content_prefix`: its start marker on, or an end that may begin
+    it); trailing whitespace waits (content before a tool call is stripped), and so does all of an answer
     that begins with whitespace (without a tool call it is kept, with one it is stripped).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], *, stop_token_ids: Sequence[int], request: ChatRequest):
-        """``decode`` turns ids into text (special tokens kept), as the finished answer is decoded."""
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        *,
+        stop_token_ids: Sequence[int],
+        request: ChatRequest,
+        tool_format: ToolCallFormat | None = None,
+    ):
+        """``decode`` turns ids into text (special tokens kept), as the finished answer is decoded.
+
+        ``tool_format`` reads the calls of a request with tools.
+        """
         self._decode = decode
         self._stop_ids = frozenset(stop_token_ids)
         self._stops = list(request.stop)
-        self._tools = request.parse_tools
+        self._tools = tool_format if request.parse_tools else None
         self.sent = ""
         """The content sent so far."""
 
@@ -66,10 +78,9 @@ class ContentStream:
         ids = list(ids[:-1] if ids and ids[-1] in self._stop_ids else ids)
         text = self._decode(ids).rstrip("\ufffd")
         cuts = [text.index(stop) for stop in self._stops if stop in text]
-        text = text[: min(cuts)] if cuts else text[: len(text) - _partial_suffix(text, self._stops)]
-        if self._tools:
-            at = text.find(TOOL_CALL_OPEN)
-            text = text[:at] if at >= 0 else text[: len(text) - _partial_suffix(text, [TOOL_CALL_OPEN])]
+        text = text[: min(cuts)] if cuts else text[: len(text) - partial_suffix(text, self._stops)]
+        if self._tools is not None:
+            text = self._tools.content_prefix(text)
             text = "" if text[:1].isspace() else text.rstrip()
         return text
 
@@ -108,6 +119,7 @@ class StreamedCall:
             lambda ids: gateway.tokenizer.decode(ids, skip_special_tokens=False),
             stop_token_ids=gateway.stop_token_ids,
             request=request,
+            tool_format=gateway.tool_format,
         )
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._started = False
