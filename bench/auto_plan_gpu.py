@@ -94,7 +94,9 @@ def packed(work: dict, budget: int, *, train: bool):
     if train:
         fields = {
             "old_log_probs": [torch.full((len(t),), -2.0) for t in work["tokens"]],
-            "advantages": [torch.full((len(t),), float(a)) for t, a in zip(work["tokens"], work["advantages"])],
+            "advantages": [
+                torch.full((len(t),), float(a)) for t, a in zip(work["tokens"], work["advantages"], strict=True)
+            ],
         }
     return pack_micro_batches(
         plan, 0, work["tokens"], loss_masks=work["loss_masks"], token_fields=fields, pad_to_multiple_of=128
