@@ -320,8 +320,8 @@ def oom_check(args) -> None:
 
 def recompute_leak(args) -> None:
     """What a training step with layer recompute leaves allocated after it, with torch's early stop and without."""
-    from torch.utils.checkpoint import checkpoint
     from tidal.actor.bridge import enable_layer_recompute
+    from torch.utils.checkpoint import checkpoint
 
     name = args.oom_shape
     out = REPORT.setdefault(f"recompute-leak-{name}", {})
