@@ -212,7 +212,7 @@ def sweep(name: str, args) -> None:
             out["rows"].append(row)
             log(f"{name}: {json.dumps(row)}")
             dump(args)
-        del actor
+        actor = None  # the next shape gets the card
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
