@@ -162,3 +162,17 @@ def test_auto_refuses_a_sample_nothing_holds_naming_what_would(user):
     (line,) = [p for p in problems if "longest sample" in p]
     assert "201024 tokens" in line and re.search(r"--context-parallel-size \d|--tensor-model-parallel-size \d", line)
     assert not [p for p in problems if "memory plan needs" in p]  # no second line about the unresolved budget
+
+
+def test_a_budget_the_plan_names_always_holds_the_longest_sample(user):
+    # 48 GiB leaves room for fewer tokens than one 17408-token sample without recompute: the line names what holds it
+    argv = [*user, "--gpu-memory-gib", "48", "--use-dynamic-batch-size", "--rollout-max-response-len", "16384"]
+    (line,) = [p for p in _problems([*argv, "--max-tokens-per-gpu", "17408"]) if "memory plan" in p]
+    assert "cannot hold the longest sample (17408 tokens" in line
+    fits = int(re.search(r"the budget that fits \((\d+) tokens\)", line).group(1))
+    assert 0 < fits < 17408 and "--max-tokens-per-gpu" not in line.split("longest sample")[1]
+    fix = re.search(r"--context-parallel-size (\d+)", line)
+    assert fix, line
+    # the advice works: that CP holds the sample within the plan
+    parse_job([*argv, "--max-tokens-per-gpu", str(17408 // int(fix.group(1))), "--context-parallel-size", fix.group(1),
+               "--recompute-activations", "--actor-num-gpus-per-node", fix.group(1)])  # fmt: skip

@@ -104,6 +104,15 @@ def check_memory(parallel, offloading, actor, batching, rollout, placement, hf_c
         flag = "--log-probs-max-tokens-per-gpu"
         raise ValueError(f"{head}: {_budget_advice(flag, fits, parallel.context_parallel_size)}")
     fits = largest_fitting_tokens(shape, plan.inputs, gpu_bytes=gpu, engine_fraction=frac)
+    longest = plan.inputs.longest_sequence
+    if batching.use_dynamic_batch_size and 0 < fits < longest:  # a budget that fits but cannot hold a sample
+        from tidal.actor.auto_plan import fix_for_longest_sample
+
+        fix = fix_for_longest_sample(shape, plan.inputs, gpu_bytes=gpu, engine_fraction=frac, longest=longest)
+        raise ValueError(
+            f"{head}; the budget that fits ({fits // parallel.context_parallel_size} tokens) cannot hold the longest "
+            f"sample ({longest} tokens: --rollout-max-response-len plus the prompt): {fix}"
+        )
     advice = [_budget_advice("--max-tokens-per-gpu", fits, parallel.context_parallel_size, batching)]
     if not plan.inputs.recompute_activations:
         recomputed = replace(plan.inputs, recompute_activations=True, recompute_num_layers=0)
