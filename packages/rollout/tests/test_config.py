@@ -58,7 +58,7 @@ def test_bad_values_name_the_flag(kwargs: dict, message: str) -> None:
 
 def test_sglang_flags_map_to_server_args() -> None:
     flags = ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-metrics", "--sglang-context-length=512"]
-    assert sglang_server_args(flags) == ("--mem-fraction-static", "0.7", "--enable-metrics", "--context-length=512")
+    assert sglang_server_args(flags) == ("--mem-fraction-static", "0.7", "--enable-metrics", "--context-length", "512")
     with pytest.raises(ValueError, match="'--mem-fraction-static' is not an SGLang pass-through flag"):
         sglang_server_args(["--mem-fraction-static", "0.7"])
 
