@@ -684,6 +684,15 @@ def test_rounds_that_can_never_fill_the_batch_are_refused(paths):
     assert parse_job([*argv, "--dynamic-sampling-max-rounds", "4"]).rollout.dynamic_sampling_max_rounds == 4  # 4 x 2
 
 
+def test_partial_rollout_over_sampling_below_the_batch_without_a_filter_is_refused(paths):
+    # No filter: one round of --over-sampling-batch-size prompts (plus the carried groups) must fill the batch.
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4", "--partial-rollout"]
+    with pytest.raises(ValueError, match=r"--partial-rollout with --over-sampling-batch-size 2 below "
+                       r"--rollout-batch-size 4"):  # fmt: skip
+        parse_job([*argv, "--over-sampling-batch-size", "2"])
+    assert parse_job([*argv, "--over-sampling-batch-size", "6"]).rollout.over_sampling_batch_size == 6
+
+
 def test_placement_flags_shape_the_bundles_and_the_local_ray(paths):
     """--actor-num-nodes x --actor-num-gpus-per-node actor ranks and engines of --rollout-num-gpus-per-engine GPUs
     are the bundles the placement group reserves (each engine's GPUs side by side); on a CPU box --num-cpus-local

@@ -73,6 +73,17 @@ def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) 
     assert "--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path" in caplog.text
 
 
+def test_over_sampling_under_partial_rollout_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
+    # Partial rollout starts --over-sampling-batch-size prompts and carries the unfinished groups to the next rollout.
+    RolloutConfig(over_sampling_batch_size=8, partial_rollout=True)
+    assert "--over-sampling-batch-size" not in caplog.text
+    assert RolloutConfig(over_sampling_batch_size=8, partial_rollout=True).prompts_per_round(4) == 8
+    filtered = RolloutConfig(over_sampling_batch_size=8, dynamic_sampling_filter_path="pkg.mod:keep")
+    assert filtered.prompts_per_round(4) == 8
+    assert RolloutConfig(over_sampling_batch_size=8).prompts_per_round(4) == 4  # warned above: no effect, none taken
+    assert RolloutConfig(partial_rollout=True).prompts_per_round(4) == 4
+
+
 def test_external_engine_addresses() -> None:
     cfg = RolloutConfig(rollout_external_engine_addrs=("10.0.0.5:30000", "http://h:1"))
     assert cfg.external_engine_urls() == ["http://10.0.0.5:30000", "http://h:1"]

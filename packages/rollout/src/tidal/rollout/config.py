@@ -201,8 +201,10 @@ class RolloutConfig:
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
             raise ValueError(f"--over-sampling-batch-size must be >= 1, got {self.over_sampling_batch_size!r}")
         spec = self.dynamic_sampling_filter_path
-        if self.over_sampling_batch_size is not None and spec is None and self.agent_function_path is None:
-            logger.warning("--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path")
+        if self.over_sampling_batch_size is not None and not self._over_samples():
+            logger.warning(
+                "--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path or --partial-rollout"
+            )
         if self.dynamic_sampling_max_rounds != 16 and spec is None and self.agent_function_path is None:
             logger.warning("--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path")
         if spec is not None and ":" not in spec and spec not in BUILTIN_GROUP_FILTER_NAMES:
@@ -223,6 +225,19 @@ class RolloutConfig:
                 "--save-debug-rollout-data and --load-debug-rollout-data are both set; replayed rollouts are "
                 "already on disk: give only --load-debug-rollout-data"
             )
+
+    def _over_samples(self) -> bool:
+        """Whether a rollout can use more prompts than it keeps groups: filtered, carried over, or replaced."""
+        filtered = self.dynamic_sampling_filter_path is not None
+        return filtered or self.partial_rollout or self.agent_function_path is not None
+
+    def prompts_per_round(self, rollout_batch_size: int) -> int:
+        """Prompts a rollout (or a round of dynamic sampling) starts.
+
+        ``--over-sampling-batch-size`` where it has an effect (a filter drops groups, partial rollout carries the
+        unfinished ones over, agents replace failed groups), else the rollout batch size.
+        """
+        return (self.over_sampling_batch_size if self._over_samples() else None) or rollout_batch_size
 
     def router_wanted(self, num_engines: int) -> bool:
         """Whether requests go through sglang-router: ``use_router`` if set, else when there are several engines."""
