@@ -63,6 +63,16 @@ def test_sglang_flags_map_to_server_args() -> None:
         sglang_server_args(["--mem-fraction-static", "0.7"])
 
 
+def test_the_value_read_from_the_pass_through_is_the_one_sglang_takes() -> None:
+    from tidal.rollout import server_arg_value
+
+    args = sglang_server_args(["--sglang-mem-fraction-static", "0.5", "--sglang-enable-metrics"])
+    assert server_arg_value(args, "--mem-fraction-static") == "0.5"
+    assert server_arg_value(args, "--enable-metrics") is None and server_arg_value(args, "--dtype") is None
+    twice = sglang_server_args(["--sglang-mem-fraction-static", "0.5", "--sglang-mem-fraction-static=0.7"])
+    assert server_arg_value(twice, "--mem-fraction-static") == "0.7"  # argparse keeps the last
+
+
 def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) -> None:
     RolloutConfig(over_sampling_batch_size=8)
     assert "--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path" in caplog.text

@@ -178,12 +178,16 @@ def _refused(parser, args: Sequence[str], prefix: str, *, required: list[str]) -
 
 
 def server_arg_value(server_args: Sequence[str], flag: str) -> str | None:
-    """The value given to ``flag`` in mapped ``server_args`` (the token after it), None when it has none."""
-    args = list(server_args)
-    if flag not in args:
-        return None
-    i = args.index(flag) + 1
-    return args[i] if i < len(args) and not args[i].startswith("--") else None
+    """The value SGLang takes for ``flag`` in mapped ``server_args``, None when the flag is absent or has no value.
+
+    The token after the flag's last occurrence: argparse keeps the last.
+    """
+    args, value = list(server_args), None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            after = args[i + 1] if i + 1 < len(args) else None
+            value = after if after is not None and not after.startswith("--") else None
+    return value
 
 
 def sglang_value_problems(server_args: Sequence[str], router_args: Sequence[str]) -> list[str]:
