@@ -116,7 +116,7 @@ def sglang_arg_problems(server_args: Sequence[str], router_args: Sequence[str]) 
     ``sglang_router.launch_router``'s (``RouterArgs.add_cli_args``); each flag is parsed alone, so every bad one is
     named: an unknown option (with the closest real one), a value of the wrong type, a value outside its choices,
     a wrong number of values. Ranges that SGLang checks only while it resolves the model and the device are not in
-    its parsers: those of the values tidal reads are :func:`sglang_value_problems`', the others are the server's.
+    its parsers: :func:`sglang_value_problems` checks those of the values tidal reads, the server the others.
     """
     problems: list[str] = []
     if server_args:
