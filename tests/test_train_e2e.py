@@ -84,6 +84,10 @@ COMPANION_ARGS = [
     "--n-samples-per-prompt", "4",
     "--rollout-max-response-len", "6",
     "--num-eval-prompts", "4",
+    # Beside the main run's defaults, the effect of each of these shows in the companion's metrics and handoff.jsonl:
+    "--update-weights-interval", "2",  # one sync, after rollout 1: rollout 1 is sampled by the initial weights
+    "--no-offload-rollout", "--no-offload-train",  # co-located, yet nothing is released or moved off the GPU
+    "--update-weight-buffer-size", str(2**20),  # 1 MiB buckets: the tensor sync takes several requests, not one
 ]  # fmt: skip
 
 
@@ -112,7 +116,7 @@ def _jobs(tmp_path_factory):
         "--lr", "1e-4",
         "--entropy-coef", "1e-3",  # a gradient even if every group's rewards tie
         "--save-debug-rollout-data", str(out / "debug"),
-        "--sglang-dtype", "bfloat16",  # the actor computes in float32: a measurable engine-actor gap
+        "--sglang-dtype=bfloat16",  # the actor computes in float32: a measurable engine-actor gap
         "--check-weight-update-equal",  # co-located: the tensor transport and the memory hand-off, by default
         "--use-wandb", "--wandb-mode", "offline", "--wandb-group", "e2e",
         "--output-dir", str(out),
@@ -199,7 +203,7 @@ def test_actor_and_engine_agree_on_log_probs_up_to_bf16_serving(run):
     # fp32 actor, the gap is real (~0.005 nats on this model; fp32 serving stays below 1e-3, test_train_modes_e2e)
     # but far below anything a mapping error gives.
     job, _, records, _, output = run
-    assert job.rollout.sglang_server_args[-2:] == ("--dtype", "bfloat16")
+    assert job.rollout.sglang_server_args[-2:] == ("--dtype", "bfloat16")  # given as --sglang-dtype=bfloat16
     for r in records:
         assert all(math.isfinite(r[k]) and r[k] >= 0.0 for k in AGREEMENT), r
         mean = r["rollout/logprob_abs_diff/mean"]
@@ -236,11 +240,14 @@ def test_colocated_hand_off_runs_in_order_every_rollout(run):
 
 
 def test_checkpoint_has_tracker(run):
-    _, summary, _, _, _ = run
+    _, summary, records, _, _ = run
     ckpt = Path(summary["checkpoint_dir"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (ckpt / "iter_0000002").is_dir()
     assert (ckpt / "best_checkpointed_iteration.txt").read_text() == "2\n"  # --keep-best-by: the one saved, evaluated
+    log = (Path(summary["metrics"]).parent / "logs" / "train.log").read_text()
+    best = f"best eval/add/pass@2 so far: {records[-1]['eval/add/pass@2']:.4f} (checkpoint iteration 2)"
+    assert best in log  # the metric --keep-best-by names, read from the record of the rollout saved
 
 
 def test_accuracy_is_reported_before_and_after(run):
@@ -336,6 +343,43 @@ def test_their_servers_ran_on_distinct_ports(two_jobs):
         assert len(started) == 1, log[-3000:]  # one server each, started once: no port had to be retried
         ports.append({int(p) for p in started[0]})
     assert not ports[0] & ports[1], ports
+
+
+def _records_and_events(run: Path) -> tuple[list[dict], list[dict]]:
+    read = [
+        [json.loads(line) for line in (run / name).read_text().splitlines()]
+        for name in ("metrics.jsonl", "handoff.jsonl")
+    ]
+    return read[0], read[1]
+
+
+def test_the_companion_synced_its_weights_only_after_every_second_rollout(two_jobs):
+    # --update-weights-interval 2 in the companion: no sync after rollout 0, so rollout 1 was sampled by the
+    # initial weights (the main run's, synced every rollout, by version 1); one sync after rollout 1, as version 2.
+    (_, _, main), (_, _, companion) = two_jobs[0]
+    records, events = _records_and_events(companion)
+    assert not [k for k in records[0] if k.startswith("weight_sync/") or k == "time/weight_sync"], records[0]
+    assert records[1]["weight_sync/transport"] == "tensor" and records[1]["time/weight_sync"] > 0
+    assert records[1]["rollout/weight_version"] == 0.0
+    assert [(e["rollout"], e["version"]) for e in events if e["event"] == "sync.tensor"] == [(1, 2)]
+    _, main_events = _records_and_events(main)
+    assert [e["version"] for e in main_events if e["event"] == "sync.tensor"] == [1, 2]
+
+
+def test_the_companion_released_nothing_and_sent_its_weights_in_small_buckets(two_jobs):
+    # The main run, co-located with the defaults: the engines release their memory after each generation
+    # (--offload-rollout) and the actor moves off the GPU after each sync (--offload-train), one 512 MiB bucket per
+    # sync. The companion, with --no-offload-rollout --no-offload-train and --update-weight-buffer-size 1 MiB:
+    # neither event, and a bucket per MiB of weights at least.
+    (_, _, main), (_, _, companion) = two_jobs[0]
+    main_records, main_events = _records_and_events(main)
+    records, events = _records_and_events(companion)
+    for name, rollouts in (("engines.release", [0, 1]), ("actor.offload", [0, 1])):
+        assert [e["rollout"] for e in main_events if e["event"] == name] == rollouts, name
+        assert [e["rollout"] for e in events if e["event"] == name] == [], name
+    assert all(r["weight_sync/num_buckets"] == 1.0 for r in main_records), main_records
+    buckets, mb = records[1]["weight_sync/num_buckets"], records[1]["weight_sync/mb"]
+    assert buckets >= max(2.0, mb), (buckets, mb)
 
 
 def test_each_job_read_the_hf_weights_once(two_jobs):

@@ -443,8 +443,13 @@ def test_rollout_only_generates_without_training(debug_runs):
     records = _records(root / "gen")
     assert [r["rollout"] for r in records] == [0, 1]
     assert not any("train/loss" in r for r in records)
-    # partial rollout through the driver: 4 finished groups kept, the rest aborted and carried to the next rollout
-    assert all("rollout/partial/carried_over_groups" in r for r in records), records[0].keys()
+    # partial rollout through the driver: of --over-sampling-batch-size 6 prompts, 4 finished groups are kept and the
+    # other 2 carried to rollout 1, which resumes them first beside 6 new prompts and carries 8 - 4 on
+    partial = [{k.split("/")[-1]: v for k, v in r.items() if k.startswith("rollout/partial/")} for r in records]
+    assert [(p["resumed_groups"], p["carried_over_groups"], p["groups_dropped"]) for p in partial] == [
+        (0.0, 2.0, 0.0),
+        (2.0, 4.0, 0.0),
+    ], partial
     assert sorted(p.name for p in data.iterdir())[:2] and len(list(data.iterdir())) == 2
     assert not (root / "gen" / "ckpt").exists()
 

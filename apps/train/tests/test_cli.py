@@ -370,6 +370,39 @@ def test_sglang_flags_pass_through():
     assert job.rollout.sglang_server_args == ("--mem-fraction-static", "0.5", "--dtype", "bfloat16")
 
 
+def test_sglang_flags_in_the_equals_form_reach_sglang_as_the_two_token_form_does():
+    from tidal.train.config_file import effective_options
+
+    two = parse_job(["--sglang-mem-fraction-static", "0.5", "--sglang-dtype", "bfloat16", "--sglang-tp-size", "1"])
+    one = parse_job(["--sglang-mem-fraction-static=0.5", "--sglang-dtype=bfloat16", "--sglang-tp-size=1"])
+    assert one.rollout.sglang_server_args == two.rollout.sglang_server_args
+    assert one.rollout.sglang_server_args == ("--mem-fraction-static", "0.5", "--dtype", "bfloat16", "--tp-size", "1")
+    assert effective_options(one)["sglang-dtype"] == "bfloat16"  # config.yaml reruns it as given
+    router = parse_job(["--use-router", "--sglang-router-cache-threshold=0.3"])
+    assert router.rollout.sglang_router_args == ("--cache-threshold", "0.3")
+
+
+def test_pass_through_values_tidal_reads_are_checked_before_anything_starts():
+    for argv in (["--sglang-mem-fraction-static", "1.5"], ["--sglang-mem-fraction-static=0"]):
+        with pytest.raises(ConfigErrors) as info:
+            parse_job(argv)
+        (line,) = info.value.problems
+        assert line.startswith(f"--sglang-mem-fraction-static {argv[-1].split('=')[-1]}: must be in (0, 1)"), line
+    with pytest.raises(ConfigErrors, match=r"--sglang-dtype nope: sglang\.launch_server refuses it"):
+        parse_job(["--sglang-dtype=nope"])
+    with pytest.raises(ConfigErrors) as info:  # flags tidal sets on each server and on the router
+        parse_job(["--sglang-port=30000", "--sglang-model-path", "/m", "--use-router", "--sglang-router-port", "1"])
+    assert [line.split(" is set by tidal")[0] for line in info.value.problems] == [
+        "--sglang-model-path",
+        "--sglang-port",
+        "--sglang-router-port",
+    ]
+    assert parse_job(["--sglang-mem-fraction-static", "0.85"]).rollout.sglang_server_args[:2] == (
+        "--mem-fraction-static",
+        "0.85",
+    )
+
+
 def test_each_engine_is_given_tp_over_its_gpus_and_a_disagreeing_sglang_tp_size_is_one_line():
     layout = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"]
     with pytest.raises(ConfigErrors, match="--sglang-tp-size 1 disagrees with --rollout-num-gpus-per-engine 2"):
@@ -649,6 +682,15 @@ def test_rounds_that_can_never_fill_the_batch_are_refused(paths):
                        r"never fill --rollout-batch-size 8: raise either"):  # fmt: skip
         parse_job([*argv, "--dynamic-sampling-max-rounds", "3"])
     assert parse_job([*argv, "--dynamic-sampling-max-rounds", "4"]).rollout.dynamic_sampling_max_rounds == 4  # 4 x 2
+
+
+def test_partial_rollout_over_sampling_below_the_batch_without_a_filter_is_refused(paths):
+    # No filter: one round of --over-sampling-batch-size prompts (plus the carried groups) must fill the batch.
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4", "--partial-rollout"]
+    with pytest.raises(ValueError, match=r"--partial-rollout with --over-sampling-batch-size 2 below "
+                       r"--rollout-batch-size 4"):  # fmt: skip
+        parse_job([*argv, "--over-sampling-batch-size", "2"])
+    assert parse_job([*argv, "--over-sampling-batch-size", "6"]).rollout.over_sampling_batch_size == 6
 
 
 def test_placement_flags_shape_the_bundles_and_the_local_ray(paths):

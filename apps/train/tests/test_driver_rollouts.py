@@ -45,7 +45,7 @@ def _group(prompt: list[int], label: str, n: int) -> list[Sample]:
 
 
 def test_carry_over_round_trips_through_the_checkpoint_state():
-    before = _rollouts("--partial-rollout", "--over-sampling-batch-size", "6")
+    before = _rollouts("--partial-rollout", "--over-sampling-batch-size", "6", "--rollout-batch-size", "4")
     assert before.carry_state() is None  # nothing carried: nothing saved
     before.carry = [_group([1, 2, 3], "4", 2), _group([9], "x", 1)]
     state = TrainerState.capture(rollout_id=4, weight_version=2, rollout_carry=before.carry_state())
@@ -54,13 +54,13 @@ def test_carry_over_round_trips_through_the_checkpoint_state():
     buffer.seek(0)
     loaded = TrainerState.from_dict(torch.load(buffer, weights_only=True))
 
-    after = _rollouts("--partial-rollout", "--over-sampling-batch-size", "6")
+    after = _rollouts("--partial-rollout", "--over-sampling-batch-size", "6", "--rollout-batch-size", "4")
     after.restore_carry(loaded.rollout_carry)
     assert after.carry == before.carry  # every field of every unfinished sample
 
 
 def test_carry_over_without_partial_rollout_is_dropped_with_a_warning(caplog):
-    carried = _rollouts("--partial-rollout", "--over-sampling-batch-size", "6")
+    carried = _rollouts("--partial-rollout", "--over-sampling-batch-size", "6", "--rollout-batch-size", "4")
     carried.carry = [_group([1, 2], "4", 1)]
     plain = _rollouts()
     with caplog.at_level(logging.WARNING):

@@ -71,6 +71,28 @@ def test_sync_plan_defaults_follow_the_placement():
     assert checked.check_equal and checked.tolerance == 0.01
 
 
+def test_engines_that_free_their_weights_between_syncs_are_refused_before_start():
+    """--update-weights-interval 2 with the co-located default (--offload-rollout) and SGLang's memory saver: the
+    engines free their weights after each generation and only a sync writes them back, so a rollout after a rollout
+    without a sync would sample from freed memory. A host copy (--sglang-enable-weights-cpu-backup), engines that
+    keep their memory (--no-offload-rollout) or a sync every rollout are accepted."""
+    import pytest
+    from tidal.train.checks import ConfigErrors
+
+    out = ["--output-dir", "/tmp/unused-tidal-run"]
+    argv = [*out, "--update-weights-interval", "2", "--sglang-enable-memory-saver"]
+    with pytest.raises(ConfigErrors) as refused:
+        parse_job(argv)
+    (line,) = refused.value.problems
+    assert line.startswith(
+        "--update-weights-interval 2 with --offload-rollout and --sglang-enable-memory-saver: the engines free"
+    ), line
+    assert "--sglang-enable-weights-cpu-backup" in line and "--no-offload-rollout" in line
+    for fix in (["--sglang-enable-weights-cpu-backup"], ["--no-offload-rollout"], ["--update-weights-interval", "1"]):
+        assert parse_job([*argv, *fix]).sync.update_weights_interval in (1, 2)
+    assert parse_job([*out, "--update-weights-interval", "2"]).sync.update_weights_interval == 2  # nothing freed
+
+
 def test_a_probe_gap_above_the_tolerance_stops_the_sync_with_one_line(tmp_path: Path):
     """--check-weight-update-tolerance bounds the mean probe gap after each sync: 0.05 nats passes at 0.1 and
     stops the run, naming both flags, at 0.01."""

@@ -6,7 +6,7 @@ import pytest
 from tidal.actor import ModelShape, largest_fitting_tokens
 from tidal.train.checks import ConfigErrors
 from tidal.train.cli import parse_job
-from tidal.train.memory import job_memory_plan, memory_inputs
+from tidal.train.memory import engine_fraction, job_memory_plan, memory_inputs
 
 QWEN3_1_7B = dict(
     model_type="qwen3",
@@ -84,6 +84,9 @@ def test_co_located_engines_take_their_share(user):
         job.parallel, job.offload, job.actor, job.batching, job.rollout, job.placement, QWEN3_1_7B, 80 * GIB
     )
     assert plan.engine_bytes == 40 * GIB
+    equals = parse_job([*argv, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+                        "--sglang-mem-fraction-static=0.25"])  # fmt: skip
+    assert engine_fraction(equals.offload, equals.rollout, equals.placement) == 0.25
     saver = parse_job(
         [*argv, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--sglang-enable-memory-saver"]
     )

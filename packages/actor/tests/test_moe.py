@@ -278,3 +278,23 @@ def test_expert_load_metric_counts_transformers_routing(dist_env, moe_plain_dir,
     assert metrics["train/moe_expert_load_max"] == pytest.approx(want, rel=1e-6)
     assert want > 1.0
     assert "train/moe_load_balancing_loss" not in metrics  # no balance loss without --moe-aux-loss-coeff
+
+
+def test_the_balance_loss_coefficient_scales_its_pull_on_the_routers(dist_env, moe_plain_dir, rl_batch):
+    """--moe-aux-loss-coeff c adds c x the balance term's gradient: from the same weights and batch, the routers end
+    the step away from where the step without it leaves them, ten times farther at 0.1 than at 0.01 (adam_eps 1
+    keeps a first Adam step near-linear in small gradients)."""
+    cfg = dict(hf_checkpoint=str(moe_plain_dir), lr=0.1, adam_eps=1.0, clip_grad=0.0)
+
+    def routers_after_a_step(coeff: float) -> tuple[dict, torch.Tensor]:
+        actor = Actor(ActorConfig(**cfg, moe_aux_loss_coeff=coeff))
+        metrics = actor.train_step([rl_batch(actor, SEQS)])
+        routers = [p.detach().flatten() for n, p in actor.model.named_parameters() if ".router." in n]
+        assert len(routers) == TINY_MOE["num_hidden_layers"]
+        return metrics, torch.cat(routers)
+
+    (m0, r0), (m1, r1), (m2, r2) = (routers_after_a_step(c) for c in (0.0, 0.01, 0.1))
+    assert "train/moe_load_balancing_loss" not in m0
+    assert m1["train/moe_load_balancing_loss"] == pytest.approx(m2["train/moe_load_balancing_loss"], rel=1e-6)
+    near, far = float((r1 - r0).norm()), float((r2 - r0).norm())
+    assert near > 0 and far / near == pytest.approx(10.0, rel=0.2), (near, far)

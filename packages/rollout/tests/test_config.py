@@ -58,9 +58,19 @@ def test_bad_values_name_the_flag(kwargs: dict, message: str) -> None:
 
 def test_sglang_flags_map_to_server_args() -> None:
     flags = ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-metrics", "--sglang-context-length=512"]
-    assert sglang_server_args(flags) == ("--mem-fraction-static", "0.7", "--enable-metrics", "--context-length=512")
+    assert sglang_server_args(flags) == ("--mem-fraction-static", "0.7", "--enable-metrics", "--context-length", "512")
     with pytest.raises(ValueError, match="'--mem-fraction-static' is not an SGLang pass-through flag"):
         sglang_server_args(["--mem-fraction-static", "0.7"])
+
+
+def test_the_value_read_from_the_pass_through_is_the_one_sglang_takes() -> None:
+    from tidal.rollout import server_arg_value
+
+    args = sglang_server_args(["--sglang-mem-fraction-static", "0.5", "--sglang-enable-metrics"])
+    assert server_arg_value(args, "--mem-fraction-static") == "0.5"
+    assert server_arg_value(args, "--enable-metrics") is None and server_arg_value(args, "--dtype") is None
+    twice = sglang_server_args(["--sglang-mem-fraction-static", "0.5", "--sglang-mem-fraction-static=0.7"])
+    assert server_arg_value(twice, "--mem-fraction-static") == "0.7"  # argparse keeps the last
 
 
 def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) -> None:
@@ -71,6 +81,17 @@ def test_over_sampling_without_a_filter_warns(caplog: pytest.LogCaptureFixture) 
     assert not caplog.text
     RolloutConfig(dynamic_sampling_max_rounds=3)
     assert "--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path" in caplog.text
+
+
+def test_over_sampling_under_partial_rollout_does_not_warn(caplog: pytest.LogCaptureFixture) -> None:
+    # Partial rollout starts --over-sampling-batch-size prompts and carries the unfinished groups to the next rollout.
+    RolloutConfig(over_sampling_batch_size=8, partial_rollout=True)
+    assert "--over-sampling-batch-size" not in caplog.text
+    assert RolloutConfig(over_sampling_batch_size=8, partial_rollout=True).prompts_per_round(4) == 8
+    filtered = RolloutConfig(over_sampling_batch_size=8, dynamic_sampling_filter_path="pkg.mod:keep")
+    assert filtered.prompts_per_round(4) == 8
+    assert RolloutConfig(over_sampling_batch_size=8).prompts_per_round(4) == 4  # warned above: no effect, none taken
+    assert RolloutConfig(partial_rollout=True).prompts_per_round(4) == 4
 
 
 def test_external_engine_addresses() -> None:

@@ -259,10 +259,20 @@ def check_pipeline(parallel, hf_config: dict[str, Any] | None, hf: str) -> None:
 
 
 def check_dynamic_sampling_rounds(batching, rollout) -> None:
-    """``--dynamic-sampling-max-rounds`` rounds of over-sampling can fill ``--rollout-batch-size`` at all."""
-    if rollout.dynamic_sampling_filter_path is None:
-        return
+    """``--dynamic-sampling-max-rounds`` rounds of over-sampling can fill ``--rollout-batch-size`` at all.
+
+    Without a filter, partial rollout runs one round: its ``--over-sampling-batch-size`` prompts must fill the batch.
+    """
     wanted = batching.rollout_batch_size
+    over = rollout.over_sampling_batch_size
+    if rollout.dynamic_sampling_filter_path is None:
+        if rollout.partial_rollout and rollout.agent_function_path is None and over is not None and over < wanted:
+            raise ValueError(
+                f"--partial-rollout with --over-sampling-batch-size {over} below --rollout-batch-size {wanted}: "
+                "without --dynamic-sampling-filter-path one round must fill the batch; raise "
+                f"--over-sampling-batch-size to at least {wanted}"
+            )
+        return
     rounds = rollout.dynamic_sampling_max_rounds * (rollout.over_sampling_batch_size or wanted)
     if rounds < wanted:
         raise ValueError(

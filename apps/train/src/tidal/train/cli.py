@@ -182,15 +182,18 @@ def _warn_without_effect(actor: dict[str, Any]) -> None:
 def _pass_through(sections: dict[str, dict[str, Any]], unknown: list[str], problems) -> None:
     """``--ray-env`` into a mapping, ``--sglang-*`` into SGLang's and the router's arguments, lists into tuples."""
     from tidal.placement import parse_ray_env
-    from tidal.rollout import sglang_arg_problems, sglang_router_args, sglang_server_args
+    from tidal.rollout import sglang_arg_problems, sglang_router_args, sglang_server_args, sglang_value_problems
     from tidal.train.flags import section_defaults
 
     placement, rollout = sections["placement"], sections["rollout"]
     placement["ray_env"] = problems.run(parse_ray_env, placement.pop("ray_env", [])) or {}
+    # Mapped once, "--sglang-X=V" as "--X V": every reader below and after finds a value after its flag.
     rollout["sglang_server_args"] = problems.run(sglang_server_args, unknown) or ()
     rollout["sglang_router_args"] = problems.run(sglang_router_args, unknown) or ()
     for line in sglang_arg_problems(rollout["sglang_server_args"], rollout["sglang_router_args"]):
         problems.add(line)  # SGLang's own parsers, imported only when such flags are given
+    for line in sglang_value_problems(rollout["sglang_server_args"], rollout["sglang_router_args"]):
+        problems.add(line)  # the values tidal reads, the flags tidal sets
     if "--dtype" not in rollout["sglang_server_args"]:
         # SGLang serves a float32 checkpoint in float16 by default; rollout and training log-probs must come
         # from the same precision, so the engines run in the actor's dtype unless --sglang-dtype says otherwise.

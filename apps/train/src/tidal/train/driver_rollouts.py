@@ -109,7 +109,7 @@ class DriverRollouts:
             return self._agent_rollout(rollout_id)
         rollout = self.cfg
         wanted = self.rollout_batch_size
-        size = rollout.over_sampling_batch_size or wanted
+        size = rollout.prompts_per_round(wanted)
         prompts = self.data.batch(rollout_id, size)
         max_rounds = rollout.dynamic_sampling_max_rounds
 
@@ -156,7 +156,7 @@ class DriverRollouts:
         from tidal.rollout import agent_rollout
 
         runner = self._agent_runner()
-        size = self.cfg.over_sampling_batch_size or self.rollout_batch_size
+        size = self.cfg.prompts_per_round(self.rollout_batch_size)
         max_rounds = self.cfg.dynamic_sampling_max_rounds
 
         def rows_of_round(round_no: int) -> list[tuple[dict, object]]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from tidal.actor import MemoryInputs, MemoryPlan, ModelShape, largest_fitting_tokens, plan_memory
 from tidal.placement import gpu_memory_bytes
+from tidal.rollout import server_arg_value
 from tidal.train.logs import TERMINAL
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,8 @@ def engine_fraction(offloading, rollout, placement) -> float:
     ) is not False
     if released and "--enable-memory-saver" in args:
         return 0.0  # the engines release weights and KV cache while the actor trains
-    if "--mem-fraction-static" in args:
-        return float(args[args.index("--mem-fraction-static") + 1])
-    return SGLANG_DEFAULT_FRACTION
+    fraction = server_arg_value(args, "--mem-fraction-static")  # checked in (0, 1) at parse time
+    return SGLANG_DEFAULT_FRACTION if fraction is None else float(fraction)
 
 
 def memory_inputs(parallel, actor, batching, rollout) -> MemoryInputs:

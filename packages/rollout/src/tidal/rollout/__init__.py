@@ -9,15 +9,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tidal.rollout.config import (
-    WILDCARD_HOSTS,
-    RolloutConfig,
+from tidal.rollout.config import WILDCARD_HOSTS, RolloutConfig
+from tidal.rollout.errors import EngineUnavailableError, RolloutError
+from tidal.rollout.pass_through import (
+    server_arg_value,
     sglang_arg_problems,
     sglang_router_args,
     sglang_server_args,
+    sglang_value_problems,
     with_engine_tp,
 )
-from tidal.rollout.errors import EngineUnavailableError, RolloutError
 
 if TYPE_CHECKING:
     from tidal.rollout.client import SGLangClient
@@ -182,9 +183,11 @@ __all__ = [
     "samples_from_records",
     "save_rollout_data",
     "score_samples",
+    "server_arg_value",
     "sglang_arg_problems",
     "sglang_router_args",
     "sglang_server_args",
+    "sglang_value_problems",
     "staleness_metrics",
     "update_weights_from_distributed",
     "update_weights_from_tensor",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,157 +10,11 @@ from tidal.rollout.tool_call_parsers import check_parser_name
 
 logger = logging.getLogger(__name__)
 
-SGLANG_FLAG_PREFIX = "--sglang-"
-ROUTER_FLAG_PREFIX = "--sglang-router-"
-
 # sglang-router load-balancing policies tidal accepts (see tidal.rollout.router).
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 # Built-in dynamic-sampling group filters (see tidal.rollout.dynamic_sampling), by name.
 BUILTIN_GROUP_FILTER_NAMES = ("reward_variance",)
-
-
-def _split_flags(flags: Sequence[str], *, router: bool) -> tuple[str, ...]:
-    """The ``--sglang-router-*`` flags (``router``) or the other ``--sglang-*`` flags, values kept with their flag."""
-    out: list[str] = []
-    keep = False
-    for arg in flags:
-        if arg.startswith("--"):
-            if not arg.startswith(SGLANG_FLAG_PREFIX) or len(arg) == len(SGLANG_FLAG_PREFIX):
-                raise ValueError(f"{arg!r} is not an SGLang pass-through flag: write it as --sglang-<server-option>")
-            is_router = arg.startswith(ROUTER_FLAG_PREFIX)
-            keep = is_router == router
-            if keep:
-                arg = "--" + arg[len(ROUTER_FLAG_PREFIX if router else SGLANG_FLAG_PREFIX) :]
-        if keep:
-            out.append(arg)
-    return tuple(out)
-
-
-def sglang_server_args(flags: Sequence[str]) -> tuple[str, ...]:
-    """Map tidal's ``--sglang-*`` flags to ``sglang.launch_server`` arguments.
-
-    ``["--sglang-mem-fraction-static", "0.7", "--sglang-enable-metrics"]`` becomes
-    ``("--mem-fraction-static", "0.7", "--enable-metrics")``; values pass through unchanged, so any
-    SGLang option works without a code change here. ``--sglang-router-*`` flags (and their values) are
-    left out: they are the router's (see :func:`sglang_router_args`).
-
-    Raises:
-        ValueError: A flag does not start with ``--sglang-``.
-    """
-    return _split_flags(flags, router=False)
-
-
-TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
-"""SGLang's names of an engine's tensor-parallel size."""
-
-
-def with_engine_tp(server_args: Sequence[str], gpus_per_engine: int) -> tuple[str, ...]:
-    """``server_args`` with ``--tp-size`` set to the GPUs each engine is given (added when missing and above 1).
-
-    An engine is one SGLang server whose tensor parallelism spans its GPUs: without ``--tp-size`` it would serve
-    on one of them while the weight sync addresses one rank per GPU.
-
-    Raises:
-        ValueError: ``--sglang-tp-size`` is given and differs from ``gpus_per_engine``.
-    """
-    args = tuple(server_args)
-    for i, arg in enumerate(args):
-        name, _, value = arg.partition("=")
-        if name not in TP_FLAGS:
-            continue
-        value = value or (args[i + 1] if i + 1 < len(args) else "")
-        if value != str(gpus_per_engine):
-            raise ValueError(
-                f"--sglang-{name[2:]} {value} disagrees with --rollout-num-gpus-per-engine {gpus_per_engine}: each "
-                f"engine's tensor parallelism spans the GPUs it is given; drop --sglang-{name[2:]} (tidal starts "
-                f"each SGLang server with a tensor-parallel size of {gpus_per_engine}) or set "
-                f"--rollout-num-gpus-per-engine {value}"
-            )
-        return args
-    return (*args, "--tp-size", str(gpus_per_engine)) if gpus_per_engine > 1 else args
-
-
-def sglang_router_args(flags: Sequence[str]) -> tuple[str, ...]:
-    """Map tidal's ``--sglang-router-*`` flags to ``sglang_router.launch_router`` arguments.
-
-    ``["--sglang-mem-fraction-static", "0.7", "--sglang-router-cache-threshold", "0.5"]`` becomes
-    ``("--cache-threshold", "0.5")``: any router option works without a code change here.
-
-    Raises:
-        ValueError: A flag does not start with ``--sglang-``.
-    """
-    return _split_flags(flags, router=True)
-
-
-def sglang_arg_problems(server_args: Sequence[str], router_args: Sequence[str]) -> list[str]:
-    """What SGLang's own argument parsers refuse in the pass-through flags: one line per flag, nothing started.
-
-    ``server_args`` (from :func:`sglang_server_args`) go through ``sglang.launch_server``'s parser
-    (``ServerArgs.add_cli_args``, imported here: about 4 s, as it imports torch), ``router_args`` through
-    ``sglang_router.launch_router``'s (``RouterArgs.add_cli_args``); each flag is parsed alone, so every bad one is
-    named: an unknown option (with the closest real one), a value of the wrong type, a value outside its choices,
-    a wrong number of values. Ranges that SGLang checks only while it resolves the model and the device (e.g.
-    ``--mem-fraction-static`` in (0, 1)) are not in its parsers and are left to the server.
-    """
-    problems: list[str] = []
-    if server_args:
-        from sglang.srt.server_args import ServerArgs
-
-        parser = _refusing_parser("sglang.launch_server")
-        ServerArgs.add_cli_args(parser)
-        problems += _refused(parser, server_args, SGLANG_FLAG_PREFIX, required=["--model-path", "MODEL"])
-    if router_args:
-        from sglang_router.router_args import RouterArgs
-
-        parser = _refusing_parser("sglang_router.launch_router")
-        RouterArgs.add_cli_args(parser, use_router_prefix=False)
-        problems += _refused(parser, router_args, ROUTER_FLAG_PREFIX, required=[])
-    return problems
-
-
-def _refusing_parser(prog: str):
-    import argparse
-
-    parser = argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False)
-
-    def error(message: str):
-        raise ValueError(message)
-
-    parser.error = error  # argparse reports some mistakes through error(), which would exit the process
-    return parser
-
-
-def _refused(parser, args: Sequence[str], prefix: str, *, required: list[str]) -> list[str]:
-    import argparse
-    import difflib
-
-    known = sorted(parser._option_string_actions)
-    chunks: list[list[str]] = []
-    for arg in args:
-        if arg.startswith("--") or not chunks:
-            chunks.append([arg])
-        else:
-            chunks[-1].append(arg)
-    problems = []
-    for chunk in chunks:
-        name = chunk[0].split("=", 1)[0]
-        ours = prefix + name[2:]
-        given = " ".join([ours + chunk[0][len(name) :], *chunk[1:]])
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {prefix}{close[0][2:]}?" if close else ""
-            problems.append(f"{ours} is not an option of {parser.prog} (tidal passes {prefix}X on as --X){hint}")
-            continue
-        try:
-            _, extra = parser.parse_known_args([*required, *chunk])
-        except (argparse.ArgumentError, ValueError) as e:
-            problems.append(f"{given}: {parser.prog} refuses it ({e}); see `python -m {parser.prog} --help`")
-            continue
-        if extra:
-            problems.append(f"{given}: {parser.prog} takes no value {' '.join(extra)!r} after {name}")
-    return problems
-
 
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 """--sglang-host values that bind every interface: such a server is reached at its node's own address."""
@@ -224,7 +77,7 @@ class RolloutConfig:
     and a key generated per run when servers listen on a node address (`train` writes it to the run folder,
     file sglang_api_key, mode 0600)."""
     sglang_server_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
-    """Extra sglang.launch_server arguments, already mapped from --sglang-* (see sglang_server_args())."""
+    """Extra sglang.launch_server arguments, mapped from --sglang-* (see tidal.rollout.pass_through)."""
     return_routed_experts: bool = field(default=False, metadata={"flag": None})
     """Ask the engines for the experts they routed every token to, kept per sample (``--use-rollout-routing-replay``
     sets it); launched engines get ``--enable-return-routed-experts``."""
@@ -238,7 +91,7 @@ class RolloutConfig:
     sglang_router_policy: str = "cache_aware"
     """sglang-router policy: cache_aware, round_robin, random or power_of_two."""
     sglang_router_args: tuple[str, ...] = field(default=(), metadata={"flag": None})
-    """Extra sglang_router.launch_router arguments, already mapped from --sglang-router-* (see sglang_router_args())."""
+    """Extra sglang_router.launch_router arguments, mapped from --sglang-router-* (see tidal.rollout.pass_through)."""
     rollout_external: bool = False
     """slime's switch for external engines; needs ``rollout_external_engine_addrs`` (which alone implies it)."""
     rollout_external_engine_addrs: tuple[str, ...] = field(default=(), metadata={"metavar": "HOST:PORT"})
@@ -356,8 +209,10 @@ class RolloutConfig:
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
             raise ValueError(f"--over-sampling-batch-size must be >= 1, got {self.over_sampling_batch_size!r}")
         spec = self.dynamic_sampling_filter_path
-        if self.over_sampling_batch_size is not None and spec is None and self.agent_function_path is None:
-            logger.warning("--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path")
+        if self.over_sampling_batch_size is not None and not self._over_samples():
+            logger.warning(
+                "--over-sampling-batch-size has no effect without --dynamic-sampling-filter-path or --partial-rollout"
+            )
         if self.dynamic_sampling_max_rounds != 16 and spec is None and self.agent_function_path is None:
             logger.warning("--dynamic-sampling-max-rounds has no effect without --dynamic-sampling-filter-path")
         if spec is not None and ":" not in spec and spec not in BUILTIN_GROUP_FILTER_NAMES:
@@ -378,6 +233,19 @@ class RolloutConfig:
                 "--save-debug-rollout-data and --load-debug-rollout-data are both set; replayed rollouts are "
                 "already on disk: give only --load-debug-rollout-data"
             )
+
+    def _over_samples(self) -> bool:
+        """Whether a rollout can use more prompts than it keeps groups: filtered, carried over, or replaced."""
+        filtered = self.dynamic_sampling_filter_path is not None
+        return filtered or self.partial_rollout or self.agent_function_path is not None
+
+    def prompts_per_round(self, rollout_batch_size: int) -> int:
+        """Prompts a rollout (or a round of dynamic sampling) starts.
+
+        ``--over-sampling-batch-size`` where it has an effect (a filter drops groups, partial rollout carries the
+        unfinished ones over, agents replace failed groups), else the rollout batch size.
+        """
+        return (self.over_sampling_batch_size if self._over_samples() else None) or rollout_batch_size
 
     def router_wanted(self, num_engines: int) -> bool:
         """Whether requests go through sglang-router: ``use_router`` if set, else when there are several engines."""

@@ -58,7 +58,7 @@ class RolloutRouter(ManagedServer):
             log_dir: Directory for the router log.
             policy: ``cache_aware`` (default), ``round_robin``, ``random`` or ``power_of_two``.
             extra_router_args: More ``sglang_router.launch_router`` arguments (``--sglang-router-*`` flags
-                mapped by :func:`tidal.rollout.config.router_args`), passed through verbatim.
+                mapped by :func:`tidal.rollout.pass_through.sglang_router_args`), passed through verbatim.
             startup_timeout_s: Longest wait for a healthy ``/health``.
             request_timeout_s: Timeout of one HTTP request.
             api_key: Key the engines demand; the router forwards it and every request carries it.

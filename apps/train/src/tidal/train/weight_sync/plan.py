@@ -43,7 +43,8 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
 
     Raises:
         ValueError: --update-weight-transport tensor without co-located engines, --offload-rollout with
-            external engines (tidal does not manage the memory of a server it did not start), or nccl with LoRA.
+            external engines (tidal does not manage the memory of a server it did not start), nccl with LoRA, or
+            engines that would free their weights between syncs.
     """
     external = bool(rollout.rollout_external_engine_addrs)
     colocated = placement.colocate and not external
@@ -66,6 +67,7 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
             "--offload-rollout (or --offload) releases the engines' memory, but --rollout-external-engine-addrs "
             "servers are run elsewhere: drop --offload-rollout"
         )
+    _check_weights_kept_between_syncs(sync.update_weights_interval, offload_rollout, rollout, adapter)
     if (offload_train or offload_rollout) and not placement.colocate:
         logger.warning("--offload frees GPU memory for the other side of a co-located job; with --no-colocate it "
                        "only costs time")  # fmt: skip
@@ -80,3 +82,21 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
         offload_rollout=offload_rollout,
         adapter=adapter,
     )
+
+
+def _check_weights_kept_between_syncs(interval: int, offload_rollout: bool, rollout, adapter) -> None:
+    """Engines that release their weights (memory saver) get them back from a sync, or from SGLang's host copy.
+
+    Under --update-weights-interval N > 1 a rollout can follow one without a sync: its engines resume weights they
+    freed. LoRA's engines keep a host copy of the base already (``lora_server_args``).
+    """
+    args = rollout.sglang_server_args
+    if interval == 1 or not offload_rollout or adapter is not None or "--enable-memory-saver" not in args:
+        return
+    if "--enable-weights-cpu-backup" not in args:
+        raise ValueError(
+            f"--update-weights-interval {interval} with --offload-rollout and --sglang-enable-memory-saver: the "
+            "engines free their weights while the actor trains and only a sync writes them back, so a rollout after "
+            "one without a sync would sample from freed memory; add --sglang-enable-weights-cpu-backup (SGLang "
+            "restores them from a host copy), pass --no-offload-rollout, or sync every rollout"
+        )
