@@ -101,3 +101,48 @@ def test_a_checkpoints_agent_groups_are_kept_for_the_pool_and_dropped_with_a_war
     generation = _driver(parse_job(["--partial-rollout"]))
     generation.restore_carry([finished])
     assert generation.carry_state() is None and "1 agent group(s) but this run's generation differs" in caplog.text
+
+
+TEMPLATE = "{% for m in messages %}{{ m.role + ': ' + m.content + '\n' }}{% endfor %}assistant: "
+
+
+def test_agent_calls_sample_the_served_adapter_at_the_runs_sampling(tmp_path, caplog) -> None:
+    from tidal.rollout.gateway import parse_request
+    from tidal.train.cluster import rollout_manager_of
+    from tidal.train.embedded_model import ensure_embedded_model
+    from tidal.train.rollout_manager import eval_sampling_params
+    from transformers import AutoTokenizer
+
+    job = parse_job(
+        ["--agent-function-path", "asyncio:sleep", "--rollout-temperature", "0.7", "--rollout-top-p", "0.9",
+         "--rollout-top-k", "5", "--rollout-stop", "zz", "--rollout-stop-token-ids", "3", "--eval-temperature", "0",
+         "--rollout-max-response-len", "7", "--output-dir", str(tmp_path / "run")]
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
+    tokenizer.chat_template = TEMPLATE
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    manager = rollout_manager_of(job, PromptDataset(data, tokenizer, input_key="prompt", label_key="label", seed=0),
+                                 tmp_path / "run")  # fmt: skip
+    manager.engine_urls = ["http://127.0.0.1:9", "http://127.0.0.1:11"]  # never called: no episode runs here
+    try:
+        rollouts = manager.driver._agent_runner().gateway  # started before the first adapter, as in a run
+        manager.serve_adapter("tidal-lora-v1", 1)  # no engine worker here: the driver's clients are what is renamed
+        manager.driver.evaluate_agents([], 1, eval_sampling_params(job.rollout, job.eval))  # started after it
+        evaluation = manager.driver.eval_agents.gateway
+        assert [c.lora_name for c in [*rollouts.engines, *evaluation.engines]] == ["tidal-lora-v1"] * 4
+        manager.serve_adapter("tidal-lora-v2", 2)
+        assert [c.lora_name for c in [*rollouts.engines, *evaluation.engines]] == ["tidal-lora-v2"] * 4
+
+        asks = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1.3, "stop": "yy"}
+        with caplog.at_level(logging.WARNING, logger="tidal.rollout.gateway.server"):
+            params = [rollouts.sampling_params(parse_request(asks), 3) for _ in range(2)]
+        assert params[0] == params[1]
+        sampled = {k: params[0][k] for k in ("temperature", "top_p", "top_k", "stop", "max_new_tokens")}
+        assert sampled == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "stop": ["yy", "zz"], "max_new_tokens": 7}
+        assert 3 in params[0]["stop_token_ids"] and tokenizer.eos_token_id in params[0]["stop_token_ids"]
+        assert caplog.text.count("an agent call asked for {'temperature': 1.3}") == 1  # logged once
+        greedy = evaluation.sampling_params(parse_request(asks), 3)
+        assert (greedy["temperature"], greedy["top_k"], greedy["stop"]) == (0.0, 5, ["yy", "zz"])
+    finally:
+        manager.driver.shutdown()

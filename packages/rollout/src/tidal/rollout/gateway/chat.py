@@ -50,8 +50,10 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    """None: the request gives none (the gateway's default applies, else 1.0)."""
+    top_p: float | None = None
+    """None: the request gives none (the gateway's default applies, else 1.0)."""
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -229,8 +231,8 @@ def parse_request(body: Any) -> ChatRequest:
         messages=_messages(body.get("messages")),
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-6),  # 0: the top token only
+        temperature=None if body.get("temperature") is None else _number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=None if body.get("top_p") is None else max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-6),  # 0: top token
         max_tokens=max_tokens,
         stop=_stop(body.get("stop")),
         stream=stream,

@@ -90,6 +90,8 @@ class Gateway:
         default_max_tokens: int | None = None,
         update_gate: UpdateGate | None = None,
         sampling_override: dict[str, Any] | None = None,
+        extra_stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
     ) -> None:
         """Describe the gateway; nothing listens until :meth:`start`.
 
@@ -109,7 +111,10 @@ class Gateway:
                 waits for the update before it resumes, so its next tokens come from the new weights (None: it
                 resumes at once).
             sampling_override: SGLang sampling parameters forced on every call whatever the request asks, e.g.
-                ``{"temperature": 0.0}`` for an evaluation's greedy episodes.
+                ``{"temperature": 0.0}`` for an evaluation's greedy episodes; the first call that asks for another
+                ``temperature`` or ``top_p`` is logged (a warning, once per gateway).
+            extra_stop_token_ids: Tokens that also end every answer, beside ``stop_token_ids`` (or its default).
+            stop: Strings that also end every answer, beside each request's own ``stop``.
         """
         engine_list = [engines] if hasattr(engines, "generate") else list(engines)  # type: ignore[arg-type]
         if not engine_list:
@@ -122,10 +127,13 @@ class Gateway:
         self.host, self.port, self.model_name = host, port, model_name
         limit = getattr(tokenizer, "model_max_length", None)
         self.context_length = context_length or (limit if isinstance(limit, int) and limit < 10**8 else None)
-        self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else self._default_stops()))
+        stops = stop_token_ids if stop_token_ids is not None else self._default_stops()
+        self.stop_token_ids = sorted({*stops, *extra_stop_token_ids})
+        self.stop_strings = list(stop)
         self.default_max_tokens = default_max_tokens
         self.update_gate = update_gate
         self.sampling_override = dict(sampling_override or {})
+        self._override_logged = False
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
@@ -217,8 +225,8 @@ class Gateway:
     def sampling_params(self, request: ChatRequest, prompt_len: int) -> dict[str, Any]:
         """SGLang sampling parameters of ``request`` (its answer capped to what the context has room for)."""
         params: dict[str, Any] = {
-            "temperature": request.temperature,
-            "top_p": request.top_p,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
             "stop_token_ids": self.stop_token_ids,
             "skip_special_tokens": False,
             "no_stop_trim": True,
@@ -235,13 +243,36 @@ class Gateway:
         wanted = request.max_tokens if request.max_tokens is not None else (self.default_max_tokens or room)
         if wanted is not None:
             params["max_new_tokens"] = min(wanted, room) if room is not None else wanted
-        if request.stop:
-            params["stop"] = request.stop
+        if stops := self._stops(request):
+            params["stop"] = stops
         if request.seed is not None:
             params["sampling_seed"] = request.seed
         if request.logit_bias:
             params["logit_bias"] = request.logit_bias
+        self._log_override(request)
         return params | self.sampling_override
+
+    def _stops(self, request: ChatRequest) -> list[str]:
+        """The request's stop strings, then the gateway's own (``stop_strings``) it does not already list."""
+        return [*request.stop, *(s for s in self.stop_strings if s not in request.stop)]
+
+    def _log_override(self, request: ChatRequest) -> None:
+        """Warn once when a call asks for a temperature or top-p other than the one ``sampling_override`` forces."""
+        asked = {"temperature": request.temperature, "top_p": request.top_p}
+        differ = {
+            k: v
+            for k, v in asked.items()
+            if v is not None and k in self.sampling_override and v != self.sampling_override[k]
+        }
+        if differ and not self._override_logged:
+            self._override_logged = True
+            forced = {k: self.sampling_override[k] for k in differ}
+            logger.warning(
+                "an agent call asked for %s; every call samples at the run's %s (the trainer's log-probs assume it): "
+                "logged once",
+                differ,
+                forced,
+            )
 
     async def complete(
         self, session: Session, request: ChatRequest, *, on_tokens: Callable[[list[int]], None] | None = None
@@ -343,7 +374,7 @@ class Gateway:
         )
         visible = ids[:-1] if ids and out["finish_reason"] == "stop" and ids[-1] in self.stop_token_ids else ids
         text = self.tokenizer.decode(visible, skip_special_tokens=False)
-        for stop in request.stop:  # a matched stop string is not part of the answer (its tokens stay sampled)
+        for stop in self._stops(request):  # a matched stop string is not part of the answer (its tokens stay sampled)
             if stop in text:
                 text = text[: text.index(stop)]
         content, calls = parse_tool_calls(text) if request.parse_tools else (text, [])
