@@ -25,6 +25,18 @@ from tidal.train.flags import build_parser
             ["--agent-function-path", "asyncio:sleep", "--agent-max-concurrency", "0"],
             "--agent-max-concurrency must be >= 1",
         ),
+        (  # the agent's reward is the episode's: a reward function would be loaded and never called
+            ["--agent-function-path", "asyncio:sleep", "--custom-rm-path", "json:loads"],
+            "--agent-function-path scores each episode with the reward its agent returns, so --custom-rm-path",
+        ),
+        (  # given by the user (the embedded recipe's own --rm-type is taken: the tests above run on it)
+            ["--agent-function-path", "asyncio:sleep", "--rm-type", "exact_match"],
+            "--agent-function-path scores each episode with the reward its agent returns, so --rm-type would be",
+        ),
+        (
+            ["--recipe", "embedded-moe", "--agent-function-path", "asyncio:sleep", "--use-rollout-routing-replay"],
+            "--use-rollout-routing-replay with --agent-function-path is not supported",
+        ),
     ],
 )
 def test_bad_agent_options_are_one_line(argv, expected) -> None:
@@ -81,6 +93,25 @@ def test_partial_rollout_with_agents_is_taken_and_needs_no_router() -> None:
     check_router(job.rollout, SimpleNamespace(num_engines=2))  # the gateway reaches each engine itself
     with pytest.raises(ValueError, match="--partial-rollout with 2 engines sends every request through"):
         check_router(parse_job(["--partial-rollout", "--no-use-router"]).rollout, SimpleNamespace(num_engines=2))
+
+
+def test_agents_start_no_router_and_the_router_options_are_said_to_be_unused(caplog) -> None:
+    from tidal.train.checks import check_router
+
+    agents = ["--agent-function-path", "asyncio:sleep", "--rollout-external-engine-addrs", "h:1", "h:2"]
+    with caplog.at_level(logging.WARNING, logger="tidal.rollout.config"):
+        quiet = parse_job(agents)
+    assert not quiet.rollout.router_wanted(2) and "no sglang-router is started" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="tidal.rollout.config"):
+        job = parse_job(
+            [*agents, "--use-router", "--sglang-router-policy", "round_robin", "--sglang-router-cache-threshold", "0.3"]
+        )
+    assert not job.rollout.router_wanted(2)  # each episode stays on the engine its gateway session is pinned to
+    line = "--use-router / --sglang-router-* / --sglang-router-policy has no effect with --agent-function-path"
+    assert line in caplog.text and "no sglang-router is started" in caplog.text
+    assert parse_job(["--rollout-external-engine-addrs", "h:1", "h:2"]).rollout.router_wanted(2)  # without agents
+    dapo = parse_job([*agents, "--dynamic-sampling-filter-path", "reward_variance", "--no-use-router"])
+    check_router(dapo.rollout, SimpleNamespace(num_engines=2))  # agent groups need no router either
 
 
 def test_a_checkpoints_agent_groups_are_kept_for_the_pool_and_dropped_with_a_warning_elsewhere(caplog) -> None:
@@ -146,3 +177,15 @@ def test_agent_calls_sample_the_served_adapter_at_the_runs_sampling(tmp_path, ca
         assert (greedy["temperature"], greedy["top_k"], greedy["stop"]) == (0.0, 5, ["yy", "zz"])
     finally:
         manager.driver.shutdown()
+
+
+def test_an_agent_runs_effective_config_reruns_without_the_refused_rm_type(tmp_path) -> None:
+    from tidal.train.config_file import write_effective_config
+
+    job = parse_job(["--agent-function-path", "asyncio:sleep", "--output-dir", str(tmp_path / "run")])
+    path = write_effective_config(job, tmp_path / "run")
+    assert (
+        "rm-type" not in path.read_text() and "rm-type" in write_effective_config(parse_job([]), tmp_path).read_text()
+    )
+    again = parse_job(["--config", str(path), "--output-dir", str(tmp_path / "rerun")])
+    assert again.rollout.agent_function_path == "asyncio:sleep"
