@@ -152,17 +152,26 @@ class DriverRollouts:
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}
 
     def _agent_rollout(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
-        """``rollout_batch_size`` groups of agent episodes, through the gateway (started on first use)."""
+        """``rollout_batch_size`` groups of agent episodes, through the gateway (started on first use).
+
+        Under --use-fault-tolerance the engines whose server died are restarted (and given the current weights)
+        before each round after the first: the episodes a dead engine failed dropped their groups, which the next
+        round replaces, as it replaces a group dynamic sampling drops (``rollout/agent/engines_restarted``).
+        """
         from tidal.rollout import agent_rollout
 
         runner = self._agent_runner()
         size = self.cfg.over_sampling_batch_size or self.rollout_batch_size
         max_rounds = self.cfg.dynamic_sampling_max_rounds
+        restarted = 0
 
         def rows_of_round(round_no: int) -> list[tuple[dict, object]]:
+            nonlocal restarted
             if round_no == 1:
                 prompts = self.data.batch(rollout_id, size)
             else:  # a failed or filtered group is replaced from dynamic sampling's second prompt order
+                if self.fault_tolerant:  # an engine that died failed its episodes: bring it back first
+                    restarted += self.engines.restart_dead_engines()
                 prompts = self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)
             return [(p.row if p.row is not None else {"prompt": p.text}, p.label) for p in prompts]
 
@@ -188,6 +197,8 @@ class DriverRollouts:
 
         episodes = num_episodes(result.samples)  # an episode that forked gave one sample per trajectory
         assert episodes == self.rollout_batch_size * self.cfg.n_samples_per_prompt, (episodes, len(result.samples))
+        if self.fault_tolerant:
+            return result.samples, {**result.metrics, "rollout/agent/engines_restarted": float(restarted)}
         return result.samples, result.metrics
 
     def evaluate_agents(self, prompts: list, n: int, sampling_params: dict[str, Any]) -> tuple[list[list[float]], int]:

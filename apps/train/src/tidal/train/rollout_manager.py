@@ -459,13 +459,17 @@ class RolloutManager:
             self.driver_client = self.engine_client(self.engine_urls[0])
         return self.driver_client
 
-    def restart_dead_engines(self) -> None:
-        """Under --use-fault-tolerance: restart the engines whose server died, sync them, then the router."""
-        restarted = ray.get([engine.ensure_alive.remote() for engine in self.engines])
+    def restart_dead_engines(self) -> int:
+        """Under --use-fault-tolerance: restart the engines whose server died, sync them, then the router; how many.
+
+        The engines' URLs stay the same: the driver's clients and the agent gateways' reach the restarted servers.
+        """
+        restarted = sum(ray.get([engine.ensure_alive.remote() for engine in self.engines]))
         self.resync_restarted()
         if self.router is not None:
             self.router.restart()
-        logger.info("restarted %d engine(s)%s", sum(restarted), " and the router" if self.router else "")
+        logger.info("restarted %d engine(s)%s", restarted, " and the router" if self.router else "")
+        return restarted
 
     def restart_dead(self) -> list[int]:
         """Under --use-fault-tolerance, restart the engines whose server died (and then the router); their indices.
