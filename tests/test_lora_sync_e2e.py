@@ -4,7 +4,9 @@ Two runs, each launching its own SGLang server (LoRA serving is a launch flag: t
 
 - co-located (the tensor transport): four rollouts with --check-weight-update-equal and --use-fault-tolerance; the
   server is SIGKILLed once rollout 1 is recorded, restarted, and given the current adapter before it serves again;
-- --update-weight-transport disk: two rollouts, each adapter loaded from the PEFT folder the actor wrote.
+- --update-weight-transport disk, on --recipe embedded-agent (every sample an agent's, every call through the agent
+  gateway): three rollouts, each adapter loaded from the PEFT folder the actor wrote; the engine's log-probs of the
+  agent's samples are the actor's.
 
 After each training step the engine serving base + adapter gives the actor's log-probs (the probe), the version the
 engines report advances with each sync, and the bytes sent are the adapter's, not the model's.
@@ -61,9 +63,11 @@ def tensor_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def disk_run(tmp_path_factory):
+    """Over disk, on the embedded agent recipe: its agent makes every rollout's and evaluation's samples."""
     out = tmp_path_factory.mktemp("lora_disk")
-    args = [*COMMON, "--num-rollout", "2", "--lora-rank", str(RANK), "--lora-alpha", "16", "--lr", "2e-3",
-            "--update-weight-transport", "disk", "--check-weight-update-equal"]  # fmt: skip
+    args = ["--recipe", "embedded-agent", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+            "--num-eval-prompts", "4", "--num-rollout", "3", "--lora-rank", str(RANK), "--lora-alpha", "16",
+            "--lr", "2e-3", "--update-weight-transport", "disk", "--check-weight-update-equal"]  # fmt: skip
     code, log, leftovers = _train(args, out=out)
     return out, code, log, leftovers
 
@@ -112,19 +116,22 @@ def test_a_restarted_engine_gets_the_current_adapter_before_it_serves(tensor_run
 
 
 def test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept(disk_run):
-    from tidal.train.embedded_model import embedded_model_path
+    from tidal.train.embedded_model import CHAT_SPEC, embedded_model_path
 
     out, code, log, leftovers = disk_run
     assert code == 0, log[-6000:]
     assert not leftovers, leftovers
     records = _records(out)
-    assert [r["rollout"] for r in records] == [0, 1]
+    assert [r["rollout"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["weight_sync/transport"] == "disk"
         assert r["weight_sync/probe_logprob_abs_diff/mean"] < 1e-4, r
         assert r["rollout/weight_version"] == r["rollout"]
+        # the agent's calls sampled base + the synced adapter: the engine's log-probs are the actor's (fp32)
+        assert r["rollout/agent/episodes"] == 16 and r["rollout/agent/failed"] == 0, r
+        assert r["rollout/logprob_abs_diff/mean"] < 1e-3 and r["rollout/logprob_abs_diff/max"] < 1e-2, r
     # adapter_model.safetensors: the fp32 adapter and a small header
-    assert 0 < records[-1]["weight_sync/mb"] * 2**20 - _adapter_bytes(embedded_model_path()) < 64 * 1024
-    assert sorted(p.name for p in (out / "weights").iterdir()) == ["lora_v000002"]
-    config = json.loads((out / "weights" / "lora_v000002" / "adapter_config.json").read_text())
+    assert 0 < records[-1]["weight_sync/mb"] * 2**20 - _adapter_bytes(embedded_model_path(spec=CHAT_SPEC)) < 64 * 1024
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["lora_v000003"]
+    config = json.loads((out / "weights" / "lora_v000003" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, 16.0)

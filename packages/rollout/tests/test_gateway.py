@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 
@@ -144,17 +145,26 @@ def test_tools_reach_the_template_and_sampling_options_reach_sglang(gateway: Gat
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_a_sampling_override_wins_over_the_request(recording: Recording, chat_tokenizer) -> None:
-    # what evaluation's gateway does: every call greedy, whatever temperature the agent asks for
+def test_a_sampling_override_wins_over_the_request(recording: Recording, chat_tokenizer, caplog) -> None:
+    # what evaluation's gateway does: every call greedy, whatever temperature the agent asks for; and the run's
+    # stop strings and stop tokens beside the call's own
     forced = {"temperature": 0.0, "top_p": 1.0}
-    with Gateway(recording, chat_tokenizer, api_key="k", sampling_override=forced) as gw:
+    run = {"stop": ["zz"], "extra_stop_token_ids": [7]}
+    with (
+        caplog.at_level(logging.WARNING, logger="tidal.rollout.gateway.server"),
+        Gateway(recording, chat_tokenizer, api_key="k", sampling_override=forced, **run) as gw,
+    ):
         client = openai.OpenAI(base_url=gw.session_url(gw.open_session()), api_key="k", max_retries=0)
         answers = [
             client.chat.completions.create(model="m", messages=USER, max_tokens=4, temperature=1.5, top_p=0.5)
             for _ in range(2)
         ]
+        client.chat.completions.create(model="m", messages=USER, max_tokens=4, stop="yy")
     sent = [call["params"] for call in recording.calls]
-    assert [(p["temperature"], p["top_p"], p["max_new_tokens"]) for p in sent] == [(0.0, 1.0, 4)] * 2
+    assert [(p["temperature"], p["top_p"], p["max_new_tokens"]) for p in sent] == [(0.0, 1.0, 4)] * 3
+    assert [p["stop"] for p in sent] == [["zz"], ["zz"], ["yy", "zz"]]
+    assert all(7 in p["stop_token_ids"] and chat_tokenizer.eos_token_id in p["stop_token_ids"] for p in sent)
+    assert caplog.text.count("an agent call asked for {'temperature': 1.5, 'top_p': 0.5}") == 1  # logged once
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content  # greedy: the same
 
 

@@ -355,8 +355,9 @@ def check_router(rollout, placement) -> None:
     """
     engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
     # agents reach every engine through their gateway, which pins each session to one: no router needed
-    partial = rollout.partial_rollout and not rollout.agent_function_path
-    driver_side = partial or rollout.dynamic_sampling_filter_path is not None
+    agents = rollout.agent_function_path is not None
+    partial = rollout.partial_rollout and not agents
+    driver_side = partial or (rollout.dynamic_sampling_filter_path is not None and not agents)
     if rollout.custom_generate_function_path and rollout.partial_rollout:
         raise ValueError(
             "--partial-rollout resumes a cut response as one continuation, and a --custom-generate-function-path "

@@ -59,6 +59,11 @@ def parse_job(argv: list[str]) -> JobConfig:
     # A missing --recipe is reported with the other problems, which are checked against the default recipe.
     recipe = problems.run(recipe_for, given.pop("recipe", None), given) or DEFAULT_RECIPE
     values = {**recipe_options(recipe), **given}
+    if values.get("agent_function_path") and "rm_type" in given:  # a recipe's --rm-type is its plain runs'
+        problems.add(
+            "--agent-function-path scores each episode with the reward its agent returns, so --rm-type would be "
+            "ignored: drop --rm-type (score inside the agent)"
+        )
     if values.get("rollout_external_engine_addrs"):
         # Servers run elsewhere: this job places no engine (an explicit --rollout-num-gpus N > 0 is refused).
         values.setdefault("rollout_num_gpus", 0)

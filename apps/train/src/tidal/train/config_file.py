@@ -110,7 +110,8 @@ _PER_INVOCATION = ("overwrite_output_dir",)  # said for one command, not part of
 def effective_options(job) -> dict[str, Any]:
     """Every ``train`` option's value in ``job`` (a JobConfig), keyed by flag name: a file ``--config`` reads back.
 
-    Unset (None) and empty values are left out: they are every recipe's (a recipe sets values, never None).
+    Unset (None) and empty values are left out: they are every recipe's (a recipe sets values, never None); so
+    is ``--rm-type`` with agents (each episode's reward is its agent's).
     """
     from tidal.train.flags import options
 
@@ -123,6 +124,8 @@ def effective_options(job) -> dict[str, Any]:
             option.name == "save" and value == str(Path(job.train.output_dir) / "ckpt")
         ):
             continue  # a rerun with another --output-dir must not write into this run's folder
+        if option.name == "rm_type" and job.rollout.agent_function_path:
+            continue  # agents score their own episodes: a rerun given --rm-type would be refused
         if option.kwargs.get("action") == "store_false":  # --no-recompute-lm-head: the option negates the field
             value = not value
         elif option.name == "ray_env":

@@ -152,17 +152,26 @@ class DriverRollouts:
         return list(result.samples), {k: float(v) for k, v in result.metrics.items()}
 
     def _agent_rollout(self, rollout_id: int) -> tuple[list, dict[str, Any]]:
-        """``rollout_batch_size`` groups of agent episodes, through the gateway (started on first use)."""
+        """``rollout_batch_size`` groups of agent episodes, through the gateway (started on first use).
+
+        Under --use-fault-tolerance the engines whose server died are restarted (and given the current weights)
+        before each round after the first: the episodes a dead engine failed dropped their groups, which the next
+        round replaces, as it replaces a group dynamic sampling drops (``rollout/agent/engines_restarted``).
+        """
         from tidal.rollout import agent_rollout
 
         runner = self._agent_runner()
         size = self.cfg.prompts_per_round(self.rollout_batch_size)
         max_rounds = self.cfg.dynamic_sampling_max_rounds
+        restarted = 0
 
         def rows_of_round(round_no: int) -> list[tuple[dict, object]]:
+            nonlocal restarted
             if round_no == 1:
                 prompts = self.data.batch(rollout_id, size)
             else:  # a failed or filtered group is replaced from dynamic sampling's second prompt order
+                if self.fault_tolerant:  # an engine that died failed its episodes: bring it back first
+                    restarted += self.engines.restart_dead_engines()
                 prompts = self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)
             return [(p.row if p.row is not None else {"prompt": p.text}, p.label) for p in prompts]
 
@@ -188,21 +197,19 @@ class DriverRollouts:
 
         episodes = num_episodes(result.samples)  # an episode that forked gave one sample per trajectory
         assert episodes == self.rollout_batch_size * self.cfg.n_samples_per_prompt, (episodes, len(result.samples))
+        if self.fault_tolerant:
+            return result.samples, {**result.metrics, "rollout/agent/engines_restarted": float(restarted)}
         return result.samples, result.metrics
 
     def evaluate_agents(self, prompts: list, n: int, sampling_params: dict[str, Any]) -> tuple[list[list[float]], int]:
         """Rewards of ``n`` agent episodes of each held-out prompt (``[prompt][episode]``), and how many failed.
 
-        Every call of these episodes samples at ``sampling_params``' temperature and top-p, whatever the agent
-        asks (evaluation's ``--eval-temperature``, 0: greedy); a failed episode scores 0 (its traceback goes to
-        ``agent_eval_failures.log``, beside the rollouts' ``agent_failures.log``).
+        Every call of these episodes samples at ``sampling_params``' temperature, top-p and top-k, whatever the agent
+        asks (evaluation's ``--eval-temperature``, 0: greedy), and stops at its stops; a failed episode scores 0 (its
+        traceback goes to ``agent_eval_failures.log``, beside the rollouts' ``agent_failures.log``).
         """
         if self.eval_agents is None:
-            forced = {"temperature": sampling_params["temperature"], "top_p": sampling_params["top_p"]}
-            max_tokens = sampling_params.get("max_new_tokens", self.cfg.rollout_max_response_len)
-            self.eval_agents = self._start_runner(
-                n, default_max_tokens=max_tokens, sampling_override=forced, log_name="agent_eval_failures.log"
-            )
+            self.eval_agents = self._start_runner(n, sampling_params, log_name="agent_eval_failures.log")
         rows = [p.row if p.row is not None else {"prompt": p.text} for p in prompts]
         groups = self.eval_agents.run_groups(rows, [p.label for p in prompts])
         rewards = [[r.reward if r.failure is None else 0.0 for r in group] for group in groups]
@@ -215,9 +222,7 @@ class DriverRollouts:
                 from tidal.rollout import CallHold
 
                 self.agent_hold = CallHold(timeout_s=cfg.rollout_request_timeout_s)
-            self.agents = self._start_runner(
-                cfg.n_samples_per_prompt, default_max_tokens=cfg.rollout_max_response_len, hold=self.agent_hold
-            )
+            self.agents = self._start_runner(cfg.n_samples_per_prompt, cfg.sampling_params(), hold=self.agent_hold)
         return self.agents
 
     def _agent_pool(self):
@@ -240,33 +245,30 @@ class DriverRollouts:
         if self.agent_hold is not None:
             self.agent_hold.release()
 
-    def _start_runner(
-        self,
-        n: int,
-        *,
-        default_max_tokens: int,
-        sampling_override: dict[str, Any] | None = None,
-        log_name: str = "agent_failures.log",
-        hold=None,
-    ):
+    def _start_runner(self, n: int, sampling: dict[str, Any], *, log_name: str = "agent_failures.log", hold=None):
         """A started gateway over every engine and an episode runner of ``n`` episodes a row on it.
 
-        ``hold`` (a ``CallHold``), when given, stops the gateway's engine calls while it is held.
+        ``sampling`` (SGLang sampling parameters: the rollout's, or evaluation's) rules every call: its temperature,
+        top-p and top-k whatever the agent asks (a call asking another is logged once), its stop strings and stop
+        tokens beside the call's own, its ``max_new_tokens`` when the call gives no ``max_tokens``. ``hold`` (a
+        ``CallHold``), when given, stops the gateway's engine calls while it is held.
         """
-        from tidal.rollout import AgentRunner, Gateway, SGLangClient
+        from tidal.rollout import AgentRunner, Gateway
 
         cfg = self.cfg
         # One client per engine: the gateway pins each session to one engine (its prefix cache stays warm). The
-        # manager's config, not the job's, holds the key it generated for servers on node addresses.
-        clients = [SGLangClient.from_config(self.engines.cfg, url) for url in self.engines.engine_urls]
+        # manager makes them, with its key and the LoRA adapter it serves (renamed at each adapter sync).
+        clients = [self.engines.engine_client(url) for url in self.engines.engine_urls]
         if hold is not None:
             clients = [hold.wrap(client) for client in clients]
         gateway = Gateway(
             clients,
             self.tokenizer,
             max_concurrent_calls=cfg.agent_max_concurrency,
-            default_max_tokens=default_max_tokens,
-            sampling_override=sampling_override,
+            default_max_tokens=sampling["max_new_tokens"],
+            sampling_override={k: sampling[k] for k in ("temperature", "top_p", "top_k")},
+            extra_stop_token_ids=sampling.get("stop_token_ids", ()),
+            stop=sampling.get("stop", ()),
             update_gate=self.engines.update_gate,  # --max-staleness: a cut call resumes after the update
             tool_call_parser=cfg.tool_call_parser,
         ).start()

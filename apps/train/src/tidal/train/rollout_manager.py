@@ -133,6 +133,7 @@ class RolloutManager:
         self.router = None
         self.driver_client = None
         """The driver's own client of the one engine (partial rollout, DAPO without a router); made on first use."""
+        self._clients: list = []  # every client engine_client made: serve_adapter names the adapter on each
         self._starting: list = []
         self.weight_source: Callable[[RestartedEngines], Any] | None = None
         """Gives restarted engines the current weights (the actor group's ``resync``); None: no actor."""
@@ -406,18 +407,36 @@ class RolloutManager:
     def serve_adapter(self, name: str, version: int, path: str | None = None, *, only: Sequence[int] | None = None):
         """Every engine (of ``only``) serves LoRA adapter ``name`` as ``version`` (``path``: its PEFT folder first).
 
-        Every later ``/generate`` names it: the engines' own, the router's and the driver's.
+        Every later ``/generate`` names it: the engines' own, the router's, the driver's and the agent gateways'.
         """
-        ray.get([e.serve_adapter.remote(name, str(version), path) for e in self._some(only)])
+        engines = self._some(only)
+        if engines:
+            ray.get([e.serve_adapter.remote(name, str(version), path) for e in engines])
         self.lora_name = name
-        for client in (self.router, self.driver_client):
-            if client is not None:
-                client.lora_name = name
+        for client in self._driver_clients():
+            client.lora_name = name
+
+    def engine_client(self, url: str):
+        """An SGLang client of the engine at ``url`` for the driver (the driver's own, the agent gateways').
+
+        The one place the driver makes such a client: the run's API key, request timeout and retries, and the LoRA
+        adapter the engines serve now; :meth:`serve_adapter` names each later adapter on every client made here.
+        """
+        from tidal.rollout import SGLangClient
+
+        client = SGLangClient.from_config(self.cfg, url)
+        client.lora_name = self.lora_name
+        self._clients.append(client)
+        return client
+
+    def _driver_clients(self) -> list:
+        """The router's client, if any, and every client :meth:`engine_client` made."""
+        return ([self.router] if self.router is not None else []) + self._clients
 
     def http_retries(self) -> int:
-        """Requests sent again after a transient failure so far, by every client (engines, router, driver)."""
+        """Requests sent again after a transient failure so far, by every client (engines, router, driver, agents)."""
         total = sum(ray.get([e.http_retries.remote() for e in self.engines])) if self.engines else 0
-        return total + sum(c.http_retries for c in (self.router, self.driver_client) if c is not None)
+        return total + sum(c.http_retries for c in self._driver_clients())
 
     def carry_state(self) -> list | None:
         """Partial rollout's carried groups as plain data for the checkpoint (None when nothing is carried)."""
@@ -429,8 +448,6 @@ class RolloutManager:
 
     def driver_target(self):
         """Where the driver sends requests itself: the router, or the one engine's URL (partial rollout, DAPO)."""
-        from tidal.rollout import SGLangClient
-
         if self.router is not None:
             return self.router
         if len(self.engine_urls) > 1:
@@ -439,17 +456,20 @@ class RolloutManager:
                 "request through the router: drop --no-use-router"
             )
         if self.driver_client is None:  # one client for the run: its pooled connections and retry count persist
-            self.driver_client = SGLangClient.from_config(self.cfg, self.engine_urls[0])
-            self.driver_client.lora_name = self.lora_name
+            self.driver_client = self.engine_client(self.engine_urls[0])
         return self.driver_client
 
-    def restart_dead_engines(self) -> None:
-        """Under --use-fault-tolerance: restart the engines whose server died, sync them, then the router."""
-        restarted = ray.get([engine.ensure_alive.remote() for engine in self.engines])
+    def restart_dead_engines(self) -> int:
+        """Under --use-fault-tolerance: restart the engines whose server died, sync them, then the router; how many.
+
+        The engines' URLs stay the same: the driver's clients and the agent gateways' reach the restarted servers.
+        """
+        restarted = sum(ray.get([engine.ensure_alive.remote() for engine in self.engines]))
         self.resync_restarted()
         if self.router is not None:
             self.router.restart()
-        logger.info("restarted %d engine(s)%s", sum(restarted), " and the router" if self.router else "")
+        logger.info("restarted %d engine(s)%s", restarted, " and the router" if self.router else "")
+        return restarted
 
     def restart_dead(self) -> list[int]:
         """Under --use-fault-tolerance, restart the engines whose server died (and then the router); their indices.

@@ -204,6 +204,28 @@ class RolloutConfig:
                 "--agent-function-path and --custom-generate-function-path exclude each other (not supported yet); "
                 "drop one"
             )
+        if self.custom_rm_path is not None:
+            raise ValueError(
+                "--agent-function-path scores each episode with the reward its agent returns, so --custom-rm-path "
+                "would be ignored: drop --custom-rm-path (call that reward function inside the agent)"
+            )
+        if self.return_routed_experts:
+            raise ValueError(
+                "--use-rollout-routing-replay with --agent-function-path is not supported: the agent gateway does "
+                "not record the routed experts of each call; drop one of them"
+            )
+        router_options = (
+            ("--use-router", self.use_router),
+            ("--sglang-router-*", self.sglang_router_args),
+            ("--sglang-router-policy", self.sglang_router_policy != "cache_aware"),
+        )
+        router = [flag for flag, given in router_options if given]
+        if router:
+            logger.warning(
+                "%s has no effect with --agent-function-path: the agent gateway pins each episode to one engine "
+                "itself, so no sglang-router is started",
+                " / ".join(router),
+            )
 
     def _check_sampling_strategy(self) -> None:
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < 1:
@@ -248,7 +270,12 @@ class RolloutConfig:
         return (self.over_sampling_batch_size if self._over_samples() else None) or rollout_batch_size
 
     def router_wanted(self, num_engines: int) -> bool:
-        """Whether requests go through sglang-router: ``use_router`` if set, else when there are several engines."""
+        """Whether requests go through sglang-router: ``use_router`` if set, else when there are several engines.
+
+        Never with agents: their gateway pins each episode (session) to one engine itself.
+        """
+        if self.agent_function_path is not None:
+            return False
         return num_engines > 1 if self.use_router is None else self.use_router
 
     def sampling_params(self) -> dict[str, Any]:

@@ -47,8 +47,10 @@ class ChatRequest:
     """False: at most one tool call per answer."""
     json_schema: str | None = None
     """The JSON schema the answer is constrained to (``response_format`` json_schema or json_object)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    """None: the request gives none (the gateway's default applies, else 1.0)."""
+    top_p: float | None = None
+    """None: the request gives none (the gateway's default applies, else 1.0)."""
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     max_tokens: int | None = None
@@ -305,8 +307,8 @@ def parse_request(body: Any) -> ChatRequest:
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=parallel,
         json_schema=_response_format(body.get("response_format")),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-6),  # 0: the top token only
+        temperature=None if body.get("temperature") is None else _number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=None if body.get("top_p") is None else max(_number(body, "top_p", 1.0, 0.0, 1.0), 1e-6),  # 0: top token
         presence_penalty=_optional_number(body, "presence_penalty", -2.0, 2.0),
         frequency_penalty=_optional_number(body, "frequency_penalty", -2.0, 2.0),
         max_tokens=max_tokens,

@@ -95,6 +95,8 @@ class Gateway:
         update_gate: UpdateGate | None = None,
         sampling_override: dict[str, Any] | None = None,
         tool_call_parser: str | None = None,
+        extra_stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
     ) -> None:
         """Describe the gateway; nothing listens until :meth:`start`.
 
@@ -114,10 +116,13 @@ class Gateway:
                 waits for the update before it resumes, so its next tokens come from the new weights (None: it
                 resumes at once).
             sampling_override: SGLang sampling parameters forced on every call whatever the request asks, e.g.
-                ``{"temperature": 0.0}`` for an evaluation's greedy episodes.
+                ``{"temperature": 0.0}`` for an evaluation's greedy episodes; the first call that asks for another
+                ``temperature`` or ``top_p`` is logged (a warning, once per gateway).
             tool_call_parser: SGLang's name of the parser that reads the model's tool calls (``hermes``,
                 ``llama3``, ``qwen3_coder``, ...; see :mod:`.tool_calls`); None: the one the chat template's tool-call
                 markers call for, and calls with tools are refused when it has none.
+            extra_stop_token_ids: Tokens that also end every answer, beside ``stop_token_ids`` (or its default).
+            stop: Strings that also end every answer, beside each request's own ``stop``.
         """
         engine_list = [engines] if hasattr(engines, "generate") else list(engines)  # type: ignore[arg-type]
         if not engine_list:
@@ -130,13 +135,16 @@ class Gateway:
         self.host, self.port, self.model_name = host, port, model_name
         limit = getattr(tokenizer, "model_max_length", None)
         self.context_length = context_length or (limit if isinstance(limit, int) and limit < 10**8 else None)
-        self.stop_token_ids = sorted(set(stop_token_ids if stop_token_ids is not None else self._default_stops()))
+        stops = stop_token_ids if stop_token_ids is not None else self._default_stops()
+        self.stop_token_ids = sorted({*stops, *extra_stop_token_ids})
+        self.stop_strings = list(stop)
         self.default_max_tokens = default_max_tokens
         self.update_gate = update_gate
         self.sampling_override = dict(sampling_override or {})
         parser = tool_call_parser or parser_for_template(tokenizer.chat_template)
         self.tool_format = ToolCallFormat(parser, tokenizer) if parser is not None else None
         """How the model writes tool calls (None: unknown, so requests with tools are refused)."""
+        self._override_logged = False
         self.sessions: dict[str, Session] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_calls, thread_name_prefix="tidal-gateway")
         self._server: Any = None
@@ -239,8 +247,8 @@ class Gateway:
                 ``tool_choice`` / ``parallel_tool_calls`` the tool-call format cannot enforce.
         """
         params: dict[str, Any] = {
-            "temperature": request.temperature,
-            "top_p": request.top_p,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "top_p": 1.0 if request.top_p is None else request.top_p,
             "stop_token_ids": self.stop_token_ids,
             "skip_special_tokens": False,
             "no_stop_trim": True,
@@ -258,7 +266,7 @@ class Gateway:
         wanted = request.max_tokens if request.max_tokens is not None else (self.default_max_tokens or room)
         if wanted is not None:
             params["max_new_tokens"] = min(wanted, room) if room is not None else wanted
-        stops = [*request.stop, *tool_params.pop("stop", [])]
+        stops = [*self._stops(request), *tool_params.pop("stop", [])]
         if stops:
             params["stop"] = stops
         params |= tool_params
@@ -273,7 +281,30 @@ class Gateway:
             params["sampling_seed"] = request.seed
         if request.logit_bias:
             params["logit_bias"] = request.logit_bias
+        self._log_override(request)
         return params | self.sampling_override
+
+    def _stops(self, request: ChatRequest) -> list[str]:
+        """The request's stop strings, then the gateway's own (``stop_strings``) it does not already list."""
+        return [*request.stop, *(s for s in self.stop_strings if s not in request.stop)]
+
+    def _log_override(self, request: ChatRequest) -> None:
+        """Warn once when a call asks for a temperature or top-p other than the one ``sampling_override`` forces."""
+        asked = {"temperature": request.temperature, "top_p": request.top_p}
+        differ = {
+            k: v
+            for k, v in asked.items()
+            if v is not None and k in self.sampling_override and v != self.sampling_override[k]
+        }
+        if differ and not self._override_logged:
+            self._override_logged = True
+            forced = {k: self.sampling_override[k] for k in differ}
+            logger.warning(
+                "an agent call asked for %s; every call samples at the run's %s (the trainer's log-probs assume it): "
+                "logged once",
+                differ,
+                forced,
+            )
 
     async def complete(
         self, session: Session, request: ChatRequest, *, on_tokens: Callable[[list[int]], None] | None = None
@@ -378,7 +409,7 @@ class Gateway:
         )
         visible = ids[:-1] if ids and out["finish_reason"] == "stop" and ids[-1] in self.stop_token_ids else ids
         text = self.tokenizer.decode(visible, skip_special_tokens=False)
-        for stop in request.stop:  # a matched stop string is not part of the answer (its tokens stay sampled)
+        for stop in self._stops(request):  # a matched stop string is not part of the answer (its tokens stay sampled)
             if stop in text:
                 text = text[: text.index(stop)]
         tools = self.tool_format if request.parse_tools else None
