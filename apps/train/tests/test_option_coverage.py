@@ -28,7 +28,7 @@ LORA = "packages/actor/tests/test_lora.py"
 MOE = "packages/actor/tests/test_moe.py"
 WANDB = "apps/train/tests/test_wandb_run.py"
 BAD_CONFIG = "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"
-LOSS = "packages/actor/tests/test_loss.py"
+SETTINGS = "packages/actor/tests/test_loss_settings.py"
 ADV = "packages/actor/tests/test_advantages.py"
 WEIGHTS = "packages/actor/tests/test_sample_weights.py"
 ACTOR = "packages/actor/tests/test_actor.py"
@@ -108,15 +108,15 @@ COVERED: dict[str, tuple[str, str]] = {
     "--wandb-group": (WANDB, "test_offline_run_holds_every_rollouts_metrics_and_says_where_it_is"),
     "--wandb-host": (WANDB, "test_online_goes_to_the_wandb_host_given"),
     # the loss, the advantages and the per-sample weights, from the actor's config
-    "--eps-clip": (LOSS, "test_ppo_clip_low_high_separately"),
-    "--eps-clip-high": (LOSS, "test_ppo_clip_low_high_separately"),
-    "--eps-clip-c": (LOSS, "test_dual_clip_reaches_the_loss_through_the_settings"),
-    "--kl-loss-type": (LOSS, "test_kl_estimators"),
-    "--kl-loss-coef": (LOSS, "test_actor_loss_matches_plain_reference_and_gradients_flow"),
-    "--entropy-coef": (LOSS, "test_actor_loss_matches_plain_reference_and_gradients_flow"),
-    "--use-tis": (LOSS, "test_tis_weights_each_token_by_the_truncated_engine_ratio"),
-    "--tis-clip": (LOSS, "test_tis_weights_each_token_by_the_truncated_engine_ratio"),
-    "--loss-type": (LOSS, "test_sft_loss_is_the_mean_negative_log_likelihood_per_sample"),
+    "--eps-clip": (SETTINGS, "test_the_clip_options_reach_the_loss_through_the_actor_config"),
+    "--eps-clip-high": (SETTINGS, "test_the_clip_options_reach_the_loss_through_the_actor_config"),
+    "--eps-clip-c": (SETTINGS, "test_the_clip_options_reach_the_loss_through_the_actor_config"),
+    "--kl-loss-type": (SETTINGS, "test_the_kl_and_entropy_options_reach_the_loss_through_the_actor_config"),
+    "--kl-loss-coef": (SETTINGS, "test_the_kl_and_entropy_options_reach_the_loss_through_the_actor_config"),
+    "--entropy-coef": (SETTINGS, "test_the_kl_and_entropy_options_reach_the_loss_through_the_actor_config"),
+    "--use-tis": (SETTINGS, "test_tis_and_the_loss_type_reach_the_loss_through_the_actor_config"),
+    "--tis-clip": (SETTINGS, "test_tis_and_the_loss_type_reach_the_loss_through_the_actor_config"),
+    "--loss-type": (SETTINGS, "test_tis_and_the_loss_type_reach_the_loss_through_the_actor_config"),
     "--advantage-estimator": (ADV, "test_reinforce_plus_plus_formula"),
     "--gamma": (ADV, "test_reinforce_plus_plus_formula"),
     "--kl-coef": (ADV, "test_kl_coef_shapes_the_advantage_per_token"),
