@@ -2,8 +2,8 @@
 
 Active only when the environment variable ``TIDAL_OPTION_MUTANT`` is set (tools/option_mutation.py sets it for
 the test runs it starts); nothing else turns it on, and unset every function here is a no-op. Its value names
-one option: ``--flag`` replaces the option's value by its default (as if neither a recipe, ``--config`` nor the
-command line gave it), ``--flag=VALUE`` by VALUE (``on``/``off`` for a switch, ``none`` for None, words split on
+one option: ``--FLAG`` replaces the option's value by its default (as if neither a recipe, ``--config`` nor the
+command line gave it), ``--FLAG=VALUE`` by VALUE (``on``/``off`` for a switch, ``none`` for None, words split on
 blanks for an option taking several values).
 
 The value is replaced where parsed values become configs, before validation:
@@ -56,7 +56,7 @@ class Mutant:
 
 
 def parse_mutant(text: str) -> Mutant:
-    """The mutant ``text`` (``--flag`` or ``--flag=VALUE``) names.
+    """The mutant ``text`` (``--FLAG`` or ``--FLAG=VALUE``) names.
 
     Raises:
         ValueError: no such option, or a VALUE its type does not take.
@@ -70,7 +70,7 @@ def parse_mutant(text: str) -> Mutant:
         return Mutant(flag, None, flag.removeprefix("--").replace("-", "_"))
     found = next((o for o in options() if flag in (o.flag, o.short)), None)
     if found is None:
-        raise ValueError(f"{ENV}={text}: {flag} is no option of `train --help`; give --flag or --flag=VALUE")
+        raise ValueError(f"{ENV}={text}: {flag} is no option of `train --help`; give --FLAG or --FLAG=VALUE")
     if not sep:
         return Mutant(found.flag, found.section, found.name)
     try:
@@ -168,7 +168,7 @@ def patch_configs() -> Mutant | None:
         if not _IN_PARSE_JOB.get():
             if mutant.to_default:
                 if default.default is dataclasses.MISSING and default.default_factory is dataclasses.MISSING:
-                    raise TypeError(f"{ENV}: {mutant.flag} is required; give its mutant a value (--flag=VALUE)")
+                    raise TypeError(f"{ENV}: {mutant.flag} is required; give its mutant a value (--FLAG=VALUE)")
                 kwargs.pop(mutant.name, None)
             else:
                 kwargs[mutant.name] = mutant.value
