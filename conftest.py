@@ -1,11 +1,15 @@
 """Repository-wide pytest hooks: hardware markers skip themselves when the hardware is absent.
 
+With ``TIDAL_OPTION_MUTANT`` set (only tools/option_mutation.py sets it), every config this test process builds
+carries that option mutant (:mod:`tidal.train.option_mutant`); unset, nothing changes.
+
 Also registers the hypothesis profile ``mutation`` (``--hypothesis-profile=mutation``, which tools/mutation.py's
 mutmut runs pass): fixed examples (the same verdict for a mutant on every run), no per-example deadline (mutmut's
 trampolines slow every call) and fewer examples per property.
 """
 
 import importlib.util
+import os
 
 import pytest
 
@@ -15,6 +19,14 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.register_profile(
         "mutation", max_examples=50, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     )
+
+
+def pytest_configure(config):
+    """Install the option mutant TIDAL_OPTION_MUTANT names, if any, before any test module is imported."""
+    if os.environ.get("TIDAL_OPTION_MUTANT"):
+        from tidal.train.option_mutant import patch_configs
+
+        patch_configs()
 
 
 def _cuda_device_count() -> int:

@@ -9,11 +9,17 @@ def test_derives_global_batch_size_from_steps():
     a = resolve_batch_arithmetic(rollout_batch_size=32, n_samples_per_prompt=8, num_steps_per_rollout=4, dp_size=8)
     assert (a.rollout_size, a.global_batch_size, a.num_steps_per_rollout, a.samples_per_rank) == (256, 64, 4, 8)
     assert [(s.start, s.stop) for s in a.step_slices()] == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    # --num-steps-per-rollout reaches the arithmetic through the config the app builds
+    config = BatchingConfig(rollout_batch_size=32, n_samples_per_prompt=8, num_steps_per_rollout=4)
+    assert config.resolve(dp_size=8) == a
 
 
 def test_derives_steps_from_global_batch_size_and_defaults_to_one_step():
     a = resolve_batch_arithmetic(rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=128)
     assert a.num_steps_per_rollout == 2
+    # --global-batch-size reaches the arithmetic through the config the app builds
+    config = BatchingConfig(rollout_batch_size=32, n_samples_per_prompt=8, global_batch_size=128)
+    assert config.resolve(dp_size=1) == a
     b = resolve_batch_arithmetic(rollout_batch_size=4, n_samples_per_prompt=2)
     assert (b.global_batch_size, b.num_steps_per_rollout) == (8, 1)
 

@@ -42,13 +42,13 @@ def parse_job(argv: list[str]) -> JobConfig:
         ValueError: naming the flag and the fix; independent problems come together, one per line
             (:class:`tidal.train.checks.ConfigErrors`).
     """
-    from tidal.train import checks
+    from tidal.train import checks, option_mutant
     from tidal.train.config_file import config_values, read_config_file
     from tidal.train.flags import SECTIONS, build_parser, options
     from tidal.train.recipes import DEFAULT_RECIPE, recipe_for, recipe_options
 
     parser = build_parser(("embedded", recipe_options("embedded")))  # --help shows the embedded recipe's values
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(option_mutant.neutralize_argv(argv))  # argv unless a mutant is set
     given = {k: v for k, v in vars(args).items() if v is not None}
     path = given.pop("config", None)
     given.pop("list_recipes", None)
@@ -58,7 +58,7 @@ def parse_job(argv: list[str]) -> JobConfig:
     problems = checks.Problems()
     # A missing --recipe is reported with the other problems, which are checked against the default recipe.
     recipe = problems.run(recipe_for, given.pop("recipe", None), given) or DEFAULT_RECIPE
-    values = {**recipe_options(recipe), **given}
+    values = option_mutant.neutralize_values({**recipe_options(recipe), **given})  # as merged, unless a mutant
     if values.get("agent_function_path") and "rm_type" in given:  # a recipe's --rm-type is its plain runs'
         problems.add(
             "--agent-function-path scores each episode with the reward its agent returns, so --rm-type would be "
@@ -71,7 +71,8 @@ def parse_job(argv: list[str]) -> JobConfig:
     for option in options():
         if option.name in values:
             sections[option.section][option.name] = values[option.name]
-    return _build_job(sections, unknown, parser, problems)
+    with option_mutant.parsing_job():
+        return _build_job(sections, unknown, parser, problems)
 
 
 def _unknown_problems(unknown: list[str], known: list[str]) -> list[str]:
@@ -263,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         return convert_main(argv[1:])
     setup_logging("train", terminal_marks=True)
     forward_ray_logs()  # before anything imports Ray
-    if "--list-recipes" in argv or _recipe_arg(argv) == "list":
+    from tidal.train.option_mutant import neutralize_argv
+
+    listing = neutralize_argv(argv)  # argv itself unless an option mutant drops an app option
+    if "--list-recipes" in listing or _recipe_arg(listing) == "list":
         from tidal.train.recipes import describe
 
         sys.stdout.write(describe() + "\n")

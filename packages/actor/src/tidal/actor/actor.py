@@ -24,7 +24,7 @@ from tidal.actor.errors import ActorError
 from tidal.actor.hf_config import read_hf_config, to_transformer_config
 from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
-from tidal.actor.loss import LossSettings, actor_loss, load_function, policy_loss_of
+from tidal.actor.loss import LossSettings, actor_loss, load_function
 from tidal.actor.main_params import MainParams
 from tidal.actor.memory_plan import MemoryInputs, ModelShape, largest_fitting_tokens
 from tidal.actor.offload import CPUOffloadAdamW, PinnedReservation, host_copy_shapes, move_tensors
@@ -143,19 +143,7 @@ class Actor:
             self.optimizer = CPUOffloadAdamW(self._optimizer_params(), **adam)
         else:
             self.optimizer = torch.optim.AdamW(self._optimizer_params(), fused=self.device.type == "cuda", **adam)
-        self.loss_settings = LossSettings(
-            eps_clip=cfg.eps_clip,
-            eps_clip_high=cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high,
-            kl_loss_coef=cfg.kl_loss_coef,
-            kl_loss_type=cfg.kl_loss_type,
-            entropy_coef=cfg.entropy_coef,
-            eps_clip_c=cfg.eps_clip_c,
-            use_tis=cfg.off_policy_correction,
-            tis_clip=cfg.tis_clip,
-            policy_loss=policy_loss_of(cfg.advantage_estimator),
-            loss_type=cfg.loss_type,
-            tis_mode=cfg.tis_mode,
-        )
+        self.loss_settings = LossSettings.of(cfg)
         self._loss_fn = actor_loss
         if cfg.loss_type == "custom_loss":
             self._loss_fn = load_function(cfg.custom_loss_function_path, flag="--custom-loss-function-path")

@@ -9,9 +9,13 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tidal.actor.advantages import compute_advantages, grpo_advantages, sequence_mean
+
+if TYPE_CHECKING:
+    from tidal.actor.config import ActorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +181,23 @@ class LossSettings:
     """Above the bound: "truncate" to it (TIS), or "mask" the token out of the loss (MIS) (``--tis-mode``)."""
     value_clip: float | None = None
     """The critic's value clipping range (``--value-clip``); None: unclipped squared error."""
+
+    @classmethod
+    def of(cls, cfg: ActorConfig) -> LossSettings:
+        """The actor's loss settings from its config (``--eps-clip-high`` unset: ``--eps-clip``)."""
+        return cls(
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high,
+            kl_loss_coef=cfg.kl_loss_coef,
+            kl_loss_type=cfg.kl_loss_type,
+            entropy_coef=cfg.entropy_coef,
+            eps_clip_c=cfg.eps_clip_c,
+            use_tis=cfg.off_policy_correction,
+            tis_clip=cfg.tis_clip,
+            policy_loss=policy_loss_of(cfg.advantage_estimator),
+            loss_type=cfg.loss_type,
+            tis_mode=cfg.tis_mode,
+        )
 
 
 def actor_loss(
