@@ -169,7 +169,7 @@ TEMPLATE = "{% for m in messages %}{{ m.role + ': ' + m.content + '\n' }}{% endf
 
 
 def test_agent_calls_sample_the_served_adapter_at_the_runs_sampling(tmp_path, caplog) -> None:
-    from tidal.rollout.gateway import parse_request
+    from tidal.rollout import parse_request
     from tidal.train.cluster import rollout_manager_of
     from tidal.train.embedded_model import ensure_embedded_model
     from tidal.train.rollout_manager import eval_sampling_params

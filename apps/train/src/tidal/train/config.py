@@ -294,6 +294,6 @@ class JobConfig:
     """Model, optimizer and loss."""
     ckpt: CkptConfig
     """Where checkpoints are loaded from and saved to."""
-    memory_choice: MemoryChoice | None = None
+    memory_choice: MemoryChoice | None = field(default=None, compare=False)
     """What ``auto`` budgets and recompute resolved to (tidal.train.auto_memory), for the run folder; None: none
-    was ``auto``."""
+    was ``auto``. A record, not an option: two jobs with the same options are equal whatever chose them."""

@@ -106,7 +106,7 @@ def check_memory(parallel, offloading, actor, batching, rollout, placement, hf_c
     fits = largest_fitting_tokens(shape, plan.inputs, gpu_bytes=gpu, engine_fraction=frac)
     longest = plan.inputs.longest_sequence
     if batching.use_dynamic_batch_size and 0 < fits < longest:  # a budget that fits but cannot hold a sample
-        from tidal.actor.auto_plan import fix_for_longest_sample
+        from tidal.actor import fix_for_longest_sample
 
         fix = fix_for_longest_sample(shape, plan.inputs, gpu_bytes=gpu, engine_fraction=frac, longest=longest)
         raise ValueError(

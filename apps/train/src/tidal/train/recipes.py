@@ -25,10 +25,16 @@ def register(fn: Recipe) -> Recipe:
     return fn
 
 
+AUTO_MEMORY = {"max_tokens_per_gpu": "auto", "log_probs_max_tokens_per_gpu": "auto", "recompute_activations": "auto"}
+"""What the recipes leave to the memory plan (``auto``)."""
+
+
 @register
 def base() -> dict[str, Any]:
     """The configs' own defaults (slime's): give --prompt-data and --rollout-batch-size (and --hf-checkpoint)."""
-    return {}
+    # On a GPU the memory plan picks the token budgets and the layers to recompute (the fastest configuration that
+    # fits, tidal.train.auto_memory); a value given on the command line or in --config is kept.
+    return dict(AUTO_MEMORY)
 
 
 @register
@@ -51,7 +57,7 @@ def embedded() -> dict[str, Any]:
         "rm_type": "numeric_match",
         "lr": 4e-4,
         "use_dynamic_batch_size": True,
-        "max_tokens_per_gpu": 8192,
+        **AUTO_MEMORY,  # on a CPU: no recompute and 8192 tokens, the budget measured here
         "eval_interval": 10,
         "num_eval_prompts": 256,
         "colocate": True,  # one CPU box: actor and engine share the (logical) GPU

@@ -21,7 +21,7 @@ sys.modules.setdefault("flash_mla", None)
 if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0")):
     sys.modules.setdefault("flashinfer", None)
 
-from tidal.actor.auto_plan import MemoryChoice, choose_memory_config  # noqa: E402
+from tidal.actor.auto_plan import MemoryChoice, choose_memory_config, fix_for_longest_sample  # noqa: E402
 from tidal.actor.config import ActorConfig  # noqa: E402
 from tidal.actor.errors import ActorError, ActorOutOfMemoryError  # noqa: E402
 from tidal.actor.memory_plan import (  # noqa: E402
@@ -107,6 +107,7 @@ __all__ = [
     "choose_memory_config",
     "data_parallel_rank_and_size",
     "destroy_distributed",
+    "fix_for_longest_sample",
     "gather_adapter_tensors",
     "init_distributed",
     "largest_fitting_tokens",

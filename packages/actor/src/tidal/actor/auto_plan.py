@@ -211,6 +211,15 @@ def choose_memory_config(
     ranked = sorted(candidates, key=lambda c: (-c.relative_speed, _recompute_order(c)))
     best = ranked[0]
     if best.relative_speed == 0.0:
+        if not choose_budget:  # the user's budget fits with no recompute setting: the plan's own check says so
+            return MemoryChoice(
+                max_tokens_per_gpu=inputs.train_tokens // cp,
+                recompute_activations=inputs.recompute_activations,
+                recompute_num_layers=inputs.recompute_num_layers,
+                log_probs_max_tokens_per_gpu=None,
+                reason="no recompute setting fits the given budget (the memory plan's check names what would)",
+                candidates=tuple(ranked),
+            )
         raise ValueError(_nothing_fits(shape, inputs, gpu_bytes, engine_fraction, longest_sample, need))
     logprob = None
     if choose_logprob_budget:

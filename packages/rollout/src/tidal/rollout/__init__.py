@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from tidal.rollout.engine_delta import DELTA_FILE, DELTA_REPORT, DELTA_ROUTE, delta_checksum, encode_delta
     from tidal.rollout.gateway.agents import AgentRunner, agent_rollout, load_agent_fn
     from tidal.rollout.gateway.partial_agents import AgentGroupPool, CallHold, partial_agent_rollout
+    from tidal.rollout.gateway.request import parse_request
     from tidal.rollout.gateway.server import Gateway
     from tidal.rollout.generation import (
         check_chat_template,
@@ -79,6 +80,7 @@ _LAZY = {
     "sample_with_dynamic_filter": "dynamic_sampling",
     "SGLangEngine": "engine",
     "Gateway": "gateway.server",
+    "parse_request": "gateway.request",
     "AgentRunner": "gateway.agents",
     "agent_rollout": "gateway.agents",
     "load_agent_fn": "gateway.agents",
@@ -173,6 +175,7 @@ __all__ = [
     "lora_server_args",
     "mask_stale_tokens",
     "num_episodes",
+    "parse_request",
     "partial_agent_rollout",
     "resolve_group_filter",
     "resolve_reward_fn",
