@@ -23,50 +23,46 @@ class Feature:
     """How the README names it."""
     short: str
     """Its column head in the README's grid."""
+    argv: tuple[str, ...]
+    """`train` arguments that turn it on (``{moe}``: a Qwen3-MoE folder the test writes); alone, `train` takes them."""
     names: tuple[str, ...]
     """A refusal names the feature by one of these (its flag, or what the flag asks for)."""
 
 
+DECOUPLED = ("--no-colocate", "--rollout-num-gpus")
 FEATURES = {
-    "lora": Feature(title="LoRA (`--lora-rank`)", short="LoRA", names=("--lora-rank",)),
-    "delta": Feature(title="delta weight sync (`--update-weight-delta`)", short="Δ", names=("--update-weight-delta",)),
-    "moe_r3": Feature(
-        title="Qwen3-MoE with R3 (`--use-rollout-routing-replay`)",
-        short="MoE",
-        names=("--use-rollout-routing-replay", "mixture-of-experts"),
-    ),
-    "agents": Feature(title="agents (`--agent-function-path`)", short="Ag", names=("--agent-function-path",)),
-    "custom_generate": Feature(
-        title="custom generate function (`--custom-generate-function-path`)",
-        short="CG",
-        names=("--custom-generate-function-path",),
-    ),
-    "dynamic_sampling": Feature(
-        title="dynamic sampling (`--dynamic-sampling-filter-path`)",
-        short="DS",
-        names=("--dynamic-sampling-filter-path",),
-    ),
-    "partial_rollout": Feature(title="partial rollout (`--partial-rollout`)", short="PR", names=("--partial-rollout",)),
-    "max_staleness": Feature(title="`--max-staleness` >= 1", short="St", names=("--max-staleness",)),
-    "router": Feature(title="two engines behind sglang-router", short="Rt", names=("--use-router", "sglang-router")),
-    "fault_tolerance": Feature(
-        title="fault tolerance (`--use-fault-tolerance`, an engine killed)",
-        short="FT",
-        names=("--use-fault-tolerance",),
-    ),
-    "decoupled": Feature(
-        title="decoupled (`--no-colocate`, or external engines)",
-        short="Dec",
-        names=("--no-colocate", "--rollout-external-engine-addrs"),
-    ),
-    "tp_pp": Feature(
-        title="TP=2 or PP=2", short="TP/PP", names=("--tensor-model-parallel-size", "--pipeline-model-parallel-size")
-    ),
-    "ppo": Feature(
-        title="PPO with a critic (`--advantage-estimator ppo`)", short="PPO", names=("--advantage-estimator",)
-    ),
-    "eval": Feature(title="evaluation", short="Ev", names=("--eval-interval", "--num-eval-prompts")),
-}
+    "lora": Feature(title="LoRA (`--lora-rank`)", short="LoRA", argv=("--lora-rank", "8"), names=("--lora-rank",)),
+    "delta": Feature(title="delta weight sync (`--update-weight-delta`)", short="Δ",
+                     argv=("--update-weight-delta",), names=("--update-weight-delta",)),
+    "moe_r3": Feature(title="Qwen3-MoE with R3 (`--use-rollout-routing-replay`)", short="MoE",
+                      argv=("--recipe", "embedded", "--hf-checkpoint", "{moe}", "--use-rollout-routing-replay"),
+                      names=("--use-rollout-routing-replay", "mixture-of-experts")),
+    "agents": Feature(title="agents (`--agent-function-path`)", short="Ag",
+                      argv=("--agent-function-path", "tidal.train.agent_task:run"), names=("--agent-function-path",)),
+    "custom_generate": Feature(title="custom generate function (`--custom-generate-function-path`)", short="CG",
+                               argv=("--custom-generate-function-path", "tidal_train_plugins:two_turns_with_a_tool"),
+                               names=("--custom-generate-function-path",)),
+    "dynamic_sampling": Feature(title="dynamic sampling (`--dynamic-sampling-filter-path`)", short="DS",
+                                argv=("--dynamic-sampling-filter-path", "reward_variance"),
+                                names=("--dynamic-sampling-filter-path",)),
+    "partial_rollout": Feature(title="partial rollout (`--partial-rollout`)", short="PR", argv=("--partial-rollout",),
+                               names=("--partial-rollout",)),
+    "max_staleness": Feature(title="`--max-staleness` >= 1", short="St",
+                             argv=("--max-staleness", "1", *DECOUPLED, "1"), names=("--max-staleness",)),
+    "router": Feature(title="two engines behind sglang-router", short="Rt", argv=(*DECOUPLED, "2", "--use-router"),
+                      names=("--use-router", "sglang-router")),
+    "fault_tolerance": Feature(title="fault tolerance (`--use-fault-tolerance`, an engine killed)", short="FT",
+                               argv=("--use-fault-tolerance",), names=("--use-fault-tolerance",)),
+    "decoupled": Feature(title="decoupled (`--no-colocate`, or external engines)", short="Dec",
+                         argv=(*DECOUPLED, "1"), names=("--no-colocate", "--rollout-external-engine-addrs")),
+    "tp_pp": Feature(title="TP=2 or PP=2", short="TP/PP",
+                     argv=("--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"),
+                     names=("--tensor-model-parallel-size", "--pipeline-model-parallel-size")),
+    "ppo": Feature(title="PPO with a critic (`--advantage-estimator ppo`)", short="PPO",
+                   argv=("--advantage-estimator", "ppo"), names=("--advantage-estimator",)),
+    "eval": Feature(title="evaluation", short="Ev", argv=("--eval-interval", "1"),
+                    names=("--eval-interval", "--num-eval-prompts")),
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,28 +133,21 @@ RUNS = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Refusal:
-    argv: tuple[str, ...]
-    """Arguments asking for both features; ``{moe}`` stands for a Qwen3-MoE model folder, written by the test."""
     why: str
     """Why, in a few words (the README's)."""
     depends_on: str = ""
-    """The branch that adds this refusal, when main does not refuse the pair yet (the test skips it there)."""
+    """The branch that adds this refusal, when main does not refuse the pair yet."""
 
-
-MOE = ("--recipe", "embedded", "--hf-checkpoint", "{moe}", "--use-rollout-routing-replay")
-CUSTOM = ("--custom-generate-function-path", "tidal_train_plugins:two_turns_with_a_tool")
 
 REFUSED = {
-    ("lora", "delta"): Refusal(argv=("--lora-rank", "8", "--update-weight-delta"),
-                               why="a LoRA sync sends the adapter alone already"),
-    ("lora", "moe_r3"): Refusal(argv=(*MOE, "--lora-rank", "8"),
-                                why="no adapters on the experts yet"),
-    ("custom_generate", "partial_rollout"): Refusal(argv=(*CUSTOM, "--partial-rollout"),
-                                                    why="a custom sample cannot be resumed as one continuation"),
-    ("moe_r3", "agents"): Refusal(argv=(*MOE, "--agent-function-path", "tidal.train.agent_task:run"),
-                                  why="the gateway records no routing per call", depends_on="agents-compose"),
-}  # fmt: skip
-"""Pairs `train` refuses before any process starts, keyed by features in FEATURES order."""
+    ("lora", "delta"): Refusal(why="a LoRA sync sends the adapter alone already"),
+    ("lora", "moe_r3"): Refusal(why="no adapters on the experts yet"),
+    ("lora", "ppo"): Refusal(why="no critic beside adapters yet"),
+    ("moe_r3", "agents"): Refusal(why="the gateway records no routing per call", depends_on="agents-compose"),
+    ("agents", "custom_generate"): Refusal(why="an agent and a custom function each own the episode"),
+    ("custom_generate", "partial_rollout"): Refusal(why="a custom sample cannot be resumed as one continuation"),
+}
+"""Pairs `train` refuses before any process starts (both features' ``argv`` together); any other pair it accepts."""
 
 NOT_MET = "no run meets it yet"
 NEEDS_MOE_RUN = "no `train` run serves an MoE model (test_routing_replay.py tests R3 without `train`): needs a new run"

@@ -26,6 +26,7 @@ def test_every_pair_is_met_refused_or_listed_open_and_never_two_of_them():
     assert not stale, f"met in a run now, drop them from OPEN: {stale}"
     for pair in [*fm.REFUSED, *fm.OPEN]:
         assert all(f in fm.FEATURES for f in pair), pair
+    assert all(fm.key(*pair) == pair for pair in fm.REFUSED), "REFUSED's pairs go in FEATURES order"
 
 
 @pytest.mark.xfail(reason="pairs still open: see feature_matrix.OPEN (and the README's table)")
@@ -67,25 +68,37 @@ def moe_model(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("pair", list(fm.REFUSED), ids="+".join)
-def test_each_refused_pair_is_refused_at_parse_time_with_one_line_naming_both(pair, moe_model, tmp_path):
-    from tidal.train.cli import error_line, parse_job
+def _parse(moe: Path, tmp_path: Path, *features: str):
+    from tidal.train.cli import parse_job
 
-    refusal = fm.REFUSED[pair]
-    argv = [a.replace("{moe}", str(moe_model)) for a in refusal.argv]
-    argv += ["--output-dir", str(tmp_path / "run")]
+    argv = [a.replace("{moe}", str(moe)) for f in features for a in fm.FEATURES[f].argv]
+    return argv, parse_job([*argv, "--output-dir", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("feature", list(fm.FEATURES))
+def test_each_feature_alone_is_accepted(feature, moe_model, tmp_path):
+    _parse(moe_model, tmp_path, feature)
+
+
+@pytest.mark.parametrize("pair", fm.pairs(), ids="+".join)
+def test_each_pair_is_refused_at_parse_time_with_one_line_naming_both_or_accepted_as_the_table_says(
+    pair, moe_model, tmp_path
+):
+    from tidal.train.cli import error_line
+
+    refusal = fm.REFUSED.get(pair)
     try:
-        parse_job(argv)
+        argv, _ = _parse(moe_model, tmp_path, *pair)
     except ValueError as e:
-        error = e
-    else:
-        if refusal.depends_on:
-            pytest.xfail(f"refused on branch {refusal.depends_on}, not here yet")
-        pytest.fail(f"{' '.join(argv)} was accepted")
-    (line,) = str(error).splitlines()
-    assert error_line(error) == line
-    for feature in pair:
-        assert any(name in line for name in fm.FEATURES[feature].names), (feature, line)
+        assert refusal is not None, f"refused, and not in feature_matrix.REFUSED: {e}"
+        (line,) = str(e).splitlines()
+        assert error_line(e) == line
+        for feature in pair:
+            assert any(name in line for name in fm.FEATURES[feature].names), (feature, line)
+        return
+    if refusal is not None and refusal.depends_on:
+        pytest.xfail(f"refused on branch {refusal.depends_on}, not here yet")
+    assert refusal is None, f"{' '.join(argv)} was accepted"
 
 
 def test_the_train_readme_holds_the_table_of_pairs():
