@@ -110,8 +110,9 @@ RUNS = {
         "custom_generate": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers",
         "dynamic_sampling": "test_dynamic_sampling_fills_rollout_0_in_its_second_round_and_writes_its_metrics",
         "router": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers",
-        "eval": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers"},
-        unasserted=("decoupled",)),
+        "eval": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers",
+        **dict.fromkeys(("ppo", "tp_pp", "decoupled"),
+                        "test_the_tp2_actor_and_its_critic_trained_and_both_engines_serve_the_synced_weights")}),
     "J": Run(test_id="tests/test_lora_sync_e2e.py::tensor_run", argv="args", effects={
         "lora": "test_each_sync_sends_the_adapter_alone_and_the_engine_serves_the_actors_log_probs",
         "fault_tolerance": "test_a_restarted_engine_gets_the_current_adapter_before_it_serves"},
