@@ -117,9 +117,14 @@ RUNS = {
         "lora": "test_each_sync_sends_the_adapter_alone_and_the_engine_serves_the_actors_log_probs",
         "fault_tolerance": "test_a_restarted_engine_gets_the_current_adapter_before_it_serves"},
         unasserted=("eval",)),
-    "K": Run(test_id="tests/test_lora_sync_e2e.py::disk_run", argv="args",
-             effects={"lora": "test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept"},
-             unasserted=("eval",)),
+    "K": Run(
+        test_id="tests/test_lora_sync_e2e.py::disk_run",
+        argv="args",
+        effects=dict.fromkeys(
+            ("lora", "partial_rollout", "eval"),
+            "test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept",
+        ),
+    ),
     "L": Run(test_id="tests/test_delta_sync.py::test_a_server_serving_another_version_gets_the_next_sync_whole_then_"
              "deltas_again", argv="args", effects={
         name: "test_a_server_serving_another_version_gets_the_next_sync_whole_then_deltas_again"

@@ -4,7 +4,8 @@ Two runs, each launching its own SGLang server (LoRA serving is a launch flag: t
 
 - co-located (the tensor transport): four rollouts with --check-weight-update-equal and --use-fault-tolerance; the
   server is SIGKILLed once rollout 1 is recorded, restarted, and given the current adapter before it serves again;
-- --update-weight-transport disk: two rollouts, each adapter loaded from the PEFT folder the actor wrote.
+- --update-weight-transport disk: two rollouts, each adapter loaded from the PEFT folder the actor wrote, with
+  --partial-rollout (groups carried over and resumed under the next adapter) and the held-out evaluation.
 
 After each training step the engine serving base + adapter gives the actor's log-probs (the probe), the version the
 engines report advances with each sync, and the bytes sent are the adapter's, not the model's.
@@ -63,7 +64,9 @@ def tensor_run(tmp_path_factory):
 def disk_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_disk")
     args = [*COMMON, "--num-rollout", "2", "--lora-rank", str(RANK), "--lora-alpha", "16", "--lr", "2e-3",
-            "--update-weight-transport", "disk", "--check-weight-update-equal"]  # fmt: skip
+            "--update-weight-transport", "disk", "--check-weight-update-equal",
+            "--partial-rollout", "--over-sampling-batch-size", "6",  # 6 prompts for 4 groups: 2 carried over
+            ]  # fmt: skip
     code, log, leftovers = _train(args, out=out)
     return out, code, log, leftovers
 
@@ -122,9 +125,18 @@ def test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept
     for r in records:
         assert r["weight_sync/transport"] == "disk"
         assert r["weight_sync/probe_logprob_abs_diff/mean"] < 1e-4, r
-        assert r["rollout/weight_version"] == r["rollout"]
     # adapter_model.safetensors: the fp32 adapter and a small header
     assert 0 < records[-1]["weight_sync/mb"] * 2**20 - _adapter_bytes(embedded_model_path()) < 64 * 1024
+    # --partial-rollout: the 2 groups not taken are carried over (aborted or finished) and taken first next time
+    # (6 fresh prompts + 2 carried for 4 groups leaves 4); the held-out evaluation after the last rollout ran
+    assert [r["rollout/partial/resumed_groups"] for r in records] == [0.0, 2.0]
+    assert [r["rollout/partial/carried_over_groups"] for r in records] == [2.0, 4.0]
+    # Rollout 1 takes the 2 groups rollout 0 finished beyond its batch first (the initial weights sampled them,
+    # its oldest version), and 2 that adapter 1, synced from the PEFT folder after rollout 0, sampled.
+    assert [r["rollout/weight_version"] for r in records] == [0.0, 0.0]
+    assert records[0]["rollout/partial/offpolicy_token_frac"] == 0.0
+    assert 0.0 < records[1]["rollout/partial/offpolicy_token_frac"] < 1.0
+    assert "eval/accuracy" not in records[0] and 0.0 <= records[-1]["eval/accuracy"] <= 1.0
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["lora_v000002"]
     config = json.loads((out / "weights" / "lora_v000002" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, 16.0)
