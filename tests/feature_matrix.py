@@ -87,8 +87,8 @@ RUNS = {
     "C": Run(test_id="tests/test_train_modes_e2e.py::one_step_off", argv="args", effects={
         "max_staleness": "test_one_step_off_trains_on_samples_at_most_one_version_old",
         "tp_pp": "test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_all",
-        "decoupled": "test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_all"},
-        unasserted=("eval",)),
+        "decoupled": "test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_all",
+        "eval": "test_one_step_off_trains_on_samples_at_most_one_version_old"}),
     "D": Run(test_id="tests/test_train_modes_e2e.py::debug_runs", argv="gen",
              effects={"partial_rollout": "test_rollout_only_generates_without_training"},
              unasserted=("decoupled", "eval")),  # --debug-rollout-only: no actor, no weight sync
@@ -128,7 +128,7 @@ RUNS = {
     "L": Run(test_id="tests/test_delta_sync.py::test_a_server_serving_another_version_gets_the_next_sync_whole_then_"
              "deltas_again", argv="args", effects={
         name: "test_a_server_serving_another_version_gets_the_next_sync_whole_then_deltas_again"
-        for name in ("delta", "custom_generate", "tp_pp", "decoupled")}, unasserted=("eval",)),
+        for name in ("delta", "custom_generate", "tp_pp", "decoupled", "eval")}),
     "M": Run(test_id="tests/test_multi_node.py::two_host_run", argv="args", effects={
         "decoupled": "test_the_restarted_server_got_the_actors_weights_before_serving",
         "fault_tolerance": "test_a_killed_server_on_the_other_host_is_restarted",
