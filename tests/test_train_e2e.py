@@ -3,7 +3,8 @@
 One run per module (it starts an SGLang server, ~30 s on two cores); every test reads its outputs. A second, smaller
 job runs beside it, started at the same moment: two jobs on one host finish on distinct ports. That companion is the
 feature matrix's MoE run (tests/feature_matrix.py): the embedded Qwen3-MoE with routing replay, its engine on a GPU of
-its own, one step off (--max-staleness 1), partial rollouts and delta weight syncs. The main run's server
+its own, a two-stage actor with a PPO critic, one step off (--max-staleness 1), partial rollouts and delta weight
+syncs. The main run's server
 serves the float32 embedded model in bfloat16 (--sglang-dtype), as a production engine serves next to an fp32
 actor, so the engine-actor agreement metrics measure a real gap here (test_train_modes_e2e.py's runs serve fp32).
 It logs to an offline W&B run (the real client; W&B's folders are the test's, its server a closed loopback port).
@@ -86,13 +87,16 @@ COMPANION_ARGS = [
     "--n-samples-per-prompt", "4",
     "--rollout-max-response-len", "6",
     "--num-eval-prompts", "4",
-    # the feature matrix's MoE run: the engine's routing replayed by the actor, on GPUs of their own, one step off,
-    # partial rollouts (6 prompts for 4 groups) and delta weight syncs
+    # the feature matrix's MoE run: the engine's routing replayed by a two-stage actor with a PPO critic, the engine
+    # on a GPU of its own, one step off, partial rollouts (6 prompts for 4 groups) and delta weight syncs
     "--recipe", "embedded-moe", "--use-rollout-routing-replay",
-    "--no-colocate", "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "1",
+    "--no-colocate", "--rollout-num-gpus", "1",
+    "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2",
     "--max-staleness", "1",
     "--partial-rollout", "--over-sampling-batch-size", "6",
     "--update-weight-delta",
+    "--advantage-estimator", "ppo",  # a critic, fitting the returns of:
+    "--custom-rm-path", "tidal_train_plugins:reward_by_length",
 ]  # fmt: skip
 
 
@@ -134,11 +138,13 @@ def _jobs(tmp_path_factory):
     _set_child_subreaper(True)
     try:
         with (companion / "output.log").open("w") as log:
+            plugins = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
             second = subprocess.Popen(
                 [sys.executable, "-m", "tidal.train.cli", *COMPANION_ARGS, "--output-dir", str(companion / "run")],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, "PYTHONPATH": plugins},  # tidal_train_plugins, for --custom-rm-path
             )
             try:
                 proc = subprocess.run(
@@ -377,7 +383,15 @@ def test_the_companion_replays_the_moe_routing_one_step_off_with_partial_rollout
     # --partial-rollout: 2 groups carried over from each rollout, taken first by the next
     assert [r["rollout/partial/resumed_groups"] for r in records] == [0.0, 2.0]
     assert [r["rollout/partial/carried_over_groups"] for r in records] == [2.0, 4.0]
-    # --update-weight-delta: the first sync whole, the second only the changed elements
+    # --update-weight-delta: the first sync whole, the second only the changed elements; --pipeline-model-parallel-size
+    # 2: each stage's first rank sent its own stage's delta
     assert [r["weight_sync/delta_full"] for r in records] == [1.0, 0.0]
     assert 0.0 < records[1]["weight_sync/delta_changed_share"] <= 1.0
+    for stage in ("pp0", "pp1"):
+        assert [r[f"weight_sync/{stage}/delta_full"] for r in records] == [1.0, 0.0]
+        assert all(r[f"weight_sync/{stage}/mb"] > 0 for r in records)
+    # --advantage-estimator ppo: the critic trained beside the actor on returns above 0 (--custom-rm-path)
+    for r in records:
+        assert r["train/critic_only"] == 0.0 and r["critic/returns_mean"] > 0.0
+        assert r["critic/value_loss"] > 0.0 and r["critic/grad_norm"] > 0.0
     assert "eval/accuracy" not in records[0] and 0.0 <= records[-1]["eval/accuracy"] <= 1.0
