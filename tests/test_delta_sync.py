@@ -147,6 +147,7 @@ def test_a_server_serving_another_version_gets_the_next_sync_whole_then_deltas_a
         assert all(r["weight_sync/delta_fallbacks"] == 0.0 for r in records)
         assert all(r["weight_sync/probe_logprob_abs_diff/mean"] <= 0.05 for r in records)  # the actor's weights
         assert all(r["weight_sync/pp0/mb"] > 0 and r["weight_sync/pp1/mb"] > 0 for r in records)
+        assert ["eval/accuracy" in r for r in records] == [False, False, False, True]  # evaluated after the last
         for r in (records[1], records[3]):
             assert 0.0 < r["weight_sync/delta_changed_share"] <= 1.0
         assert "delta snapshot of stage 1" in log

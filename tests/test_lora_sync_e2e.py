@@ -130,6 +130,8 @@ def test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept
         # the agent's calls sampled base + the synced adapter: the engine's log-probs are the actor's (fp32)
         assert r["rollout/agent/episodes"] == 16 and r["rollout/agent/failed"] == 0, r
         assert r["rollout/logprob_abs_diff/mean"] < 1e-3 and r["rollout/logprob_abs_diff/max"] < 1e-2, r
+    # the held-out evaluation after the last rollout ran the agent's episodes on base + the last adapter
+    assert "eval/accuracy" not in records[0] and 0.0 <= records[-1]["eval/accuracy"] <= 1.0
     # adapter_model.safetensors: the fp32 adapter and a small header
     assert 0 < records[-1]["weight_sync/mb"] * 2**20 - _adapter_bytes(embedded_model_path(spec=CHAT_SPEC)) < 64 * 1024
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["lora_v000003"]

@@ -1,7 +1,10 @@
 """The walking skeleton end to end: `train` for 2 rollouts on the real Ray, SGLang and Megatron-core.
 
 One run per module (it starts an SGLang server, ~30 s on two cores); every test reads its outputs. A second, smaller
-job runs beside it, started at the same moment: two jobs on one host finish on distinct ports. The server
+job runs beside it, started at the same moment: two jobs on one host finish on distinct ports. That companion is the
+feature matrix's MoE run (tests/feature_matrix.py): the embedded Qwen3-MoE with routing replay, its engine on a GPU of
+its own, a two-stage actor with a PPO critic, one step off (--max-staleness 1), partial rollouts and delta weight
+syncs. The main run's server
 serves the float32 embedded model in bfloat16 (--sglang-dtype), as a production engine serves next to an fp32
 actor, so the engine-actor agreement metrics measure a real gap here (test_train_modes_e2e.py's runs serve fp32).
 It logs to an offline W&B run (the real client; W&B's folders are the test's, its server a closed loopback port).
@@ -84,10 +87,16 @@ COMPANION_ARGS = [
     "--n-samples-per-prompt", "4",
     "--rollout-max-response-len", "6",
     "--num-eval-prompts", "4",
-    # Beside the main run's defaults, the effect of each of these shows in the companion's metrics and handoff.jsonl:
-    "--update-weights-interval", "2",  # one sync, after rollout 1: rollout 1 is sampled by the initial weights
-    "--no-offload-rollout", "--no-offload-train",  # co-located, yet nothing is released or moved off the GPU
-    "--update-weight-buffer-size", str(2**20),  # 1 MiB buckets: the tensor sync takes several requests, not one
+    # the feature matrix's MoE run: the engine's routing replayed by a two-stage actor with a PPO critic, the engine
+    # on a GPU of its own, one step off, partial rollouts (6 prompts for 4 groups) and delta weight syncs
+    "--recipe", "embedded-moe", "--use-rollout-routing-replay",
+    "--no-colocate", "--rollout-num-gpus", "1",
+    "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2",
+    "--max-staleness", "1",
+    "--partial-rollout", "--over-sampling-batch-size", "6",
+    "--update-weight-delta",
+    "--advantage-estimator", "ppo",  # a critic, fitting the returns of:
+    "--custom-rm-path", "tidal_train_plugins:reward_by_length",
 ]  # fmt: skip
 
 
@@ -100,9 +109,10 @@ def _jobs(tmp_path_factory):
     until the job ends, so neither job can be handed a port the other tested free but has not bound yet: the SGLang
     servers' HTTP and NCCL ports and the actor's rendezvous port.
     """
-    from tidal.train.embedded_model import ensure_embedded_model
+    from tidal.train.embedded_model import MOE_SPEC, ensure_embedded_model
 
     ensure_embedded_model()  # built once here, not twice at once by the two jobs
+    ensure_embedded_model(spec=MOE_SPEC)  # the companion's, built before the two start at the same moment
     out = tmp_path_factory.mktemp("run")
     companion = tmp_path_factory.mktemp("companion")
     args = [
@@ -128,11 +138,13 @@ def _jobs(tmp_path_factory):
     _set_child_subreaper(True)
     try:
         with (companion / "output.log").open("w") as log:
+            plugins = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
             second = subprocess.Popen(
                 [sys.executable, "-m", "tidal.train.cli", *COMPANION_ARGS, "--output-dir", str(companion / "run")],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, "PYTHONPATH": plugins},  # tidal_train_plugins, for --custom-rm-path
             )
             try:
                 proc = subprocess.run(
@@ -345,50 +357,44 @@ def test_their_servers_ran_on_distinct_ports(two_jobs):
     assert not ports[0] & ports[1], ports
 
 
-def _records_and_events(run: Path) -> tuple[list[dict], list[dict]]:
-    read = [
-        [json.loads(line) for line in (run / name).read_text().splitlines()]
-        for name in ("metrics.jsonl", "handoff.jsonl")
-    ]
-    return read[0], read[1]
-
-
-def test_the_companion_synced_its_weights_only_after_every_second_rollout(two_jobs):
-    # --update-weights-interval 2 in the companion: no sync after rollout 0, so rollout 1 was sampled by the
-    # initial weights (the main run's, synced every rollout, by version 1); one sync after rollout 1, as version 2.
-    (_, _, main), (_, _, companion) = two_jobs[0]
-    records, events = _records_and_events(companion)
-    assert not [k for k in records[0] if k.startswith("weight_sync/") or k == "time/weight_sync"], records[0]
-    assert records[1]["weight_sync/transport"] == "tensor" and records[1]["time/weight_sync"] > 0
-    assert records[1]["rollout/weight_version"] == 0.0
-    assert [(e["rollout"], e["version"]) for e in events if e["event"] == "sync.tensor"] == [(1, 2)]
-    _, main_events = _records_and_events(main)
-    assert [e["version"] for e in main_events if e["event"] == "sync.tensor"] == [1, 2]
-
-
-def test_the_companion_released_nothing_and_sent_its_weights_in_small_buckets(two_jobs):
-    # The main run, co-located with the defaults: the engines release their memory after each generation
-    # (--offload-rollout) and the actor moves off the GPU after each sync (--offload-train), one 512 MiB bucket per
-    # sync. The companion, with --no-offload-rollout --no-offload-train and --update-weight-buffer-size 1 MiB:
-    # neither event, and a bucket per MiB of weights at least.
-    (_, _, main), (_, _, companion) = two_jobs[0]
-    main_records, main_events = _records_and_events(main)
-    records, events = _records_and_events(companion)
-    for name, rollouts in (("engines.release", [0, 1]), ("actor.offload", [0, 1])):
-        assert [e["rollout"] for e in main_events if e["event"] == name] == rollouts, name
-        assert [e["rollout"] for e in events if e["event"] == name] == [], name
-    assert all(r["weight_sync/num_buckets"] == 1.0 for r in main_records), main_records
-    buckets, mb = records[1]["weight_sync/num_buckets"], records[1]["weight_sync/mb"]
-    assert buckets >= max(2.0, mb), (buckets, mb)
-
-
 def test_each_job_read_the_hf_weights_once(two_jobs):
     from safetensors.torch import load_file
-    from tidal.train.embedded_model import embedded_model_path
+    from tidal.train.embedded_model import MOE_SPEC, embedded_model_path
 
-    tensors = load_file(embedded_model_path() / "model.safetensors").values()
-    total = sum(t.numel() * t.element_size() for t in tensors)
     results, _ = two_jobs
-    for _, _, run in results:
+    for (_, _, run), model in zip(results, (embedded_model_path(), embedded_model_path(spec=MOE_SPEC)), strict=True):
+        tensors = load_file(model / "model.safetensors").values()
+        total = sum(t.numel() * t.element_size() for t in tensors)
         log = (run / "logs" / "actor_r0.log").read_text()
         assert re.findall(r"actor weights: .*this rank read (\d+) bytes of HF weights", log) == [str(total)]
+
+
+def test_the_companion_replays_the_moe_routing_one_step_off_with_partial_rollouts_and_deltas(two_jobs):
+    results, _ = two_jobs
+    code, output, run = results[1]
+    assert code == 0, output[-6000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # --use-rollout-routing-replay: the actor dispatched every token to the experts its engine reported, and counts
+    # where its own router would have chosen otherwise: never on rollout 0 (the same fp32 weights on both sides); on
+    # rollout 1, sampled by the weights of one step before, on some near-ties (0.049 seen)
+    mismatch = [r["rollout/routing_mismatch_share"] for r in records]
+    assert mismatch[0] < 0.01 and 0.0 <= mismatch[1] < 0.5, mismatch
+    assert all(r["weight_sync/transport"] == "nccl" for r in records)  # --no-colocate: by broadcast
+    # --max-staleness 1: rollout 1 was generated by the initial weights while rollout 0 trained
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0]
+    assert [r["rollout/weight_version"] for r in records] == [0.0, 0.0]
+    # --partial-rollout: 2 groups carried over from each rollout, taken first by the next
+    assert [r["rollout/partial/resumed_groups"] for r in records] == [0.0, 2.0]
+    assert [r["rollout/partial/carried_over_groups"] for r in records] == [2.0, 4.0]
+    # --update-weight-delta: the first sync whole, the second only the changed elements; --pipeline-model-parallel-size
+    # 2: each stage's first rank sent its own stage's delta
+    assert [r["weight_sync/delta_full"] for r in records] == [1.0, 0.0]
+    assert 0.0 < records[1]["weight_sync/delta_changed_share"] <= 1.0
+    for stage in ("pp0", "pp1"):
+        assert [r[f"weight_sync/{stage}/delta_full"] for r in records] == [1.0, 0.0]
+        assert all(r[f"weight_sync/{stage}/mb"] > 0 for r in records)
+    # --advantage-estimator ppo: the critic trained beside the actor on returns above 0 (--custom-rm-path)
+    for r in records:
+        assert r["train/critic_only"] == 0.0 and r["critic/returns_mean"] > 0.0
+        assert r["critic/value_loss"] > 0.0 and r["critic/grad_norm"] > 0.0
+    assert "eval/accuracy" not in records[0] and 0.0 <= records[-1]["eval/accuracy"] <= 1.0

@@ -339,6 +339,7 @@ def test_one_step_off_trains_on_samples_at_most_one_version_old(one_step_off):
     # Rollouts 0 and 1 were sampled by the initial weights (1 while the actor trained on 0), k + 1 by those after k.
     assert [r["rollout/weight_version"] for r in records] == [0.0, 0.0, 1.0, 2.0]
     assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert ["eval/accuracy" in r for r in records] == [False, False, False, True]  # evaluated after the last
     for r in records:
         assert r["time/trainer_wait"] >= 0 and r["time/engine_wait"] >= 0 and r["rollout/stale_tokens_masked"] == 0
         assert math.isfinite(r["train/loss"]) and "train/tis" in r  # on by default: pi_old / pi_behaviour

@@ -1,7 +1,8 @@
-"""`train` through sglang-router in front of two real engines: a custom generate function and dynamic sampling.
+"""`train` through sglang-router in front of two real engines: a custom generate function, dynamic sampling, PPO, TP=2.
 
 One run, attached to the session's two SGLang servers (``external_engine``, ``second_external_engine``) with the
-router on (the default with two engines, ``round_robin`` so both get requests), the embedded actor training:
+router on (the default with two engines, ``round_robin`` so both get requests), the embedded actor training in two
+tensor-parallel ranks with a critic (``--advantage-estimator ppo``), its weights broadcast to both engines:
 
 - ``--custom-generate-function-path``: every training sample is made by the test's two-turn function, in the driver,
   through the router; evaluation calls it in the engines' own workers;
@@ -37,6 +38,10 @@ ARGS = [
     "--custom-generate-function-path", "tidal_train_plugins:two_turns_with_a_tool",
     "--use-router",  # the default with two engines; test_train_modes_e2e's --no-use-router run starts none
     "--sglang-router-policy", "round_robin",
+    "--advantage-estimator", "ppo",  # a critic trains beside the actor
+    "--custom-rm-path", "tidal_train_plugins:reward_by_length",  # returns above 0, so the critic has a loss
+    "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2",
+    "--check-weight-update-equal",  # each sync checked on both engines
 ]  # fmt: skip
 
 
@@ -125,3 +130,19 @@ def test_a_batch_still_short_after_the_last_round_stops_the_run_with_one_line(ro
         errors[0],
     ), errors[0]
     assert not leftovers, leftovers
+
+
+def test_the_tp2_actor_and_its_critic_trained_and_both_engines_serve_the_synced_weights(routed):
+    root, *_ = routed
+    (record,) = _records(root / "run")
+    # --advantage-estimator ppo: the critic trained beside the actor on the filtered, custom-generated batch
+    # (--custom-rm-path: each sample's reward is its response length / 10, the returns the critic fits)
+    assert record["train/critic_only"] == 0.0 and record["rollout/reward/mean"] > 0.0
+    assert record["critic/returns_mean"] > 0.0 and record["critic/value_loss"] > 0.0
+    assert record["critic/grad_norm"] > 0.0
+    # --tensor-model-parallel-size 2: two ranks, whose log-probs agree with the fp32 engines' on the sampled tokens
+    assert sorted(p.name for p in (root / "run" / "logs").glob("actor_r*.log")) == ["actor_r0.log", "actor_r1.log"]
+    assert record["rollout/logprob_abs_diff/mean"] < 1e-3, record["rollout/logprob_abs_diff/mean"]
+    # decoupled: the gathered weights went to both engines by broadcast, and both serve them (the probe)
+    assert record["weight_sync/transport"] == "nccl"
+    assert record["weight_sync/probe_logprob_abs_diff/max"] < 1e-4, record["weight_sync/probe_logprob_abs_diff/max"]

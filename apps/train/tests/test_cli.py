@@ -675,6 +675,20 @@ def test_lora_on_a_moe_model_is_refused_before_start(tmp_path, paths):
         parse_job([*argv, "--hf-checkpoint", str(moe)])
 
 
+def test_the_weight_check_with_routing_replay_is_refused_before_start(tmp_path, paths):
+    # The probe of --check-weight-update-equal is scored by the actor without an engine's routing to replay: accepted,
+    # the run failed after its first rollout, in the actor.
+    moe = _write_model(tmp_path / "moe")
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_experts": 4, "mlp_only_layers": []}
+    (moe / "config.json").write_text(json.dumps(config))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4"]
+    argv += ["--hf-checkpoint", str(moe), "--use-rollout-routing-replay"]
+    assert parse_job(argv).actor.use_rollout_routing_replay
+    with pytest.raises(ValueError, match=r"^--check-weight-update-equal with --use-rollout-routing-replay is not") as e:
+        parse_job([*argv, "--check-weight-update-equal"])
+    assert len(str(e.value).splitlines()) == 1
+
+
 def test_rounds_that_can_never_fill_the_batch_are_refused(paths):
     argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "8"]
     argv += ["--dynamic-sampling-filter-path", "reward_variance", "--over-sampling-batch-size", "2"]

@@ -44,7 +44,8 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
     Raises:
         ValueError: --update-weight-transport tensor without co-located engines, --offload-rollout with
             external engines (tidal does not manage the memory of a server it did not start), nccl with LoRA, or
-            engines that would free their weights between syncs.
+            engines that would free their weights between syncs, or --check-weight-update-equal with
+            --use-rollout-routing-replay (the actor would score the probe with no engine routing to replay).
     """
     external = bool(rollout.rollout_external_engine_addrs)
     colocated = placement.colocate and not external
@@ -56,6 +57,12 @@ def resolve_sync_plan(sync, offloading, placement, rollout, actor=None) -> SyncP
             f"must share its GPUs; with {where} use --update-weight-transport nccl (or disk)"
         )
     adapter, transport = resolve_adapter_transport(actor, sync.update_weight_transport, transport)
+    if sync.check_weight_update_equal and actor is not None and actor.use_rollout_routing_replay:
+        raise ValueError(
+            "--check-weight-update-equal with --use-rollout-routing-replay is not supported: the actor scores the "
+            "check's probe with no engine routing to replay, so the run would stop after its first weight sync; drop "
+            "--check-weight-update-equal (rollout/logprob_abs_diff still compares engine and actor every rollout)"
+        )
     if sync.update_weight_delta and external:
         logger.warning("--update-weight-delta: the --rollout-external-engine-addrs servers must be started with "
                        "--custom-weight-loader tidal.rollout.engine_delta.load_delta")  # fmt: skip
