@@ -35,22 +35,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_actor_gpu import CUDA, TINY, log, make_workload, reset_peak, save_checkpoint, sync
+from bench_actor_gpu import CUDA, TINY, log, make_workload, reset_peak, save_checkpoint, timed_median
+from lora_gpu import WIDTH_8B
 from memory_plan_gpu import TINY_MOE, undo_recompute
 from moe_gpu import QWEN3_30B_A3B
 
-LLAMA_8B = dict(  # Llama-3.1-8B's width (bench/lora_gpu.py), layers set per shape
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=5e5,
-    tie_word_embeddings=False,
-    model_type="llama",
-)
+LLAMA_8B = WIDTH_8B  # Llama-3.1-8B's width (bench/lora_gpu.py), layers set per shape
 SHAPES = {  # name: (HF config, LoRA rank)
     "dense-8b-4l": (LLAMA_8B | dict(num_hidden_layers=4), 0),
     "moe-30b-a3b-4l": (QWEN3_30B_A3B | dict(model_type="qwen3_moe", num_hidden_layers=4), 0),
@@ -101,18 +91,6 @@ def packed(work: dict, budget: int, *, train: bool):
     return pack_micro_batches(
         plan, 0, work["tokens"], loss_masks=work["loss_masks"], token_fields=fields, pad_to_multiple_of=128
     )
-
-
-def timed(fn, steps: int) -> list[float]:
-    fn()  # warm-up: kernels tuned for these shapes, AdamW's state present
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def sweep(name: str, args) -> None:
@@ -168,7 +146,7 @@ def sweep(name: str, args) -> None:
                 row["allocated_before_gib"] = allocated()
                 reset_peak()
                 try:
-                    times = timed(lambda mbs=mbs: actor.train_step(mbs), args.steps)
+                    _, times = timed_median(lambda mbs=mbs: actor.train_step(mbs), args.steps)
                     row["seconds"] = statistics.median(times)
                     row["times"] = times
                     row["tokens_per_s"] = out["tokens"] / row["seconds"]
@@ -201,7 +179,7 @@ def sweep(name: str, args) -> None:
             row["micro_batches"] = len(mbs)
             reset_peak()
             try:
-                times = timed(lambda mbs=mbs: [actor.compute_log_probs(mb) for mb in mbs], args.steps)
+                _, times = timed_median(lambda mbs=mbs: [actor.compute_log_probs(mb) for mb in mbs], args.steps)
                 row["seconds"] = statistics.median(times)
                 row["tokens_per_s"] = out["tokens"] / row["seconds"]
                 row["measured_gib"] = torch.cuda.max_memory_allocated() / GIB if CUDA else 0.0
@@ -352,7 +330,7 @@ def recompute_leak(args) -> None:
             if wrap is not None:
                 wrap(actor.model)
             reset_peak()
-            times = timed(lambda: actor.train_step(mbs), args.steps)
+            _, times = timed_median(lambda: actor.train_step(mbs), args.steps)
             gc.collect()
             row = {
                 "seconds": statistics.median(times),
