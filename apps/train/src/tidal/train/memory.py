@@ -148,13 +148,14 @@ def write_memory_plan(job, hf_config: dict[str, Any], out_dir: str | Path) -> Me
     path = Path(out_dir) / "memory_plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = json.loads(plan.to_json())
+    chosen = ""
     if job.memory_choice is not None:  # what `auto` chose and the configurations it beat
         record["auto"] = job.memory_choice.to_dict()
-        logger.info("memory auto: %s", job.memory_choice.reason, extra=TERMINAL)
+        chosen = f"\n  auto: {job.memory_choice.reason}"
     path.write_text(json.dumps(record, indent=2) + "\n")
     if gpu is None:
         line = "memory plan: %.2f GiB peak per trainer GPU (no GPU here to check it against; %s)"
         logger.info(line, plan.peak / GIB, path, extra=TERMINAL)
     else:
-        logger.info("%s\n  (%s)", plan.table(), path, extra=TERMINAL)
+        logger.info("%s%s\n  (%s)", plan.table(), chosen, path, extra=TERMINAL)
     return plan
