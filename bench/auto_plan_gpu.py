@@ -250,6 +250,17 @@ def largest_live(top: int = 4) -> list[dict]:
     return out
 
 
+def warmed_actor(args, tmp: str):
+    """``args.oom_shape``'s actor after one step (AdamW's state exists), its config and the workload's micro-batches."""
+    cfg, _, _, actor = build(args.oom_shape, args, tmp)
+    work = make_workload(args.samples, 7, cfg["vocab_size"], args.scale, mix="long")
+    longest = int(-(-max(work["lengths"]) // 128) * 128)
+    mbs = packed(work, max(args.oom_ok_tokens, longest), train=True)
+    actor.train_step(mbs[:1])
+    gc.collect()
+    return cfg, actor, mbs
+
+
 def oom_check(args) -> None:
     """A real out-of-memory in training and in the log-prob pass: is the memory given back?"""
     from tidal.actor.errors import ActorOutOfMemoryError
@@ -257,12 +268,8 @@ def oom_check(args) -> None:
     name = args.oom_shape
     out = REPORT.setdefault(f"oom-{name}", {})
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, _, _, actor = build(name, args, tmp)
-        work = make_workload(args.samples, 7, cfg["vocab_size"], args.scale, mix="long")
-        longest = int(-(-max(work["lengths"]) // 128) * 128)
-        small = packed(work, max(args.oom_ok_tokens, longest), train=True)[:1]
-        actor.train_step(small)  # AdamW's state exists from here on
-        gc.collect()
+        cfg, actor, mbs = warmed_actor(args, tmp)
+        small = mbs[:1]
         out["resident_gib"] = allocated()
         for what, tokens in (("train", args.oom_tokens), ("logprob", args.oom_logprob_tokens)):
             from tidal.batching import pack
@@ -304,12 +311,7 @@ def recompute_leak(args) -> None:
     name = args.oom_shape
     out = REPORT.setdefault(f"recompute-leak-{name}", {})
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, _, _, actor = build(name, args, tmp)
-        work = make_workload(args.samples, 7, cfg["vocab_size"], args.scale, mix="long")
-        longest = int(-(-max(work["lengths"]) // 128) * 128)
-        mbs = packed(work, max(args.oom_ok_tokens, longest), train=True)
-        actor.train_step(mbs[:1])  # AdamW's state exists from here on
-        gc.collect()
+        _, actor, mbs = warmed_actor(args, tmp)
         out["resident_gib"] = resident = allocated()
         out["micro_batch_tokens"] = [mb.num_tokens for mb in mbs]
 
