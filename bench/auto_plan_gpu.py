@@ -93,9 +93,26 @@ def packed(work: dict, budget: int, *, train: bool):
     )
 
 
+def measure(row: dict, fn, steps: int, tokens: int) -> None:
+    """Time ``fn`` (median of ``steps`` after a warm-up) and its peak into ``row``; an out-of-memory is recorded."""
+    from tidal.actor.errors import ActorOutOfMemoryError
+
+    reset_peak()
+    try:
+        _, times = timed_median(fn, steps)
+    except ActorOutOfMemoryError as e:
+        row["oom"] = str(e)
+        return
+    row["seconds"] = statistics.median(times)
+    row["times"] = times
+    row["tokens_per_s"] = tokens / row["seconds"]
+    row["measured_gib"] = torch.cuda.max_memory_allocated() / GIB if CUDA else 0.0
+    if CUDA:
+        row["plan_over_measured"] = row["plan_gib"] / row["measured_gib"]
+
+
 def sweep(name: str, args) -> None:
     from tidal.actor.bridge import enable_layer_recompute
-    from tidal.actor.errors import ActorOutOfMemoryError
     from tidal.actor.memory_plan import MemoryInputs, largest_fitting_tokens, plan_memory
 
     out = REPORT.setdefault(name, {"rows": []})
@@ -144,17 +161,7 @@ def sweep(name: str, args) -> None:
                 row["micro_batches"] = len(mbs)
                 row["max_micro_batch_tokens"] = max(mb.num_tokens for mb in mbs)
                 row["allocated_before_gib"] = allocated()
-                reset_peak()
-                try:
-                    _, times = timed_median(lambda mbs=mbs: actor.train_step(mbs), args.steps)
-                    row["seconds"] = statistics.median(times)
-                    row["times"] = times
-                    row["tokens_per_s"] = out["tokens"] / row["seconds"]
-                    row["measured_gib"] = torch.cuda.max_memory_allocated() / GIB if CUDA else 0.0
-                    if CUDA:
-                        row["plan_over_measured"] = row["plan_gib"] / row["measured_gib"]
-                except ActorOutOfMemoryError as e:
-                    row["oom"] = str(e)
+                measure(row, lambda mbs=mbs: actor.train_step(mbs), args.steps, out["tokens"])
                 del mbs
                 gc.collect()
                 row["allocated_after_gib"] = allocated()
@@ -177,16 +184,7 @@ def sweep(name: str, args) -> None:
             row = {"pass": "logprob", "budget": budget, "recompute": "off", "plan_gib": plan.logprob_peak / GIB}
             mbs = packed(work, budget, train=False)
             row["micro_batches"] = len(mbs)
-            reset_peak()
-            try:
-                _, times = timed_median(lambda mbs=mbs: [actor.compute_log_probs(mb) for mb in mbs], args.steps)
-                row["seconds"] = statistics.median(times)
-                row["tokens_per_s"] = out["tokens"] / row["seconds"]
-                row["measured_gib"] = torch.cuda.max_memory_allocated() / GIB if CUDA else 0.0
-                if CUDA:
-                    row["plan_over_measured"] = row["plan_gib"] / row["measured_gib"]
-            except ActorOutOfMemoryError as e:
-                row["oom"] = str(e)
+            measure(row, lambda mbs=mbs: [actor.compute_log_probs(mb) for mb in mbs], args.steps, out["tokens"])
             out["rows"].append(row)
             log(f"{name}: {json.dumps(row)}")
             dump(args)

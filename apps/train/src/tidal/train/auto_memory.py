@@ -100,8 +100,6 @@ def resolve_auto(request: AutoRequest, job: dict[str, Any], hf_config: dict[str,
     shape = ModelShape.from_hf_config(hf_config) if plannable(hf_config) else None
     longest = inputs.longest_sequence
     step = _step_tokens(batching, longest)
-    if shape is None:
-        gpu = None
     choice = choose_memory_config(
         shape,
         inputs,
