@@ -229,7 +229,12 @@ def holders(obj, depth: int = 4, skip: set | None = None) -> list[str]:
     return chains[:8]
 
 
-def largest_live(top: int = 4) -> list[dict]:
+def live_storages() -> set[int]:
+    """The storage pointers of the CUDA tensors Python holds now."""
+    return set(_live_tensors())
+
+
+def _live_tensors() -> dict[int, torch.Tensor]:
     found = {}
     for o in gc.get_objects():
         try:
@@ -237,6 +242,12 @@ def largest_live(top: int = 4) -> list[dict]:
                 found[o.untyped_storage().data_ptr()] = o
         except Exception:
             continue
+    return found
+
+
+def largest_live(top: int = 4, *, new_since: set[int] | None = None) -> list[dict]:
+    """The ``top`` largest CUDA tensors alive (only those not in ``new_since``), with what holds each."""
+    found = {ptr: t for ptr, t in _live_tensors().items() if not new_since or ptr not in new_since}
     big = sorted(found.values(), key=lambda t: -t.untyped_storage().nbytes())[:top]
     skip = {id(found), id(big)}
     out = [
@@ -313,23 +324,29 @@ def recompute_leak(args) -> None:
         out["resident_gib"] = resident = allocated()
         out["micro_batch_tokens"] = [mb.num_tokens for mb in mbs]
 
-        def no_early_stop(model) -> None:
+        def torch_early_stop(model) -> None:  # torch.utils.checkpoint's default, which tidal no longer uses
             for layer in model.decoder.layers:
                 forward = layer.forward
 
                 def checkpointed(*a, _forward=forward, **kw):
                     if not torch.is_grad_enabled():
                         return _forward(*a, **kw)
-                    return checkpoint(_forward, *a, use_reentrant=False, early_stop=False, **kw)
+                    return checkpoint(_forward, *a, use_reentrant=False, early_stop=True, **kw)
 
                 layer.forward = checkpointed
 
-        variants = {"off": None, "torch default (early stop)": enable_layer_recompute, "no early stop": no_early_stop}
+        variants = {
+            "off": None,
+            "torch default (early stop)": torch_early_stop,
+            "tidal (no early stop)": enable_layer_recompute,
+        }
         for label, wrap in variants.items():
             undo_recompute(actor)
             if wrap is not None:
                 wrap(actor.model)
             reset_peak()
+            gc.collect()
+            before = live_storages()
             _, times = timed_median(lambda: actor.train_step(mbs), args.steps)
             gc.collect()
             row = {
@@ -338,7 +355,7 @@ def recompute_leak(args) -> None:
             }
             row["held_after_gib"] = allocated() - resident
             if row["held_after_gib"] > 0.1:
-                row["largest_live"] = largest_live()
+                row["largest_live"] = largest_live(6, new_since=before)
             out[label] = row
             log(f"recompute leak {label}: {json.dumps(row)[:3000]}")
             dump(args)

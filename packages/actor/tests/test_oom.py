@@ -95,3 +95,39 @@ def test_oom_message_says_what_to_change():
         tokens=1024, fitting_tokens=512, **{**kw, "what": "log-prob", "flag": "--log-probs-max-tokens-per-gpu"}
     )
     assert "--recompute-activations" not in logprob
+
+
+class FailingMLP:
+    """Raise torch.OutOfMemoryError in a layer's MLP, keeping a weak reference to the MLP's input."""
+
+    def __init__(self, layer):
+        self.ref = None
+        self.handle = layer.mlp.register_forward_pre_hook(self.hook)
+
+    def hook(self, module, args):
+        self.ref = weakref.ref(args[0])
+        raise torch.OutOfMemoryError("CUDA out of memory (injected in the MLP)")
+
+
+def test_megatron_layers_hold_their_input_until_the_mlp_ends(actor):
+    # The reason for tidal.actor.oom.forget_failed_pass: when this fails, megatron-core no longer keeps the layer's
+    # input on the layer between the pre-MLP norm and the MLP's end, and the workaround can go.
+    layer = actor.model.decoder.layers[0]
+    x = torch.randn(4, 1, actor.model.config.hidden_size, dtype=next(layer.parameters()).dtype)
+    layer._forward_pre_mlp_layernorm(x)
+    try:
+        assert layer.mlp_norm_manager is not None and layer.mlp_norm_manager.tensor is x
+    finally:
+        layer.mlp_norm_manager = None
+
+
+def test_oom_inside_the_mlp_lets_go_of_the_layer_input(actor):
+    fail = FailingMLP(actor.model.decoder.layers[1])
+    try:
+        with pytest.raises(ActorOutOfMemoryError, match="log-prob pass"):
+            actor.compute_log_probs(pack(SEQS))
+    finally:
+        fail.handle.remove()
+    assert all(getattr(m, "mlp_norm_manager", None) is None for m in actor.model.modules())
+    assert fail.ref is not None and fail.ref() is None, "the failed pass's MLP input is still alive"
+    actor.compute_log_probs(pack(SEQS))  # and the next pass runs

@@ -317,6 +317,7 @@ class Actor:
             device=self.device,
             flag=LOGPROB_FLAG if logprob else TRAIN_FLAG,
             fitting_tokens=fitting_tokens,
+            model=self.model,
         )
 
     def _lr(self) -> float:

@@ -164,6 +164,10 @@ def enable_layer_recompute(model: GPTModel, num_layers: int = 0) -> None:
     ``recompute_granularity="full"``: Megatron's ``CheckpointFunction`` does not restore the autocast
     state, so under bf16 autocast its recomputation ran in fp32 (3.5x slower on an H200, and not the
     forward that produced the loss). The layers have no dropout, so no RNG state needs replaying.
+
+    ``early_stop=False``: with torch's default early stop, one ``[tokens, 2 * ffn]`` tensor per recomputed layer
+    stayed allocated after the step until the next one (3.0 GiB for 4 layers of Llama-3.1-8B at 14k tokens on an
+    H100); without it none does, at the same speed (bench/auto_plan_gpu.py --leak, bench/RESULTS.md).
     """
     layers = list(model.decoder.layers)
     for layer in layers[:num_layers] if num_layers > 0 else layers:
@@ -172,7 +176,7 @@ def enable_layer_recompute(model: GPTModel, num_layers: int = 0) -> None:
         def checkpointed(*args, _forward=forward, **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, early_stop=False, **kwargs)
 
         layer.forward = checkpointed
 

@@ -53,6 +53,7 @@ def run_reporting_oom[T](
     device: torch.device,
     flag: str,
     fitting_tokens: Callable[[int], int | None],
+    model: torch.nn.Module | None = None,
 ) -> T:
     """``fn()``, with a ``torch.OutOfMemoryError`` turned into an ``ActorOutOfMemoryError`` of one line.
 
@@ -67,11 +68,14 @@ def run_reporting_oom[T](
         device: the actor's device.
         flag: the option that sets this pass's budget.
         fitting_tokens: called with the card's bytes, returns the plan's largest fitting budget (or None).
+        model: the model whose pass it was: what its layers still hold of the failed pass is let go.
     """
     try:
         return fn()
     except torch.OutOfMemoryError:
         peak, limit = _peak_and_limit(device)
+    if model is not None:
+        forget_failed_pass(model)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -79,3 +83,12 @@ def run_reporting_oom[T](
     message = oom_message(what=what, tokens=tokens, peak=peak, limit=limit, flag=flag, fitting_tokens=fits)
     logger.error(message)
     raise ActorOutOfMemoryError(message)
+
+
+def forget_failed_pass(model: torch.nn.Module) -> None:
+    """Drop what megatron-core's layers keep of a pass that raised: ``TransformerLayer.mlp_norm_manager`` holds the
+    layer's input (a ``[tokens, 1, hidden]`` tensor) from the pre-MLP norm until the MLP's end, so an out-of-memory
+    inside the MLP left it referenced (8 GiB after a 1M-token log-prob pass of an 8B model on an H100)."""
+    for module in model.modules():
+        if getattr(module, "mlp_norm_manager", None) is not None:
+            module.mlp_norm_manager = None
