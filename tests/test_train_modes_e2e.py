@@ -6,7 +6,9 @@
   is two pipeline stages, each of whose first rank hands its own stage's tensors to the co-located engine;
 - --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
   --debug-train-only on its saved rollouts (no engine), its forward-only passes on --log-probs-max-tokens-per-gpu;
-- Ctrl-C during the start-up of a decoupled run (actor and engine on separate GPUs) stops every process, exits 130;
+- SIGTERM (to the driver, as `kill` sends it) during the start-up of a decoupled run (actor and engine on separate
+  GPUs) stops every process, exits 130 and says no checkpoint was written; Ctrl-C typed on the terminal of a run in
+  rollout 1 checkpoints rollout 0 on the way out and prints the command that goes on from it, which does;
 - on a pseudo-terminal (--debug-rollout-only): a live rollout line that rewrites itself, gone at the end, above
   which the start-up block and one line per rollout stay;
 - --max-staleness 1: rollout k + 1 is generated while rollout k trains, staleness <= 1 in metrics.jsonl; its
@@ -483,35 +485,43 @@ def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
     assert not leftovers, leftovers
 
 
-def test_ctrl_c_during_start_up_stops_everything(tmp_path):
+def test_sigterm_during_start_up_stops_everything(tmp_path):
     def engine_launched(out: Path, _log: Path) -> bool:  # the server process is starting: its log file exists
         return any((out / "logs").glob("sglang_*.log"))
 
     decoupled = ["--no-colocate", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
     code, log, leftovers = _train([*COMMON, *decoupled, "--num-rollout", "1"], out=tmp_path / "run",
-                                  kill_when=engine_launched, sig=signal.SIGINT, timeout=600)  # fmt: skip
+                                  kill_when=engine_launched, sig=signal.SIGTERM, group=False, timeout=600)  # fmt: skip
     assert code == 130, log[-4000:]
-    assert "interrupted" in log
+    assert "interrupted (" in log
+    assert "no checkpoint was written: the same command starts the run over" in log
     assert not leftovers, leftovers
 
 
-def _train_on_a_terminal(args: list[str], *, timeout_s: float = 900.0) -> tuple[int, str]:
-    """Run `train` with a pseudo-terminal (200 columns) as stdin, stdout and stderr; ``(exit code, raw output)``."""
+def _train_on_a_terminal(
+    args: list[str], *, timeout_s: float = 900.0, typist=None, env: dict | None = None
+) -> tuple[int, str]:
+    """Run `train` with a pseudo-terminal (200 columns) as its controlling terminal, stdin, stdout and stderr;
+    ``(exit code, raw output)``. ``typist(output so far)`` returns the bytes to type next (b"\x03": Ctrl-C)."""
     main, side = pty.openpty()
     fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
     before = _children(os.getpid())
     _set_child_subreaper(True)
     chunks: list[bytes] = []
     try:
-        env = {**os.environ, "COLUMNS": "200", "LINES": "50"}  # pytest's children get COLUMNS=80, which rich obeys
+        env = {**os.environ, "COLUMNS": "200", "LINES": "50", **(env or {})}  # pytest's children get COLUMNS=80
         proc = subprocess.Popen(
             [sys.executable, "-m", "tidal.train.cli", *args],
             stdin=side, stdout=side, stderr=side, start_new_session=True, env=env,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # Ctrl-C typed there reaches its process group
         )  # fmt: skip
         os.close(side)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if select.select([main], [], [], 1.0)[0]:
+            typed = typist(b"".join(chunks).decode("utf-8", "replace")) if typist else b""
+            if typed:
+                os.write(main, typed)
+            if select.select([main], [], [], 0.2 if typist else 1.0)[0]:
                 try:
                     chunk = os.read(main, 65536)
                 except OSError:  # EIO: every holder of the terminal's other side has closed it
@@ -550,6 +560,54 @@ def _screen(raw: str) -> list[str]:
             lines[row] = token if at_start else lines[row] + token
             at_start = False
     return [line.strip() for line in lines if line.strip()]
+
+
+def test_ctrl_c_mid_run_saves_the_finished_rollout_and_prints_the_command_that_goes_on(tmp_path, external_engine):
+    """Ctrl-C typed on the run's terminal while rollout 1 is generated: rollout 0 (trained, synced, not yet saved:
+    the run saves at its end only) is checkpointed on the way out, and the command printed goes on from it."""
+    import shlex
+
+    from tidal.rollout import SGLangClient
+    from tidal.train.embedded_model import embedded_model_path
+
+    out, held, release = tmp_path / "run", tmp_path / "held", tmp_path / "release"
+    args = [*COMMON, "--num-rollout", "2", "--rollout-external-engine-addrs", external_engine, "--output-dir", str(out),
+            "--custom-generate-function-path", "tidal_train_plugins:held_at_a_version"]  # fmt: skip
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+           "TIDAL_TEST_HOLD_AT": "1", "TIDAL_TEST_HELD": str(held), "TIDAL_TEST_RELEASE": str(release)}  # fmt: skip
+    typed = []
+
+    def typist(output: str) -> bytes:
+        if not typed and held.exists():  # rollout 1's generation (weights of version 1) is under way
+            typed.append(b"\x03")
+            return b"\x03"
+        if typed and "interrupted: saving" in output and not release.exists():
+            release.touch()  # the driver took the Ctrl-C: let the generation's calls return
+        return b""
+
+    try:
+        code, raw = _train_on_a_terminal(args, typist=typist, env=env)
+        assert code == 130, raw[-6000:]
+        screen = _screen(raw)
+        assert [r["rollout"] for r in _records(out)] == [0]
+        assert (out / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+        (line,) = [line for line in screen if "go on at rollout 1 with: " in line]
+        assert "rollout 0 is checkpointed in " in line
+        command = shlex.split(line.split(" with: ", 1)[1])
+        assert command[:3] == ["uv", "run", "train"]
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            resumed = _train(command[3:], out=out)  # the printed command as it is (_train adds --verbose)
+    finally:
+        server = SGLangClient(f"http://{external_engine}")  # back to the weights other tests start from
+        server.update_weights_from_disk(embedded_model_path(), weight_version="0")
+    code, log, leftovers = resumed
+    assert code == 0, log[-6000:]
+    assert "resumed from" in log and not leftovers, leftovers
+    records = _records(out)
+    assert [r["rollout"] for r in records] == [0, 1]
+    assert records[1]["rollout/weight_version"] == 1.0  # the engine got the checkpoint's weights back first
 
 
 def test_a_terminal_shows_a_live_rollout_line_then_one_line_per_rollout(tmp_path, external_engine):

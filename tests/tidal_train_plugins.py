@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -38,6 +39,26 @@ def two_turns_with_a_tool(engine, prompt_ids: list[int], sampling_params: dict[s
     )
 
 
+def _plain_sample(engine, prompt_ids: list[int], sampling_params: dict[str, Any], label) -> Sample:
+    (out,) = engine.generate([prompt_ids], {k: v for k, v in sampling_params.items() if k != "n"})
+    return Sample(prompt_ids=prompt_ids, response_ids=out["output_ids"], response_log_probs=out["output_log_probs"],
+                  response_loss_mask=[1] * len(out["output_ids"]), finish_reason=out["finish_reason"], label=label,
+                  weight_version=out["weight_version"])  # fmt: skip
+
+
+def held_at_a_version(engine, prompt_ids: list[int], sampling_params: dict[str, Any], *, label) -> Sample:
+    """One plain sample; one sampled at version $TIDAL_TEST_HOLD_AT creates the file $TIDAL_TEST_HELD and returns
+    only once the file $TIDAL_TEST_RELEASE exists (at most 300 s): a test interrupts the run in that generation."""
+    sample = _plain_sample(engine, prompt_ids, sampling_params, label)
+    if sample.weight_version == os.environ["TIDAL_TEST_HOLD_AT"]:
+        with open(os.environ["TIDAL_TEST_HELD"], "a"):
+            pass
+        deadline = time.monotonic() + 300
+        while not os.path.exists(os.environ["TIDAL_TEST_RELEASE"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return sample
+
+
 def reload_the_server_once(engine, prompt_ids: list[int], sampling_params: dict[str, Any], *, label) -> Sample:
     """One plain sample; the first call to see the server at version $TIDAL_TEST_RELOAD_AT then reloads the
     embedded model's initial weights into the server at $TIDAL_TEST_SERVER as version "0" (what a server restarted
@@ -45,10 +66,8 @@ def reload_the_server_once(engine, prompt_ids: list[int], sampling_params: dict[
     from tidal.rollout import SGLangClient
     from tidal.train.embedded_model import ensure_embedded_model
 
-    (out,) = engine.generate([prompt_ids], {k: v for k, v in sampling_params.items() if k != "n"})
-    sample = Sample(prompt_ids=prompt_ids, response_ids=out["output_ids"], response_log_probs=out["output_log_probs"],
-                    response_loss_mask=[1] * len(out["output_ids"]), finish_reason=out["finish_reason"], label=label,
-                    weight_version=out["weight_version"])  # fmt: skip
+    sample = _plain_sample(engine, prompt_ids, sampling_params, label)
+    out = {"weight_version": sample.weight_version}
     if out["weight_version"] == os.environ["TIDAL_TEST_RELOAD_AT"]:
         try:
             os.close(os.open(os.environ["TIDAL_TEST_RELOADED"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -143,9 +143,18 @@ class ActorGroup:
         return state
 
     def save(
-        self, rollout_id: int, *, weight_version: int, carry: list | None = None, buffer: list | None = None
+        self,
+        rollout_id: int,
+        *,
+        weight_version: int,
+        carry: list | None = None,
+        buffer: list | None = None,
+        timeout: float | None = None,
     ) -> None:
-        """Checkpoint model, optimizer, RNG and the trainer state (rollout carry-over and buffer) into --save."""
+        """Checkpoint model, optimizer, RNG and the trainer state (rollout carry-over and buffer) into --save.
+
+        ``timeout``: at most that many seconds (plus a minute for the Ray calls), else an error.
+        """
         from tidal.ckpt import TrainerState
 
         state = TrainerState.capture(
@@ -155,7 +164,7 @@ class ActorGroup:
             rollout_carry=carry,
             rollout_buffer=buffer,
         )
-        self.call_all("save_checkpoint", rollout_id + 1, state.to_dict())
+        self.call_all("save_checkpoint", rollout_id + 1, state.to_dict(), timeout=timeout)
 
     def save_hf(self, out_dir: str | Path) -> None:
         """Write the current weights as an HF checkpoint (--save-hf)."""
@@ -199,8 +208,8 @@ class ActorGroup:
             from tidal.rollout import RolloutError
 
             raise RolloutError(
-                f"{method} on the actor's {len(futures)} rank(s) did not finish within --update-weight-timeout "
-                f"{timeout:.0f} s (+60 s): an engine or a rank hangs; see the engines' logs"
+                f"{method} on the actor's {len(futures)} rank(s) did not finish within {timeout:.0f} s (+60 s): an "
+                "engine or a rank hangs; see the engines' and workers' logs"
             ) from e
 
 

@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``uv run train``; returns the process exit code.
 
     A bad input prints one line per problem (exit 2); any later error prints one line and the file holding its
-    traceback (exit 1); Ctrl-C stops every process and exits 130.
+    traceback (exit 1); Ctrl-C stops every process and exits 130, having checkpointed the newest finished rollout
+    and printed the command that goes on from it.
     """
     from tidal.train.logs import LogPlan, forward_ray_logs, setup_logging
 
@@ -290,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(job)
     except KeyboardInterrupt as e:
+        from tidal.train.interrupted import resume_command
+
         logger.error("interrupted (%s): every SGLang, Ray and Megatron process was stopped", str(e) or "Ctrl-C")
+        if not job.train.debug_rollout_only:
+            logger.error("%s", resume_command(argv, job))
         return 130
     except Exception as e:
         return _report(e, argv, out_dir=job.train.output_dir)

@@ -111,6 +111,9 @@ def start_cluster(job: JobConfig, out: Path, train_data: PromptDataset) -> Itera
     _announce(job, plan, with_engines=with_engines, with_actor=actors is not None)
     adopt_ray_logger()
     with ray_session(job.placement):
+        from tidal.train.watchdog import stop_on_sigterm
+
+        stop_on_sigterm()  # again: ray.init installed its own handler (SystemExit), which skips the save on the way out
         placement = create_placement(job.placement)
         try:
             with waiting("starting the SGLang engine(s) and the actor"):

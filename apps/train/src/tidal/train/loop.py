@@ -19,6 +19,7 @@ from tidal.train.actor_group import ActorGroup
 from tidal.train.cluster import Cluster, start_cluster
 from tidal.train.config import JobConfig, eval_sets
 from tidal.train.data import PromptDataset
+from tidal.train.interrupted import Progress, save_on_interrupt
 from tidal.train.logs import TERMINAL
 from tidal.train.metrics import MetricsLog
 from tidal.train.monitors import check_prompt_chat_template
@@ -55,7 +56,6 @@ def _train(
     job: JobConfig, cluster: Cluster, buffer: RolloutBuffer, held_out: dict, metrics_log: MetricsLog, bar: RolloutBar
 ) -> RunResult:
     rollouts, actors, weights = cluster.rollouts, cluster.actors, cluster.weights
-    num_rollout = job.train.num_rollout
     out = metrics_log.path.parent
     result = RunResult(output_dir=out, checkpoint_dir=Path(job.ckpt.save), weights_dir=None, job_key=floor_key(job))
     result.wandb = metrics_log.wandb_run
@@ -68,9 +68,34 @@ def _train(
         result.eval_before = rollouts.evaluate(held_out)["eval/accuracy"]
         logger.info("held-out accuracy before RL: %.3f", result.eval_before, extra=TERMINAL)
     recorder = RolloutRecorder(job, out, metrics_log, result, rollouts, start)
-    best = _best_so_far(job, result.history)
+    progress = Progress(finished=start - 1, saved=start - 1 if actors and job.ckpt.load else -1, version=version)
+    try:
+        _rollouts(job, cluster, buffer, held_out, recorder, progress, bar)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the newest finished rollout is checkpointed on the way out
+        save_on_interrupt(job, buffer, actors, progress)
+        raise
+    if actors and job.ckpt.async_save:
+        actors.finalize_saves()
+    recorder.finish()
+    write_summary(result)
+    return result
+
+
+def _rollouts(
+    job: JobConfig,
+    cluster: Cluster,
+    buffer: RolloutBuffer,
+    held_out: dict,
+    recorder: RolloutRecorder,
+    progress: Progress,
+    bar: RolloutBar,
+) -> None:
+    """Rollouts from ``progress.finished + 1`` on: generate, train, sync, evaluate, record, checkpoint."""
+    rollouts, actors, weights = cluster.rollouts, cluster.actors, cluster.weights
+    num_rollout, version = job.train.num_rollout, progress.version
+    best = _best_so_far(job, recorder.result.history)
     recorder.begin()
-    for rollout_id in range(start, num_rollout):
+    for rollout_id in range(progress.finished + 1, num_rollout):
         started, last = time.monotonic(), rollout_id == num_rollout - 1
         bar.phase(rollout_id, "generate")
         samples, times = buffer.take(rollout_id, version)  # generated now, or ahead under --max-staleness
@@ -78,27 +103,25 @@ def _train(
         metrics: dict[str, Any] = {}
         if actors:
             bar.phase(rollout_id, "train")
+            progress.training()
             metrics, times["time/actor_call"] = timed(actors.train, samples, rollout_id)
             if rollouts.has_engines and _due(rollout_id, job.sync.update_weights_interval):
                 version = rollout_id + 1
                 bar.phase(rollout_id, "sync weights")
-                result.weights_dir, times["time/weight_sync"] = timed(weights.sync, rollouts, version)
+                recorder.result.weights_dir, times["time/weight_sync"] = timed(weights.sync, rollouts, version)
                 metrics |= weights.last  # weight_sync/transport, weight_sync/mb_per_s, ...
         if rollouts.has_engines and (last or _due(rollout_id, job.eval.eval_interval)):
             bar.phase(rollout_id, "evaluate")
             evals, times["time/eval"] = timed(rollouts.evaluate, held_out)
             metrics |= evals
         record = recorder.record(rollout_id, samples, metrics, times, started)  # before the checkpoint
+        progress.finish(rollout_id, version, buffer if actors else None)
         if actors and (last or _due(rollout_id, job.ckpt.save_interval)):
             best = _mark_best(job, record, best)
             bar.phase(rollout_id, "checkpoint")
             _save(job, buffer, actors, rollout_id, version)
+            progress.saved = rollout_id
         recorder.shown(record)
-    if actors and job.ckpt.async_save:
-        actors.finalize_saves()
-    recorder.finish()
-    write_summary(result)
-    return result
 
 
 def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
@@ -163,10 +186,15 @@ def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, weights: Weig
 
 def _save(job: JobConfig, buffer: RolloutBuffer, actors: ActorGroup, rollout_id: int, version: int) -> None:
     """Megatron checkpoint (trainer state, rollout carry-over and buffer) and, with --save-hf, an HF copy."""
-    carry, buffered = buffer.checkpoint_state()
-    actors.save(rollout_id, weight_version=version, carry=carry, buffer=buffered)
+    checkpoint(actors, rollout_id, version, buffer.checkpoint_state())
     if job.train.save_hf:
         actors.save_hf(job.train.save_hf.replace("{rollout_id}", str(rollout_id)))
+
+
+def checkpoint(actors: ActorGroup, rollout_id: int, version: int, state: tuple, *, timeout: float | None = None):
+    """Rollout ``rollout_id``'s Megatron checkpoint, with ``state`` = ``(carry-over, buffered rollouts)``."""
+    carry, buffered = state
+    actors.save(rollout_id, weight_version=version, carry=carry, buffer=buffered, timeout=timeout)
 
 
 def _best_so_far(job: JobConfig, history: list[dict]) -> float | None:

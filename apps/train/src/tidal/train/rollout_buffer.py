@@ -91,11 +91,22 @@ class RolloutBuffer:
 
         return samples, metrics | staleness_metrics(samples, version)
 
-    def checkpoint_state(self) -> tuple[list | None, list | None]:
-        """``(carry-over, buffered rollouts)`` as plain data, taken together once no rollout is being generated."""
+    def checkpoint_state(self, timeout: float | None = None) -> tuple[list | None, list | None] | None:
+        """``(carry-over, buffered rollouts)`` as plain data, taken together once no rollout is being generated.
+
+        None when a rollout is still being generated after ``timeout`` seconds (None: wait as long as it takes).
+        """
+        if not self._generating.acquire(timeout=-1 if timeout is None else timeout):
+            return None
+        try:
+            return self._checkpoint_state()
+        finally:
+            self._generating.release()
+
+    def _checkpoint_state(self) -> tuple[list | None, list | None]:
         from tidal.rollout import sample_records
 
-        with self._generating, self._cond:
+        with self._cond:
             buffered = [
                 {"rollout_id": j, "samples": sample_records(samples), "metrics": metrics}
                 for j, (samples, metrics) in sorted(self._ready.items())

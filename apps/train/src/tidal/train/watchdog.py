@@ -116,8 +116,8 @@ def start_watchdog() -> subprocess.Popen | None:
 def stop_on_sigterm() -> None:
     """Make SIGTERM stop the run as Ctrl-C does (KeyboardInterrupt): every process is stopped before the exit.
 
-    ``ray.init`` later installs Ray's own handler (``sys.exit(SIGTERM)``), which unwinds the same ``finally`` blocks;
-    this one covers the seconds before it (tokenizer, embedded model, data).
+    ``ray.init`` installs Ray's own handler (``sys.exit(SIGTERM)``): the cluster calls this again once Ray is up, so
+    that a SIGTERM mid-run checkpoints the newest finished rollout as Ctrl-C does.
     """
 
     def interrupt(signum: int, _frame: object) -> None:
