@@ -86,9 +86,12 @@ def run_reporting_oom[T](
 
 
 def forget_failed_pass(model: torch.nn.Module) -> None:
-    """Drop what megatron-core's layers keep of a pass that raised: ``TransformerLayer.mlp_norm_manager`` holds the
-    layer's input (a ``[tokens, 1, hidden]`` tensor) from the pre-MLP norm until the MLP's end, so an out-of-memory
-    inside the MLP left it referenced (8 GiB after a 1M-token log-prob pass of an 8B model on an H100)."""
+    """Drop what megatron-core's layers keep of a pass that raised.
+
+    ``TransformerLayer.mlp_norm_manager`` holds the layer's input (a ``[tokens, 1, hidden]`` tensor) from the pre-MLP
+    norm until the MLP's end, so an out-of-memory inside the MLP left it referenced (8 GiB after a 1M-token log-prob
+    pass of an 8B model on an H100).
+    """
     for module in model.modules():
         if getattr(module, "mlp_norm_manager", None) is not None:
             module.mlp_norm_manager = None
