@@ -152,13 +152,16 @@ COVERED: dict[str, tuple[str, str]] = {
         "test_a_budget_too_large_for_the_card_is_one_line_naming_the_budget_that_fits",
     ),
     # data, evaluation, monitors, the run folder, recipes, the config file and the engines' address and key
-    "--apply-chat-template": (EMBEDDED, "test_apply_chat_template_renders_each_prompt_as_a_user_turn"),
+    "--apply-chat-template": (
+        EMBEDDED,
+        "test_the_apply_chat_template_flag_renders_the_training_and_held_out_prompts_train_reads",
+    ),
     "--eval-temperature": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
     "--eval-top-p": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
     "--eval-max-response-len": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
     "--mismatch-warn-threshold": (
         "apps/train/tests/test_monitors.py",
-        "test_engine_actor_gap_above_the_threshold_warns_with_the_figures_and_the_flags",
+        "test_the_recorder_warns_above_the_mismatch_warn_threshold_it_is_given",
     ),
     "--output-dir": ("apps/train/tests/test_run_folder.py", "test_effective_config_reruns_into_a_new_folder"),
     "--overwrite-output-dir": (
