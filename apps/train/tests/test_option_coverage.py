@@ -86,6 +86,10 @@ COVERED: dict[str, tuple[str, str]] = {
     ),
     "--load": (MODES, "test_resume_continues_metrics_without_gap_or_repeat"),
     "--num-rollout": (MODES, "test_one_step_off_trains_on_samples_at_most_one_version_old"),
+    "--update-weights-interval": (
+        "tests/test_update_interval_e2e.py",
+        "test_the_engines_serve_new_weights_only_after_every_second_rollout",
+    ),
     # the embedded default's run
     "--eval-prompt-data": (E2E, "test_accuracy_is_reported_before_and_after"),
     "--n-samples-per-eval-prompt": (E2E, "test_accuracy_is_reported_before_and_after"),
@@ -247,7 +251,6 @@ COVERED: dict[str, tuple[str, str]] = {
     "--value-clip": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     "--lambd": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     "--tis-mode": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
-    "--update-weights-interval": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     # a bad value, or a combination the option cannot act in, refused in one line naming it
     "--lr": (CLI, BAD_CONFIG),
     "--rollout-temperature": (CLI, BAD_CONFIG),
