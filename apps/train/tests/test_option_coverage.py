@@ -293,7 +293,10 @@ COVERED: dict[str, tuple[str, str]] = {
         "packages/rollout/tests/test_gateway_agents.py",
         "test_groups_of_episodes_replace_a_failed_group_and_record_why",
     ),
-    "--agent-max-concurrency": ("apps/train/tests/test_agents.py", "test_bad_agent_options_are_one_line"),
+    "--agent-max-concurrency": (
+        "tests/test_agent_engine_restart.py",
+        "test_agent_max_concurrency_bounds_the_episodes_in_flight",
+    ),
     "--tool-call-parser": ("apps/train/tests/test_agents.py", "test_the_tool_call_parser_reaches_the_agents_gateway"),
     "--adam-beta1": (CLI, BAD_CONFIG),
     "--log-probs-chunk-size": (CLI, BAD_CONFIG),
