@@ -1,6 +1,7 @@
 """Extension points the `train` runs of the cross-package tests load by import path (tests/ on PYTHONPATH).
 
-Both read files named by environment variables, so that a test decides what they do and sees where they ran.
+Those a `train` run loads read files named by environment variables, so that a test decides what they do and sees
+where they ran; ``counting_agent`` counts in this module (it runs in the test's own process).
 """
 
 from __future__ import annotations
