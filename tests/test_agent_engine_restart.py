@@ -1,10 +1,11 @@
-"""Agents under --use-fault-tolerance: an engine that dies fails its episodes, which are counted and replaced.
+"""The driver's agent rollout (``DriverRollouts``, through the real gateway and agent runner) on the session's server.
 
-The driver's agent rollout (``DriverRollouts``, through the real gateway and agent runner) runs on an engine
-address where nothing listens at first (a dead server: connections are refused). Every episode of round 1 fails
-and drops its group; before round 2 the driver restarts the dead engines, here by opening that address onto the
-session's SGLang server (launched engines are restarted by their Ray workers, which this test does not start),
-and round 2's groups fill the batch.
+- Under --use-fault-tolerance an engine that dies fails its episodes, which are counted and replaced: the rollout
+  runs on an engine address where nothing listens at first (a dead server: connections are refused). Every episode
+  of round 1 fails and drops its group; before round 2 the driver restarts the dead engines, here by opening that
+  address onto the session's SGLang server (launched engines are restarted by their Ray workers, which this test
+  does not start), and round 2's groups fill the batch.
+- --agent-max-concurrency bounds the episodes in flight, as the agent itself counts them.
 """
 
 import contextlib
@@ -63,7 +64,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_episodes_a_dead_engine_failed_are_counted_and_replaced_after_its_restart(tmp_path, external_engine):
+def _manager(tmp_path: Path, agent: str, *flags: str):
+    """The rollout manager of a job running ``tidal_train_plugins:<agent>`` on 16 addition prompts (no engine yet)."""
     from tidal.train.cli import parse_job
     from tidal.train.cluster import rollout_manager_of
     from tidal.train.data import PromptDataset
@@ -74,14 +76,18 @@ def test_episodes_a_dead_engine_failed_are_counted_and_replaced_after_its_restar
     rows.write_text("".join(json.dumps({"prompt": f"{a:02d}+{a + 3:02d}=", "label": f"{2 * a + 3:03d}"}) + "\n"
                             for a in range(10, 26)))  # fmt: skip
     job = parse_job(
-        ["--agent-function-path", "tidal_train_plugins:steady_arithmetic_agent", "--use-fault-tolerance",
-         "--prompt-data", str(rows), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-         "--rollout-max-response-len", "4", "--rollout-request-retries", "0", "--output-dir", str(tmp_path / "run")]
+        ["--agent-function-path", f"tidal_train_plugins:{agent}", "--prompt-data", str(rows),
+         "--rollout-max-response-len", "4", "--output-dir", str(tmp_path / "run"), *flags]
     )  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
     tokenizer.chat_template = AGENT_CHAT_TEMPLATE
     data = PromptDataset(rows, tokenizer, input_key="prompt", label_key="label", seed=0)
-    manager = rollout_manager_of(job, data, tmp_path / "run")
+    return rollout_manager_of(job, data, tmp_path / "run")
+
+
+def test_episodes_a_dead_engine_failed_are_counted_and_replaced_after_its_restart(tmp_path, external_engine):
+    manager = _manager(tmp_path, "steady_arithmetic_agent", "--use-fault-tolerance", "--rollout-batch-size", "2",
+                       "--n-samples-per-prompt", "2", "--rollout-request-retries", "0")  # fmt: skip
     port = _free_port()
     manager.engine_urls = [f"http://127.0.0.1:{port}"]  # a dead engine: nothing listens there
     back: list[Forwarder] = []
@@ -107,3 +113,21 @@ def test_episodes_a_dead_engine_failed_are_counted_and_replaced_after_its_restar
     assert len({(s.group_index, s.episode) for s in samples}) == 4 and all(s.response_ids for s in samples)
     (failure_log,) = (tmp_path / "run").rglob("agent_failures.log")
     assert failure_log.read_text().count("--- ") == 4
+
+
+@pytest.mark.parametrize("bound", [2, 5])
+def test_agent_max_concurrency_bounds_the_episodes_in_flight(tmp_path, external_engine, bound):
+    # 3 groups of 2 episodes, each episode one model call and 0.2 s more: the agent counts the most running at once
+    from tidal_train_plugins import IN_FLIGHT
+
+    manager = _manager(tmp_path, "counting_agent", "--agent-max-concurrency", str(bound), "--rollout-batch-size", "3",
+                       "--n-samples-per-prompt", "2")  # fmt: skip
+    manager.engine_urls = [f"http://{external_engine}"]
+    IN_FLIGHT.update(now=0, max=0)
+    try:
+        samples, metrics = manager.driver.generate(0)
+    finally:
+        manager.driver.shutdown()
+    assert metrics["rollout/agent/failed"] == 0.0 and metrics["rollout/agent/episodes"] == 6.0
+    assert len({(s.group_index, s.episode) for s in samples}) == 6
+    assert (IN_FLIGHT["max"], IN_FLIGHT["now"]) == (bound, 0)  # reached, never passed (6 would run at once)

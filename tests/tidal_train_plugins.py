@@ -1,6 +1,7 @@
 """Extension points the `train` runs of the cross-package tests load by import path (tests/ on PYTHONPATH).
 
-Both read files named by environment variables, so that a test decides what they do and sees where they ran.
+Those a `train` run loads read files named by environment variables, so that a test decides what they do and sees
+where they ran; ``counting_agent`` counts in this module (it runs in the test's own process).
 """
 
 from __future__ import annotations
@@ -128,3 +129,24 @@ async def steady_arithmetic_agent(base_url: str, api_key: str, row: dict, *, rew
         messages = [{"role": "user", "content": f"{row['prompt']} ({first.choices[0].message.content}) check"}]
     second = await client.chat.completions.create(model="tidal", messages=messages)
     return float((second.choices[0].message.content or "").strip() == row["label"])
+
+
+IN_FLIGHT = {"now": 0, "max": 0}
+"""Episodes of ``counting_agent`` running at this moment, and the most seen at once (the test resets it)."""
+
+
+async def counting_agent(base_url: str, api_key: str, row: dict) -> float:
+    """One model call, then 0.2 s more of "tool time"; counts in IN_FLIGHT how many episodes run at once."""
+    import asyncio
+
+    import openai
+
+    IN_FLIGHT["now"] += 1
+    IN_FLIGHT["max"] = max(IN_FLIGHT["max"], IN_FLIGHT["now"])
+    try:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        await client.chat.completions.create(model="tidal", messages=[{"role": "user", "content": row["prompt"]}])
+        await asyncio.sleep(0.2)  # every episode overlaps the others started with it
+        return 0.0
+    finally:
+        IN_FLIGHT["now"] -= 1

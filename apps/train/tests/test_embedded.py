@@ -61,6 +61,30 @@ def test_apply_chat_template_renders_each_prompt_as_a_user_turn(tmp_path):
     assert tok.decode(list(chat.prompts[0].ids)) == "<user>12+34=<assistant>"
 
 
+def test_the_apply_chat_template_flag_renders_the_training_and_held_out_prompts_train_reads(tmp_path):
+    """--apply-chat-template, through the datasets `train` builds from its config: the prompts are user turns."""
+    from tidal.train.cli import parse_job
+    from tidal.train.embedded_model import ensure_embedded_model
+    from tidal.train.loop import _datasets
+
+    model = tmp_path / "model"  # the embedded checkpoint, its tokenizer given a chat template
+    model.mkdir()
+    for f in ensure_embedded_model().iterdir():
+        if f.name != "tokenizer_config.json":
+            (model / f.name).symlink_to(f)
+    config = json.loads((ensure_embedded_model() / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "12+34=", "label": "046"}\n')
+    base = ["--recipe", "embedded", "--hf-checkpoint", str(model), "--prompt-data", str(path)]
+    base += ["--eval-prompt-data", "held", str(path)]
+    for flags, text in (([], "12+34="), (["--apply-chat-template"], "<user>12+34=<assistant>")):
+        train, held_out = _datasets(parse_job([*base, *flags, "--output-dir", str(tmp_path / str(len(flags)))]))
+        assert [p.text for p in train.prompts] == [text] == [p.text for p in held_out["held"].prompts]
+        assert train.tokenizer.decode(list(train.prompts[0].ids)) == text
+
+
 def test_warm_start_lowers_the_loss_and_greedy_accuracy_is_a_share():
     import torch
 

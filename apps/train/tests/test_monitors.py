@@ -68,6 +68,30 @@ def test_engine_actor_gap_below_the_threshold_disabled_or_absent_is_silent(caplo
     assert not caplog.text
 
 
+def test_the_recorder_warns_above_the_mismatch_warn_threshold_it_is_given(tmp_path, caplog):
+    """--mismatch-warn-threshold 0.3 reaches the recorder: a 0.2 gap passes (the default 0.05 would warn), 0.4 warns."""
+    import time
+    from types import SimpleNamespace
+
+    from tidal.train.cli import parse_job
+    from tidal.train.cluster import rollout_manager_of
+    from tidal.train.metrics import MetricsLog
+    from tidal.train.recorder import RolloutRecorder
+    from tidal.train.summary import RunResult
+
+    job = parse_job(["--mismatch-warn-threshold", "0.3", "--output-dir", str(tmp_path / "run")])
+    rollouts = rollout_manager_of(job, SimpleNamespace(tokenizer=None), tmp_path)  # no engine started: no retries
+    result = RunResult(output_dir=tmp_path, checkpoint_dir=tmp_path, weights_dir=None)
+    with MetricsLog(tmp_path / "metrics.jsonl") as log, caplog.at_level(logging.WARNING):
+        recorder = RolloutRecorder(job, tmp_path, log, result, rollouts, start=0)
+        for rollout_id, gap in enumerate([0.2, 0.4]):
+            metrics = {k: v for k, v in _agreement(gap).items() if k != "rollout"}  # the actor's figures
+            recorder.record(rollout_id, _samples([0.0, 1.0]), metrics, {}, time.monotonic())
+    assert caplog.text.count("above --mismatch-warn-threshold 0.3:") == 1
+    assert "rollout 1: " in caplog.text and "rollout 0: " not in caplog.text
+    assert [r["rollout/logprob_abs_diff/mean"] for r in result.history] == [0.2, 0.4]
+
+
 def _tokenizer(template=None):
     tok = build_tokenizer(["1+2=3"])
     if template:

@@ -86,6 +86,10 @@ COVERED: dict[str, tuple[str, str]] = {
     ),
     "--load": (MODES, "test_resume_continues_metrics_without_gap_or_repeat"),
     "--num-rollout": (MODES, "test_one_step_off_trains_on_samples_at_most_one_version_old"),
+    "--update-weights-interval": (
+        "tests/test_update_interval_e2e.py",
+        "test_the_engines_serve_new_weights_only_after_every_second_rollout",
+    ),
     # the embedded default's run
     "--eval-prompt-data": (E2E, "test_accuracy_is_reported_before_and_after"),
     "--n-samples-per-eval-prompt": (E2E, "test_accuracy_is_reported_before_and_after"),
@@ -152,13 +156,16 @@ COVERED: dict[str, tuple[str, str]] = {
         "test_a_budget_too_large_for_the_card_is_one_line_naming_the_budget_that_fits",
     ),
     # data, evaluation, monitors, the run folder, recipes, the config file and the engines' address and key
-    "--apply-chat-template": (EMBEDDED, "test_apply_chat_template_renders_each_prompt_as_a_user_turn"),
+    "--apply-chat-template": (
+        EMBEDDED,
+        "test_the_apply_chat_template_flag_renders_the_training_and_held_out_prompts_train_reads",
+    ),
     "--eval-temperature": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
     "--eval-top-p": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
     "--eval-max-response-len": ("apps/train/tests/test_metrics.py", "test_eval_sampling_params_follow_the_eval_flags"),
     "--mismatch-warn-threshold": (
         "apps/train/tests/test_monitors.py",
-        "test_engine_actor_gap_above_the_threshold_warns_with_the_figures_and_the_flags",
+        "test_the_recorder_warns_above_the_mismatch_warn_threshold_it_is_given",
     ),
     "--output-dir": ("apps/train/tests/test_run_folder.py", "test_effective_config_reruns_into_a_new_folder"),
     "--overwrite-output-dir": (
@@ -244,7 +251,6 @@ COVERED: dict[str, tuple[str, str]] = {
     "--value-clip": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     "--lambd": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     "--tis-mode": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
-    "--update-weights-interval": (CLI, "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"),
     # a bad value, or a combination the option cannot act in, refused in one line naming it
     "--lr": (CLI, BAD_CONFIG),
     "--rollout-temperature": (CLI, BAD_CONFIG),
@@ -287,7 +293,10 @@ COVERED: dict[str, tuple[str, str]] = {
         "packages/rollout/tests/test_gateway_agents.py",
         "test_groups_of_episodes_replace_a_failed_group_and_record_why",
     ),
-    "--agent-max-concurrency": ("apps/train/tests/test_agents.py", "test_bad_agent_options_are_one_line"),
+    "--agent-max-concurrency": (
+        "tests/test_agent_engine_restart.py",
+        "test_agent_max_concurrency_bounds_the_episodes_in_flight",
+    ),
     "--tool-call-parser": ("apps/train/tests/test_agents.py", "test_the_tool_call_parser_reaches_the_agents_gateway"),
     "--adam-beta1": (CLI, BAD_CONFIG),
     "--log-probs-chunk-size": (CLI, BAD_CONFIG),

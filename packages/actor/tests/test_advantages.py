@@ -27,7 +27,7 @@ from tidal.actor.advantages import (
 )
 from tidal.actor.config import _ADVANTAGE_ESTIMATORS
 from tidal.actor.sample_weights import response_len
-from tidal.actor.trainer import _gae, _kl_shaped, _token_level
+from tidal.actor.trainer import _gae, _shaped_advantages, _token_level
 from tidal.batching import pack
 
 REWARDS = [1.0, 0.0, 0.5, 0.7, 0.0, 1.0, 1.0, 0.25, 2.0, -1.0]
@@ -150,15 +150,20 @@ def test_reinforce_plus_plus_no_kl_gives_the_reward_on_every_action():
 
 
 def test_kl_coef_shapes_the_advantage_per_token():
-    # --kl-coef with a per-sample estimator: A_t = A - kl_coef * (log pi_old - log pi_ref) on action tokens
+    # --kl-coef with a per-sample estimator: A_t = A - kl_coef * (log pi_old - log pi_ref) on action tokens, as the
+    # trainer shapes its micro-batches from the actor's config; PPO takes the KL into its rewards instead (GAE)
     mb = packed_batch()
-    got = _kl_shaped(mb, 0.3).token_fields["advantages"]
+    ((got,),) = _shaped_advantages([[mb]], ActorConfig(hf_checkpoint="x", kl_coef=0.3), device="cpu")
     expected = [
         r - 0.3 * k * m
         for r, mask, kl in zip(SAMPLE_REWARDS, MASKS, KL, strict=True)
         for m, k in zip(mask, kl, strict=True)
     ]
-    torch.testing.assert_close(got[: len(expected)], torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.token_fields["advantages"][: len(expected)], torch.tensor(expected), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    ppo = ActorConfig(hf_checkpoint="x", kl_coef=0.3, advantage_estimator="ppo")
+    ((untouched,),) = _shaped_advantages([[mb]], ppo, device="cpu")
+    assert torch.equal(untouched.token_fields["advantages"], mb.token_fields["advantages"])
 
 
 def test_estimator_and_loss_flags_are_checked():

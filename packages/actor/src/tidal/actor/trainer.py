@@ -205,11 +205,7 @@ def train_on_rollout(
         for field, compute, held in passes:
             with held():
                 packed = [[_with_field(mb, field, compute(mb)) for mb in step] for step in packed]
-    if cfg.kl_coef > 0 and cfg.advantage_estimator not in (*TOKEN_LEVEL_ESTIMATORS, "ppo"):
-        # --kl-coef: KL to the reference as a per-token penalty on the advantage
-        packed = [[_kl_shaped(mb, cfg.kl_coef) for mb in step] for step in packed]
-    if cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
-        packed = _token_level(packed, cfg, device=actor.device)
+    packed = _shaped_advantages(packed, cfg, device=actor.device)
     metrics: dict[str, float] = {"batching/logprob_num_micro_batches": float(num_forward)}
     if critic is not None:
         packed, gae_metrics = _gae(packed, cfg, device=actor.device)
@@ -405,6 +401,20 @@ def _dp_sum(sums: torch.Tensor, *, device) -> torch.Tensor:
     total = sums.to(device, copy=True)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return total.cpu()
+
+
+def _shaped_advantages(packed: list[list[PackedBatch]], cfg, *, device) -> list[list[PackedBatch]]:
+    """The micro-batches' advantages as ``cfg`` shapes them per token before PPO's GAE, if any.
+
+    A per-sample estimator's advantage minus --kl-coef x (log pi_old - log pi_ref) on each action token; REINFORCE++
+    (and its baseline variant): per-token returns with that KL in the rewards, whitened over the rollout.
+    """
+    if cfg.kl_coef > 0 and cfg.advantage_estimator not in (*TOKEN_LEVEL_ESTIMATORS, "ppo"):
+        # --kl-coef: KL to the reference as a per-token penalty on the advantage
+        packed = [[_kl_shaped(mb, cfg.kl_coef) for mb in step] for step in packed]
+    if cfg.advantage_estimator in TOKEN_LEVEL_ESTIMATORS:
+        packed = _token_level(packed, cfg, device=device)
+    return packed
 
 
 def _kl_shaped(mb: PackedBatch, kl_coef: float) -> PackedBatch:
