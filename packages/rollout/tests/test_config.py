@@ -34,7 +34,7 @@ def test_sampling_params_carry_the_rollout_flags() -> None:
         ({"sglang_startup_timeout_s": 0.0}, "--sglang-startup-timeout-s must be > 0, got 0.0"),
         ({"rollout_request_timeout_s": 0.0}, "--rollout-request-timeout-s must be > 0, got 0.0"),
         ({"rollout_request_retries": -1}, "--rollout-request-retries must be >= 0, got -1"),
-        ({"rm_type": "f1"}, "--rm-type must be exact_match, numeric_match or math, got 'f1'"),
+        ({"rm_type": "f1"}, "--rm-type must be exact_match, numeric_match, math or code, got 'f1'"),
         ({"custom_rm_path": "pkg.mod.fn"}, "--custom-rm-path must look like 'pkg.module:fn', got 'pkg.mod.fn'"),
         ({"rollout_stop": ("</a>", "")}, r"--rollout-stop strings must be non-empty, got \('</a>', ''\)"),
         ({"over_sampling_batch_size": 0}, "--over-sampling-batch-size must be >= 1, got 0"),

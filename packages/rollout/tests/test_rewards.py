@@ -182,7 +182,9 @@ def test_bad_reward_path_errors_name_the_path(reward_module: str, path: str, mes
 
 
 def test_unknown_reward_name_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"unknown reward 'f1': use one of \['exact_match', 'math', 'numeric_match'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown reward 'f1': use one of \['code', 'exact_match', 'math', 'numeric_match'\]"
+    ):
         resolve_reward_fn("f1")
 
 

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from tidal.rollout.import_path import load_callable
     from tidal.rollout.lora_adapters import ServedAdapters, adapter_name, load_adapter_from_tensors, lora_server_args
     from tidal.rollout.partial_rollout import InterruptibleUpdates, UpdateGate, generate_partial_rollout
-    from tidal.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
+    from tidal.rollout.rewards import RewardFn, RewardResult, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
+    from tidal.rollout.sandbox import SandboxLimits, check_sandbox, run_program
     from tidal.rollout.staleness import mask_stale_tokens, staleness_metrics, version_number
     from tidal.rollout.types import Sample, episode_ids, num_episodes
     from tidal.rollout.weight_sync import (
@@ -102,6 +103,10 @@ _LAZY = {
     "InterruptibleUpdates": "partial_rollout",
     "UpdateGate": "partial_rollout",
     "RewardFn": "rewards",
+    "RewardResult": "rewards",
+    "SandboxLimits": "sandbox",
+    "check_sandbox": "sandbox",
+    "run_program": "sandbox",
     "resolve_reward_fn": "rewards",
     "score_samples": "rewards",
     "mask_stale_tokens": "staleness",
@@ -147,17 +152,20 @@ __all__ = [
     "InterruptibleUpdates",
     "MultiTurn",
     "RewardFn",
+    "RewardResult",
     "RolloutConfig",
     "RolloutError",
     "RolloutRouter",
     "SGLangClient",
     "SGLangEngine",
     "Sample",
+    "SandboxLimits",
     "ServedAdapters",
     "UpdateGate",
     "adapter_name",
     "agent_rollout",
     "check_chat_template",
+    "check_sandbox",
     "check_stop_tokens",
     "delta_checksum",
     "destroy_weights_update_group",
@@ -181,6 +189,7 @@ __all__ = [
     "resolve_reward_fn",
     "reward_variance",
     "rollout_metrics",
+    "run_program",
     "sample_records",
     "sample_with_dynamic_filter",
     "samples_from_records",
