@@ -748,10 +748,12 @@ def test_rm_type_code_is_refused_in_one_line_where_no_sandbox_can_be_built():
 
 
 def test_rm_type_code_with_its_sandbox_options_reaches_the_rollout_config():
-    from tidal.rollout.sandbox import sandbox_problem
+    from tidal.rollout import check_sandbox
 
-    if sandbox_problem() is not None:
-        pytest.skip(f"no sandbox here: {sandbox_problem()}")
+    try:
+        check_sandbox()
+    except ValueError as e:
+        pytest.skip(f"no sandbox here: {e}")
     job = validate(["--rm-type", "code", "--code-sandbox-max-concurrency", "2", "--code-sandbox-timeout-s", "3"])
     assert (job.rollout.rm_type, job.rollout.code_sandbox_max_concurrency, job.rollout.code_sandbox_timeout_s) == (
         "code",

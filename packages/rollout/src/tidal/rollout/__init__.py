@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from tidal.rollout.partial_rollout import InterruptibleUpdates, UpdateGate, generate_partial_rollout
     from tidal.rollout.rewards import RewardFn, RewardResult, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
-    from tidal.rollout.sandbox import SandboxLimits, check_sandbox, run_program
+    from tidal.rollout.sandbox import check_sandbox
     from tidal.rollout.staleness import mask_stale_tokens, staleness_metrics, version_number
     from tidal.rollout.types import Sample, episode_ids, num_episodes
     from tidal.rollout.weight_sync import (
@@ -104,9 +104,7 @@ _LAZY = {
     "UpdateGate": "partial_rollout",
     "RewardFn": "rewards",
     "RewardResult": "rewards",
-    "SandboxLimits": "sandbox",
     "check_sandbox": "sandbox",
-    "run_program": "sandbox",
     "resolve_reward_fn": "rewards",
     "score_samples": "rewards",
     "mask_stale_tokens": "staleness",
@@ -159,7 +157,6 @@ __all__ = [
     "SGLangClient",
     "SGLangEngine",
     "Sample",
-    "SandboxLimits",
     "ServedAdapters",
     "UpdateGate",
     "adapter_name",
@@ -189,7 +186,6 @@ __all__ = [
     "resolve_reward_fn",
     "reward_variance",
     "rollout_metrics",
-    "run_program",
     "sample_records",
     "sample_with_dynamic_filter",
     "samples_from_records",
