@@ -64,6 +64,7 @@ class CodeReward:
     def __init__(self, limits: SandboxLimits, max_concurrency: int) -> None:
         """Run each case under ``limits``, at most ``max_concurrency`` at once."""
         self.limits, self.max_concurrency = limits, max_concurrency
+        self._warned_bad_tests = False
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
@@ -89,7 +90,9 @@ class CodeReward:
         try:
             cases = parse_tests(sample.label)
         except BadTests as e:
-            logger.warning("--rm-type code: the tests of group %d are unusable: %s", sample.group_index, e)
+            if not self._warned_bad_tests:  # once: a data set in another layout would repeat it for every sample
+                self._warned_bad_tests = True
+                logger.warning("--rm-type code: a label's tests are unusable (%s), e.g. %.200r", e, sample.label)
             return _zero("bad_tests", 0.0, 0)
         seconds = 0.0
         for run, case in enumerate(cases, 1):

@@ -160,7 +160,8 @@ async def _run(job_file: str, stdin: bytes, limits: SandboxLimits) -> RunResult:
     except OverflowError:
         killed = "output_limit"
     finally:
-        _kill_group(proc.pid)  # a no-op on a finished run: its group is empty
+        if proc.returncode is None:  # unreaped, its pid (the group's id) cannot have been reused
+            _kill_group(proc.pid)  # the launcher exits only after every process of its sandbox is gone
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
