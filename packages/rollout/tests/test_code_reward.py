@@ -58,27 +58,37 @@ def test_hostile_programs_are_contained_scored_zero_with_their_reason_and_the_ru
         "    os.setsid()\n"
         f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {marker!r}])\n"
     )
-    hostile = {  # program -> the reason it scores 0
-        "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n",
-        "runtime_error": f"open({str(escaped)!r}, 'w').write('x')\nopen('/escaped', 'w').write('x')\n",
-        "wrong_answer": (  # reads the run's files and the environment's secrets: the label expects them
+    three = {"inputs": [""], "outputs": ["3"]}
+    hostile = [  # (what it tries, the reason it scores 0, program, label: what an escape would print)
+        ("socket", "network", f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n", ADD),
+        (
+            "writes outside",
+            "runtime_error",
+            f"open({str(escaped)!r}, 'w').write('x')\nopen('/escaped', 'w').write('x')\nprint(3)\n",
+            three,
+        ),
+        (
+            "reads secrets",
+            "wrong_answer",
             "import os\n"
             f"try:\n    print(open({str(secret)!r}).read())\nexcept OSError:\n    print('no file')\n"
-            "print(os.environ.get('TIDAL_TEST_SECRET'))\n"
+            "print(os.environ.get('TIDAL_TEST_SECRET'))\n",
+            {"inputs": [""], "outputs": ["run-secret\nenv-secret\n"]},
         ),
-        "process_limit": "import os\nwhile True:\n    os.fork()\n",
-        "memory_limit": "block = bytearray(10 * 2**30)\n",
-        "timeout": leave_behind + "time.sleep(3600)\n",
-        "output_limit": "import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * 2**20)\n",
-    }
-    label_of = {"wrong_answer": {"inputs": [""], "outputs": ["run-secret\nenv-secret\n"]}}
-    samples = [_sample(program, label_of.get(reason, ADD), g) for g, (reason, program) in enumerate(hostile.items())]
+        ("fork bomb", "process_limit", "import os\nwhile True:\n    os.fork()\n", ADD),
+        ("new namespaces", "runtime_error", "import os\nos.unshare(os.CLONE_NEWUSER)\nprint(3)\n", three),  # seccomp
+        ("10 GB", "memory_limit", "block = bytearray(10 * 2**30)\n", ADD),
+        ("sleeps forever", "timeout", leave_behind + "time.sleep(3600)\n", ADD),
+        ("prints 1 GB", "output_limit", "import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * 2**20)\n", ADD),
+    ]
+    samples = [_sample(program, label, g) for g, (_, _, program, label) in enumerate(hostile)]
     samples += [_sample(ADD_SOLUTION, ADD, len(samples)), _sample(None, ADD, len(samples) + 1)]
     start = time.monotonic()
     scored = score_samples(samples, _reward(code_sandbox_timeout_s=2.0, code_sandbox_max_concurrency=8))
     elapsed = time.monotonic() - start
 
-    for sample, reason in zip(scored, [*hostile, None, "no_code"], strict=True):
+    reasons = [reason for _, reason, _, _ in hostile]
+    for sample, reason in zip(scored, [*reasons, None, "no_code"], strict=True):
         assert sample.reward_error is None
         if reason is None:
             assert sample.reward == 1.0 and sample.reward_metrics["code/cases_run"] == 2
@@ -86,8 +96,8 @@ def test_hostile_programs_are_contained_scored_zero_with_their_reason_and_the_ru
             assert sample.reward == 0.0, reason
             assert sample.reward_metrics.get(f"code/zero/{reason}") == 1.0, (reason, sample.reward_metrics)
     metrics = rollout_metrics(scored)
-    for reason in [*hostile, "no_code"]:
-        assert metrics[f"rollout/code/zero/{reason}"] == 1.0
+    for reason in {*reasons, "no_code"}:
+        assert metrics[f"rollout/code/zero/{reason}"] == [*reasons, "no_code"].count(reason)
     assert metrics["rollout/reward/mean"] == pytest.approx(1 / len(scored))
     assert metrics["rollout/code/sandbox_s"] >= 2.0  # the timed-out run's seconds are counted
     assert elapsed < 6  # killed at --code-sandbox-timeout-s 2, not left to sleep; the 10 GB failed at once

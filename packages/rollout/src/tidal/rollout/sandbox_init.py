@@ -6,9 +6,10 @@ It imports only the standard library (it runs outside any virtual environment) a
    own ids, or nobody's (65534) when the launcher is root, so that a program never acts as the real root;
 2. the child enters new mount, network, pid, IPC and UTS namespaces and forks the sandbox's pid 1;
 3. pid 1 builds a root of its own (a small tmpfs: ``/usr``, ``/bin``, ``/lib*`` and the interpreter's prefix bound
-   read-only, ``/dev/null``, ``/dev/zero``, ``/dev/urandom``, and a writable size-bounded tmpfs ``/sandbox`` that
-   holds the program's files), pivots into it and detaches the host's tree, sets the resource limits and
-   no-new-privileges, and executes the interpreter on the program with a clean environment.
+   read-only, ``/dev/null``, ``/dev/zero``, ``/dev/urandom``, a small ``/dev/shm``, and a writable size-bounded
+   tmpfs ``/sandbox`` that holds the program's files), pivots into it and detaches the host's tree, sets the
+   resource limits, no-new-privileges and a seccomp filter (x86_64), and executes the interpreter on the program
+   with a clean environment.
 
 pid 1 dies with its parent (``PR_SET_PDEATHSIG``), and every process of a pid namespace dies with its pid 1, so
 killing the launcher's process group leaves nothing running. A failure of the set-up itself exits with
@@ -98,6 +99,8 @@ def _build_root(job: dict, sources: list[tuple[str, str | int]]) -> None:
             open(target, "w").close()  # a mount point for a device
         _bind_read_only(source, target)
         os.close(source)
+    os.makedirs(root + "/dev/shm", mode=0o755, exist_ok=True)  # multiprocessing's semaphores
+    _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=16m,mode=1777")
     work = root + "/sandbox"
     os.mkdir(work, 0o700)
     _mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['disk_bytes']},mode=0700")
@@ -126,6 +129,68 @@ def _limit(limits: dict) -> None:
         resource.setrlimit(kind, value)
 
 
+# seccomp: system calls a program never needs that reach kernel code namespaces leave exposed (x86_64 numbers)
+AUDIT_ARCH_X86_64, X32_SYSCALL_BIT = 0xC000003E, 0x40000000
+SECCOMP_SET_MODE_FILTER_PRCTL, SECCOMP_MODE_FILTER = 22, 2
+RET_ALLOW, RET_KILL, RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+EPERM, ENOSYS = 1, 38
+SYS_CLONE, SYS_CLONE3 = 56, 435
+NEW_NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x02000000
+DENIED = (
+    101, 103, 135, 155, 161, 163, 165, 166, 167, 168, 169, 175, 176, 246, 248, 249, 250, 272, 298, 303, 304, 308,
+    310, 311, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 442,
+)  # ptrace syslog personality pivot_root chroot acct mount umount2 swapon swapoff reboot init_module delete_module
+# kexec_load add_key request_key keyctl unshare perf_event_open name_to_handle_at open_by_handle_at setns
+# process_vm_readv process_vm_writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree move_mount
+# fsopen fsconfig fsmount fspick mount_setattr
+
+
+def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
+    return code.to_bytes(2, "little") + bytes((jt, jf)) + k.to_bytes(4, "little")
+
+
+def _seccomp_filter() -> bytes | None:
+    """The seccomp filter as BPF, or None off x86_64 (the namespaces and limits still hold there).
+
+    EPERM for :data:`DENIED` and for a clone into new namespaces, ENOSYS for clone3 (glibc then uses clone),
+    everything else allowed.
+    """
+    if platform.machine() != "x86_64":
+        return None
+    ld_w_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    deny = [_bpf(jeq, 0, 1, nr) + _bpf(ret, 0, 0, RET_ERRNO | EPERM) for nr in DENIED]
+    program = [
+        _bpf(ld_w_abs, 0, 0, 4),  # arch
+        _bpf(jeq, 1, 0, AUDIT_ARCH_X86_64),
+        _bpf(ret, 0, 0, RET_KILL),
+        _bpf(ld_w_abs, 0, 0, 0),  # syscall number
+        _bpf(jge, 0, 1, X32_SYSCALL_BIT),
+        _bpf(ret, 0, 0, RET_ERRNO | ENOSYS),
+        _bpf(jeq, 0, 1, SYS_CLONE3),
+        _bpf(ret, 0, 0, RET_ERRNO | ENOSYS),
+        *deny,
+        _bpf(jeq, 0, 3, SYS_CLONE),
+        _bpf(ld_w_abs, 0, 0, 16),  # clone's flags (the low half of args[0])
+        _bpf(jset, 0, 1, NEW_NAMESPACES),
+        _bpf(ret, 0, 0, RET_ERRNO | EPERM),
+        _bpf(ret, 0, 0, RET_ALLOW),
+    ]
+    return b"".join(program)
+
+
+def _install_seccomp() -> None:
+    program = _seccomp_filter()
+    if program is None:
+        return
+    buffer = ctypes.create_string_buffer(program, len(program))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+    fprog = Fprog(len(program) // 8, ctypes.addressof(buffer))
+    _check(_libc.prctl(SECCOMP_SET_MODE_FILTER_PRCTL, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
+
+
 def _pid_one(job: dict, sources: list, alive_fd: int) -> None:
     """The sandbox's pid 1: its own root, limits, then the program."""
     try:
@@ -142,6 +207,7 @@ def _pid_one(job: dict, sources: list, alive_fd: int) -> None:
         _build_root(job, sources)
         _limit(job["limits"])
         _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+        _install_seccomp()
     except OSError as e:
         _fail(f"{e}")
     argv = job["argv"]
