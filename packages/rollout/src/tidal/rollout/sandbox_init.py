@@ -136,49 +136,15 @@ RET_ALLOW, RET_KILL, RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
 EPERM, ENOSYS = 1, 38
 SYS_CLONE, SYS_CLONE3 = 56, 435
 NEW_NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | 0x02000000
-DENIED = (
-    101,
-    103,
-    135,
-    155,
-    161,
-    163,
-    165,
-    166,
-    167,
-    168,
-    169,
-    175,
-    176,
-    246,
-    248,
-    249,
-    250,
-    272,
-    298,
-    303,
-    304,
-    308,
-    310,
-    311,
-    313,
-    320,
-    321,
-    323,
-    425,
-    426,
-    427,
-    428,
-    429,
-    430,
-    431,
-    432,
-    433,
-    442,
-)  # ptrace syslog personality pivot_root chroot acct mount umount2 swapon swapoff reboot init_module delete_module
-# kexec_load add_key request_key keyctl unshare perf_event_open name_to_handle_at open_by_handle_at setns
-# process_vm_readv process_vm_writev finit_module kexec_file_load bpf userfaultfd io_uring_* open_tree move_mount
-# fsopen fsconfig fsmount fspick mount_setattr
+DENIED = {
+    "ptrace": 101, "syslog": 103, "personality": 135, "pivot_root": 155, "chroot": 161, "acct": 163, "mount": 165,
+    "umount2": 166, "swapon": 167, "swapoff": 168, "reboot": 169, "init_module": 175, "delete_module": 176,
+    "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250, "unshare": 272, "perf_event_open": 298,
+    "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308, "process_vm_readv": 310,
+    "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
+    "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+}  # fmt: skip
 
 
 def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
@@ -194,7 +160,7 @@ def _seccomp_filter() -> bytes | None:
     if platform.machine() != "x86_64":
         return None
     ld_w_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    deny = [_bpf(jeq, 0, 1, nr) + _bpf(ret, 0, 0, RET_ERRNO | EPERM) for nr in DENIED]
+    deny = [_bpf(jeq, 0, 1, nr) + _bpf(ret, 0, 0, RET_ERRNO | EPERM) for nr in DENIED.values()]
     program = [
         _bpf(ld_w_abs, 0, 0, 4),  # arch
         _bpf(jeq, 1, 0, AUDIT_ARCH_X86_64),
