@@ -753,6 +753,8 @@ def test_rm_type_code_with_its_sandbox_options_reaches_the_rollout_config():
     try:
         check_sandbox()
     except ValueError as e:
+        if "cannot create a user namespace" not in str(e):
+            raise  # the machine allows namespaces: the sandbox itself is broken
         pytest.skip(f"no sandbox here: {e}")
     job = validate(["--rm-type", "code", "--code-sandbox-max-concurrency", "2", "--code-sandbox-timeout-s", "3"])
     assert (job.rollout.rm_type, job.rollout.code_sandbox_max_concurrency, job.rollout.code_sandbox_timeout_s) == (

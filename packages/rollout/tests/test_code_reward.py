@@ -14,7 +14,10 @@ from tidal.rollout import RolloutConfig, Sample, resolve_reward_fn, rollout_metr
 from tidal.rollout.code_tests import BadTests, last_code_block, parse_tests
 from tidal.rollout.sandbox import sandbox_problem
 
-pytestmark = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
+# Skipped only where the machine refuses user namespaces; a sandbox that breaks anywhere else fails every test.
+pytestmark = pytest.mark.skipif(
+    "cannot create a user namespace" in (sandbox_problem() or ""), reason=f"no sandbox here: {sandbox_problem()}"
+)
 
 ADD = {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}
 ADD_SOLUTION = "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)\n"
