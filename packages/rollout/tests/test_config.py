@@ -116,3 +116,13 @@ def test_each_engine_serves_with_tensor_parallelism_over_the_gpus_it_is_given():
         with_engine_tp(("--tp-size", "1"), 2)
     with pytest.raises(ValueError, match="--sglang-tensor-parallel-size 4 disagrees"):
         with_engine_tp(("--tensor-parallel-size=4",), 2)
+
+
+def test_code_sandbox_options_warn_without_rm_type_code(caplog: pytest.LogCaptureFixture) -> None:
+    RolloutConfig(code_sandbox_timeout_s=3.0)
+    assert "--code-sandbox-timeout-s has no effect without --rm-type code" in caplog.text
+    caplog.clear()
+    RolloutConfig(rm_type="code", code_sandbox_timeout_s=3.0, code_sandbox_max_concurrency=2)
+    assert not caplog.text
+    RolloutConfig(rm_type="code", custom_rm_path="pkg.mod:fn", code_sandbox_memory_mb=512)  # the custom reward wins
+    assert "--code-sandbox-memory-mb has no effect without --rm-type code" in caplog.text
