@@ -29,6 +29,7 @@ USER_ENTRY_POINTS = {
     ("rollout", "GroupFilter"): "the Protocol a --dynamic-sampling-filter-path function implements",
     ("rollout", "MultiTurn"): "builds multi-turn samples inside a user's --custom-generate-function-path function",
     ("rollout", "RewardFn"): "the Protocol a --custom-rm-path function implements",
+    ("rollout", "RewardResult"): "what a --custom-rm-path function returns to report figures beside its reward",
     ("rollout", "filter_uniform_groups"): _NEXT_DAPO,
     ("rollout", "reward_variance"): _NEXT_DAPO,
     ("rollout", "sample_with_dynamic_filter"): _NEXT_DAPO,

@@ -68,6 +68,9 @@ BAD = [
     (["--update-weight-delta", "--lora-rank", "8"], "--update-weight-delta with --lora-rank 8 is not supported"),
     (["--rollout-external-engine-addrs", "h:1", "--offload"], "drop --offload-rollout"),
     (["--update-weight-timeout", "0"], "--update-weight-timeout must be > 0"),
+    (["--code-sandbox-max-concurrency", "0"], "--code-sandbox-max-concurrency must be >= 1, got 0"),
+    (["--code-sandbox-timeout-s", "0"], "--code-sandbox-timeout-s must be > 0"),
+    (["--code-sandbox-memory-mb", "16"], "--code-sandbox-memory-mb must be >= 64"),
     # mistakes a new user makes: each is one line before anything starts
     (
         [
@@ -724,3 +727,38 @@ def test_placement_flags_shape_the_bundles_and_the_local_ray(paths):
     assert check_local_gpus(job, detected_gpus=0).num_gpus == 8  # 4 CPUs hold 8 bundles of 0.5
     with pytest.raises(ResourceShortageError, match=r"--num-cpus-local 3 CPUs holds at most 6 GPU bundles"):
         check_local_gpus(parse_job([*argv, "--num-cpus-local", "3"]), detected_gpus=0)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def test_rm_type_code_is_refused_in_one_line_where_no_sandbox_can_be_built():
+    # Inside a user namespace that allows no nested one (what a seccomp profile forbidding unshare, or
+    # user.max_user_namespaces=0, looks like), `train --rm-type code` stops before anything starts.
+    script = "import sys; from tidal.train.cli import main; sys.exit(main(['--rm-type', 'code', '--num-rollout', '0']))"
+    no_namespaces = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1"'
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "sh", "-c", no_namespaces, sys.executable, script],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if "unshare failed" in proc.stderr:
+        pytest.skip(f"this machine allows no user namespace at all: {proc.stderr.strip()}")
+    lines = [line for line in proc.stderr.splitlines() if "--rm-type code" in line]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "refused it" in lines[0] and "cannot create a user namespace" in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_rm_type_code_with_its_sandbox_options_reaches_the_rollout_config():
+    from tidal.rollout import check_sandbox
+
+    try:
+        check_sandbox()
+    except ValueError as e:
+        if "cannot create a user namespace" not in str(e):
+            raise  # the machine allows namespaces: the sandbox itself is broken
+        pytest.skip(f"no sandbox here: {e}")
+    job = validate(["--rm-type", "code", "--code-sandbox-max-concurrency", "2", "--code-sandbox-timeout-s", "3"])
+    assert (job.rollout.rm_type, job.rollout.code_sandbox_max_concurrency, job.rollout.code_sandbox_timeout_s) == (
+        "code",
+        2,
+        3.0,
+    )

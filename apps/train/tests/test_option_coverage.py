@@ -35,6 +35,7 @@ ACTOR = "packages/actor/tests/test_actor.py"
 MAIN = "packages/actor/tests/test_main_params.py"
 FAST = "packages/actor/tests/test_fast_paths.py"
 GENERATION = "packages/rollout/tests/test_generation.py"
+CODE = "packages/rollout/tests/test_code_reward.py"
 HANDLES = "apps/train/tests/test_handles.py"
 EMBEDDED = "apps/train/tests/test_embedded.py"
 MICRO = "packages/batching/tests/test_micro_batches.py"
@@ -285,6 +286,12 @@ COVERED: dict[str, tuple[str, str]] = {
     "--rollout-request-timeout-s": (CLI, BAD_CONFIG),
     "--rollout-request-retries": (CLI, BAD_CONFIG),
     "--generate-max-concurrency": (CLI, BAD_CONFIG),
+    "--code-sandbox-max-concurrency": (CODE, "test_memory_and_concurrency_follow_their_options"),
+    "--code-sandbox-memory-mb": (CODE, "test_memory_and_concurrency_follow_their_options"),
+    "--code-sandbox-timeout-s": (
+        CODE,
+        "test_hostile_programs_are_contained_scored_zero_with_their_reason_and_the_run_goes_on",
+    ),
     "--agent-function-path": (
         "packages/rollout/tests/test_gateway_agents.py",
         "test_groups_of_episodes_replace_a_failed_group_and_record_why",

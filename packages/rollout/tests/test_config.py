@@ -34,7 +34,7 @@ def test_sampling_params_carry_the_rollout_flags() -> None:
         ({"sglang_startup_timeout_s": 0.0}, "--sglang-startup-timeout-s must be > 0, got 0.0"),
         ({"rollout_request_timeout_s": 0.0}, "--rollout-request-timeout-s must be > 0, got 0.0"),
         ({"rollout_request_retries": -1}, "--rollout-request-retries must be >= 0, got -1"),
-        ({"rm_type": "f1"}, "--rm-type must be exact_match, numeric_match or math, got 'f1'"),
+        ({"rm_type": "f1"}, "--rm-type must be exact_match, numeric_match, math or code, got 'f1'"),
         ({"custom_rm_path": "pkg.mod.fn"}, "--custom-rm-path must look like 'pkg.module:fn', got 'pkg.mod.fn'"),
         ({"rollout_stop": ("</a>", "")}, r"--rollout-stop strings must be non-empty, got \('</a>', ''\)"),
         ({"over_sampling_batch_size": 0}, "--over-sampling-batch-size must be >= 1, got 0"),
@@ -116,3 +116,13 @@ def test_each_engine_serves_with_tensor_parallelism_over_the_gpus_it_is_given():
         with_engine_tp(("--tp-size", "1"), 2)
     with pytest.raises(ValueError, match="--sglang-tensor-parallel-size 4 disagrees"):
         with_engine_tp(("--tensor-parallel-size=4",), 2)
+
+
+def test_code_sandbox_options_warn_without_rm_type_code(caplog: pytest.LogCaptureFixture) -> None:
+    RolloutConfig(code_sandbox_timeout_s=3.0)
+    assert "--code-sandbox-timeout-s has no effect without --rm-type code" in caplog.text
+    caplog.clear()
+    RolloutConfig(rm_type="code", code_sandbox_timeout_s=3.0, code_sandbox_max_concurrency=2)
+    assert not caplog.text
+    RolloutConfig(rm_type="code", custom_rm_path="pkg.mod:fn", code_sandbox_memory_mb=512)  # the custom reward wins
+    assert "--code-sandbox-memory-mb has no effect without --rm-type code" in caplog.text

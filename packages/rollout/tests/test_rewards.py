@@ -182,7 +182,9 @@ def test_bad_reward_path_errors_name_the_path(reward_module: str, path: str, mes
 
 
 def test_unknown_reward_name_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"unknown reward 'f1': use one of \['exact_match', 'math', 'numeric_match'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown reward 'f1': use one of \['code', 'exact_match', 'math', 'numeric_match'\]"
+    ):
         resolve_reward_fn("f1")
 
 
@@ -278,3 +280,16 @@ def test_score_samples_records_each_failure_and_clears_the_error_of_a_success(ca
 def test_custom_reward_path_errors_name_the_flag():
     with pytest.raises(ValueError, match=r"--custom-rm-path 'no_such_module_xyz:f'"):
         load_reward_fn("no_such_module_xyz:f")
+
+
+def test_a_reward_result_keeps_its_figures_on_the_sample_and_rollout_metrics_sums_them() -> None:
+    from tidal.rollout import RewardResult, rollout_metrics
+
+    def reward(sample: Sample) -> RewardResult:
+        return RewardResult(float(sample.label == "ok"), {"judge/seconds": 0.5, f"judge/{sample.label}": 1.0})
+
+    scored = score_samples([_sample("a", "ok", 0), _sample("b", "no", 1), _sample("c", "ok", 2)], reward)
+    assert [s.reward for s in scored] == [1.0, 0.0, 1.0]
+    assert scored[1].reward_metrics == {"judge/seconds": 0.5, "judge/no": 1.0} and scored[1].reward_error is None
+    metrics = rollout_metrics(scored)
+    assert (metrics["rollout/judge/seconds"], metrics["rollout/judge/ok"], metrics["rollout/judge/no"]) == (1.5, 2, 1)

@@ -516,6 +516,14 @@ def check_import_paths(rollout: dict[str, Any], problems: Problems, actor: dict[
             problems.run(check_import_path, f"--{key.replace('_', '-')}", section[key])
 
 
+def check_code_sandbox(rollout: dict[str, Any], problems: Problems) -> None:
+    """``--rm-type code`` runs only where this machine can sandbox programs; refused otherwise, never unsandboxed."""
+    if rollout.get("rm_type") == "code" and not rollout.get("custom_rm_path"):
+        from tidal.rollout import check_sandbox
+
+        problems.run(check_sandbox)
+
+
 def check_output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: dict[str, Any], problems) -> None:
     """Every folder the run writes is a folder (or can be created as one); the run folder holds no other run."""
     from tidal.train.run_folder import check_output_dir

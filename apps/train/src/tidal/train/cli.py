@@ -146,6 +146,7 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     hf, hf_config = _model(train, problems)
     propagate_shared(sections, {("train", "hf_checkpoint"): hf})
     checks.check_import_paths(rollout, problems, actor)
+    checks.check_code_sandbox(rollout, problems)
     if not actor.get("use_kl_loss") and actor.get("kl_loss_coef"):
         logger.warning("--kl-loss-coef %s is ignored without --use-kl-loss (slime's rule)", actor["kl_loss_coef"])
         actor["kl_loss_coef"] = 0.0

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from tidal.rollout.import_path import load_callable
     from tidal.rollout.lora_adapters import ServedAdapters, adapter_name, load_adapter_from_tensors, lora_server_args
     from tidal.rollout.partial_rollout import InterruptibleUpdates, UpdateGate, generate_partial_rollout
-    from tidal.rollout.rewards import RewardFn, resolve_reward_fn, score_samples
+    from tidal.rollout.rewards import RewardFn, RewardResult, resolve_reward_fn, score_samples
     from tidal.rollout.router import RolloutRouter
+    from tidal.rollout.sandbox import check_sandbox
     from tidal.rollout.staleness import mask_stale_tokens, staleness_metrics, version_number
     from tidal.rollout.types import Sample, episode_ids, num_episodes
     from tidal.rollout.weight_sync import (
@@ -102,6 +103,8 @@ _LAZY = {
     "InterruptibleUpdates": "partial_rollout",
     "UpdateGate": "partial_rollout",
     "RewardFn": "rewards",
+    "RewardResult": "rewards",
+    "check_sandbox": "sandbox",
     "resolve_reward_fn": "rewards",
     "score_samples": "rewards",
     "mask_stale_tokens": "staleness",
@@ -147,6 +150,7 @@ __all__ = [
     "InterruptibleUpdates",
     "MultiTurn",
     "RewardFn",
+    "RewardResult",
     "RolloutConfig",
     "RolloutError",
     "RolloutRouter",
@@ -158,6 +162,7 @@ __all__ = [
     "adapter_name",
     "agent_rollout",
     "check_chat_template",
+    "check_sandbox",
     "check_stop_tokens",
     "delta_checksum",
     "destroy_weights_update_group",

@@ -41,9 +41,17 @@ class RolloutConfig:
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (checked at start-up by check_chat_template())."""
     rm_type: str = "math"
-    """Built-in reward: exact_match, numeric_match or math (ignored when custom_rm_path is set)."""
+    """Built-in reward: exact_match, numeric_match, math or code (the last code block of the response run against
+    the label's tests in a sandbox; see tidal.rollout.code_tests); ignored when custom_rm_path is set."""
     custom_rm_path: str | None = None
     """Reward function by import path 'pkg.module:fn' (takes a Sample, returns a float)."""
+    code_sandbox_max_concurrency: int = 4
+    """Most sandboxed programs running at once (--rm-type code)."""
+    code_sandbox_timeout_s: float = 10.0
+    """Wall-clock (and CPU) seconds one test case's program may run before it is killed and scores 0 (--rm-type
+    code)."""
+    code_sandbox_memory_mb: int = 1024
+    """Address space of each process of a sandboxed program, MiB: an allocation beyond it fails (--rm-type code)."""
     over_sampling_batch_size: int | None = None
     """Prompts per generation round under dynamic sampling; None: the rollout batch size."""
     dynamic_sampling_filter_path: str | None = None
@@ -122,6 +130,14 @@ class RolloutConfig:
                 ">= 1",
             ),
             ("--generate-max-concurrency", self.generate_max_concurrency, self.generate_max_concurrency >= 1, ">= 1"),
+            (
+                "--code-sandbox-max-concurrency",
+                self.code_sandbox_max_concurrency,
+                self.code_sandbox_max_concurrency >= 1,
+                ">= 1",
+            ),
+            ("--code-sandbox-timeout-s", self.code_sandbox_timeout_s, self.code_sandbox_timeout_s > 0, "> 0"),
+            ("--code-sandbox-memory-mb", self.code_sandbox_memory_mb, self.code_sandbox_memory_mb >= 64, ">= 64"),
             ("--agent-max-concurrency", self.agent_max_concurrency, self.agent_max_concurrency >= 1, ">= 1"),
             ("--agent-timeout-s", self.agent_timeout_s, self.agent_timeout_s > 0, "> 0"),
             ("--sglang-startup-timeout-s", self.sglang_startup_timeout_s, self.sglang_startup_timeout_s > 0, "> 0"),
@@ -145,11 +161,12 @@ class RolloutConfig:
                 raise ValueError(f"{flag} must be {requirement}, got {value!r}")
         if self.sglang_api_key is not None and self.sglang_api_key.startswith("-"):
             raise ValueError("--sglang-api-key must not start with '-': SGLang's command line would read it as a flag")
-        if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math"):
+        if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math", "code"):
             raise ValueError(
-                f"--rm-type must be exact_match, numeric_match or math, got {self.rm_type!r}; "
+                f"--rm-type must be exact_match, numeric_match, math or code, got {self.rm_type!r}; "
                 "or give --custom-rm-path pkg.module:fn"
             )
+        self._check_code_sandbox()
         for flag, path in (
             ("--custom-rm-path", self.custom_rm_path),
             ("--custom-generate-function-path", self.custom_generate_function_path),
@@ -186,6 +203,17 @@ class RolloutConfig:
                 f"--rollout-external-engine-addrs lists a server twice: {list(self.rollout_external_engine_addrs)}"
             )
         return urls
+
+    def _check_code_sandbox(self) -> None:
+        if self.rm_type == "code" and self.custom_rm_path is None:
+            return
+        for flag, value, default in (
+            ("--code-sandbox-max-concurrency", self.code_sandbox_max_concurrency, 4),
+            ("--code-sandbox-timeout-s", self.code_sandbox_timeout_s, 10.0),
+            ("--code-sandbox-memory-mb", self.code_sandbox_memory_mb, 1024),
+        ):
+            if value != default:
+                logger.warning("%s has no effect without --rm-type code", flag)
 
     def _check_agents(self) -> None:
         if self.tool_call_parser is not None:

@@ -222,7 +222,8 @@ def generate_samples(
 def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     """Per-rollout metrics with slash keys: response length, truncated fraction, rewards, reward errors.
 
-    The reward mean and std count each agent episode once (its trajectories share its reward).
+    Each figure the reward reported (``Sample.reward_metrics``) is summed over the samples as well. The reward
+    mean and std count each agent episode once (its trajectories share its reward).
     """
     if not samples:
         return {}
@@ -243,6 +244,9 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         metrics["rollout/reward/mean"] = statistics.fmean(rewards)
         metrics["rollout/reward/std"] = statistics.pstdev(rewards)
         metrics["rollout/reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+    for s in samples:  # the reward's own figures (--rm-type code: sandbox seconds, why programs scored 0)
+        for key, value in (s.reward_metrics or {}).items():
+            metrics[f"rollout/{key}"] = metrics.get(f"rollout/{key}", 0.0) + value
     return metrics
 
 

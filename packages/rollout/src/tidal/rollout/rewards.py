@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from fractions import Fraction
 from typing import Any, Protocol
 
+from tidal.rollout.config import RolloutConfig
 from tidal.rollout.import_path import load_callable
 from tidal.rollout.types import Sample
 
@@ -29,10 +30,20 @@ _MAX_NUMBER_CHARS = 400
 _MAX_EXPONENT = 400
 
 
-class RewardFn(Protocol):
-    """A reward function: one sample in, a scalar out (or an awaitable of one)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class RewardResult:
+    """A reward with figures about how it was reached (summed per rollout as ``rollout/<key>``)."""
 
-    def __call__(self, sample: Sample) -> float | Awaitable[float]:
+    value: float
+    """The reward."""
+    metrics: dict[str, float]
+    """Per-sample figures, e.g. ``{"code/sandbox_s": 0.2, "code/zero/timeout": 1.0}``."""
+
+
+class RewardFn(Protocol):
+    """A reward function: one sample in, a scalar (or a :class:`RewardResult`) out, or an awaitable of one."""
+
+    def __call__(self, sample: Sample) -> float | RewardResult | Awaitable[float | RewardResult]:
         """Score ``sample`` (use ``sample.response_text`` and ``sample.label``)."""
         ...
 
@@ -161,13 +172,21 @@ def load_reward_fn(path: str) -> RewardFn:
     return load_callable(path, flag="--custom-rm-path")
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
-    """A built-in reward by name (``exact_match``, ``numeric_match``, ``math``) or one by import path."""
+def resolve_reward_fn(spec: str, cfg: RolloutConfig | None = None) -> RewardFn:
+    """A built-in reward by name (``exact_match``, ``numeric_match``, ``math``, ``code``) or one by import path.
+
+    ``code`` runs programs in a sandbox under ``cfg``'s ``--code-sandbox-*`` limits (the defaults without ``cfg``).
+    """
+    if spec == "code":
+        from tidal.rollout.code_reward import CodeReward
+
+        return CodeReward.from_config(cfg or RolloutConfig(rm_type="code"))
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" in spec:
         return load_reward_fn(spec)
-    raise ValueError(f"unknown reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or an import path 'pkg.module:fn'")
+    names = sorted([*BUILTIN_REWARDS, "code"])
+    raise ValueError(f"unknown reward {spec!r}: use one of {names} or an import path 'pkg.module:fn'")
 
 
 async def _await_all(pending: dict[int, Awaitable[Any]]) -> dict[int, Any]:
@@ -178,7 +197,8 @@ async def _await_all(pending: dict[int, Awaitable[Any]]) -> dict[int, Any]:
 def score_samples(samples: Sequence[Sample], reward_fn: RewardFn | Callable[[Sample], Any]) -> list[Sample]:
     """Score every sample; a failure marks its own sample (reward 0.0, ``reward_error``) and no other.
 
-    ``reward_fn`` may be sync or async; async calls run concurrently. Call from synchronous code.
+    ``reward_fn`` may be sync or async; async calls run concurrently. A :class:`RewardResult`'s figures go to the
+    sample's ``reward_metrics``. Call from synchronous code.
     """
     outcomes: dict[int, Any] = {}
     pending: dict[int, Awaitable[Any]] = {}
@@ -197,10 +217,13 @@ def score_samples(samples: Sequence[Sample], reward_fn: RewardFn | Callable[[Sam
     scored = []
     for i, sample in enumerate(samples):
         outcome = outcomes[i]
+        details = None
+        if isinstance(outcome, RewardResult):
+            outcome, details = outcome.value, dict(outcome.metrics)
         if isinstance(outcome, BaseException) or not isinstance(outcome, int | float):
             error = repr(outcome) if isinstance(outcome, BaseException) else f"returned {outcome!r}, not a number"
             logger.warning("reward failed for sample %d (group %d): %s", i, sample.group_index, error)
             scored.append(dataclasses.replace(sample, reward=0.0, reward_error=error))
         else:
-            scored.append(dataclasses.replace(sample, reward=float(outcome), reward_error=None))
+            scored.append(dataclasses.replace(sample, reward=float(outcome), reward_error=None, reward_metrics=details))
     return scored

@@ -36,6 +36,9 @@ class Sample:
     """Decoded response, for rule-based rewards and logs (the ids stay authoritative)."""
     reward_error: str | None = None
     """Why scoring this sample failed (its reward is then 0.0), None when it did not."""
+    reward_metrics: dict[str, float] | None = None
+    """Figures the reward reported about this sample (the code sandbox's seconds, why a program scored 0), summed
+    per rollout as ``rollout/<key>``; None: none."""
     response_loss_mask: Sequence[int] | None = None
     """Per response token 1 (trained on) or 0 (e.g. a tool result a multi-turn rollout inserted, whose
     log-prob is then 0.0); None: every response token counts."""
