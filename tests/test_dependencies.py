@@ -2,6 +2,7 @@
 
 import ast
 import functools
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
@@ -91,3 +92,12 @@ def test_third_party_imports_are_declared(member):
         assert dists & declared, (
             f"{sorted(files)} import {name} (from {sorted(dists)}) but tidal-{member} does not declare it"
         )
+
+
+def test_no_import_cycles_inside_a_package_or_the_app():
+    """pyproject.toml's import-linter contract: no two sibling modules (at any depth) import each other, directly or
+    round about; a new cycle fails here with the imports that would break it."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Contracts: 1 kept, 0 broken." in done.stdout

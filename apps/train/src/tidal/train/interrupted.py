@@ -65,8 +65,6 @@ def save_on_interrupt(job, buffer, actors, progress: Progress) -> None:
             progress.finished,
         )
         return
-    from tidal.train.loop import checkpoint
-
     rollout_id = progress.finished
     logger.warning(
         "interrupted: saving rollout %d's checkpoint into %s before stopping (at most %.0f s; Ctrl-C again skips it)",
@@ -79,7 +77,10 @@ def save_on_interrupt(job, buffer, actors, progress: Progress) -> None:
         if state is None:
             logger.warning("no checkpoint on the way out: a rollout was generated for over %.0f s", SAVE_ON_INTERRUPT_S)
             return
-        checkpoint(actors, rollout_id, progress.version, state, timeout=SAVE_ON_INTERRUPT_S)
+        carry, buffered = state
+        actors.save(
+            rollout_id, weight_version=progress.version, carry=carry, buffer=buffered, timeout=SAVE_ON_INTERRUPT_S
+        )
         if job.ckpt.async_save:
             _finalize(actors)
         progress.saved = rollout_id

@@ -186,15 +186,10 @@ def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, weights: Weig
 
 def _save(job: JobConfig, buffer: RolloutBuffer, actors: ActorGroup, rollout_id: int, version: int) -> None:
     """Megatron checkpoint (trainer state, rollout carry-over and buffer) and, with --save-hf, an HF copy."""
-    checkpoint(actors, rollout_id, version, buffer.checkpoint_state())
+    carry, buffered = buffer.checkpoint_state()
+    actors.save(rollout_id, weight_version=version, carry=carry, buffer=buffered)
     if job.train.save_hf:
         actors.save_hf(job.train.save_hf.replace("{rollout_id}", str(rollout_id)))
-
-
-def checkpoint(actors: ActorGroup, rollout_id: int, version: int, state: tuple, *, timeout: float | None = None):
-    """Rollout ``rollout_id``'s Megatron checkpoint, with ``state`` = ``(carry-over, buffered rollouts)``."""
-    carry, buffered = state
-    actors.save(rollout_id, weight_version=version, carry=carry, buffer=buffered, timeout=timeout)
 
 
 def _best_so_far(job: JobConfig, history: list[dict]) -> float | None:

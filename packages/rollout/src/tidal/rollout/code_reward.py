@@ -14,9 +14,8 @@ import weakref
 
 from tidal.rollout.code_tests import BadTests, Case, last_code_block, output_matches, parse_tests
 from tidal.rollout.config import RolloutConfig
-from tidal.rollout.rewards import RewardResult
 from tidal.rollout.sandbox import RunResult, SandboxLimits, run_program
-from tidal.rollout.types import Sample
+from tidal.rollout.types import RewardResult, Sample
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from tidal.rollout.config import RolloutConfig
 from tidal.rollout.import_path import load_callable
-from tidal.rollout.types import Sample
+from tidal.rollout.types import RewardResult, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +28,6 @@ _EXPONENT = re.compile(r"[eE]\s*[+-]?([\d_]+)")
 _MAX_TAIL_CHARS = 4096
 _MAX_NUMBER_CHARS = 400
 _MAX_EXPONENT = 400
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RewardResult:
-    """A reward with figures about how it was reached (summed per rollout as ``rollout/<key>``)."""
-
-    value: float
-    """The reward."""
-    metrics: dict[str, float]
-    """Per-sample figures, e.g. ``{"code/sandbox_s": 0.2, "code/zero/timeout": 1.0}``."""
 
 
 class RewardFn(Protocol):

@@ -127,3 +127,13 @@ def num_episodes(samples: Sequence[Sample]) -> int:
     """Episodes among ``samples`` (its length, unless an agent episode gave several)."""
     ids = episode_ids(samples)
     return len(samples) if ids is None else (ids[-1] + 1 if ids else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """A reward with figures about how it was reached (summed per rollout as ``rollout/<key>``)."""
+
+    value: float
+    """The reward."""
+    metrics: dict[str, float]
+    """Per-sample figures, e.g. ``{"code/sandbox_s": 0.2, "code/zero/timeout": 1.0}``."""
