@@ -116,7 +116,7 @@ def resume_command(argv: list[str], job) -> str:
 
 
 def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``argv`` less each of ``flags`` (``--flag VALUE`` and ``--flag=VALUE``)."""
+    """``argv`` less each of ``flags`` (each as a separate value or joined by "=")."""
     out, skip = [], False
     for token in argv:
         if skip:

@@ -167,7 +167,7 @@ def enable_layer_recompute(model: GPTModel, num_layers: int = 0) -> None:
 
     ``early_stop=False``: with torch's default early stop, one ``[tokens, 2 * ffn]`` tensor per recomputed layer
     stayed allocated after the step until the next one (3.0 GiB for 4 layers of Llama-3.1-8B at 14k tokens on an
-    H100); without it none does, at the same speed (bench/auto_plan_gpu.py --leak, bench/RESULTS.md).
+    H100); without it none does, at the same speed (the recompute check of bench/auto_plan_gpu.py, bench/RESULTS.md).
     """
     layers = list(model.decoder.layers)
     for layer in layers[:num_layers] if num_layers > 0 else layers:
