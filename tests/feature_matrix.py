@@ -149,6 +149,7 @@ REFUSED = {
     ("lora", "ppo"): Refusal(why="no critic beside adapters yet"),
     ("moe_r3", "agents"): Refusal(why="the gateway records no routing per call"),
     ("agents", "custom_generate"): Refusal(why="an agent and a custom function each own the episode"),
+    ("agents", "router"): Refusal(why="the gateway pins each episode to one engine and sends nothing through a router"),
     ("custom_generate", "partial_rollout"): Refusal(why="a custom sample cannot be resumed as one continuation"),
 }
 """Pairs `train` refuses before any process starts (both features' ``argv`` together); any other pair it accepts."""
@@ -164,7 +165,6 @@ OPEN = {
     },
     ("agents", "fault_tolerance"): "a dead engine under agents is restarted and its groups replaced "
     "(tests/test_agent_engine_restart.py, below a train run); no train run kills an engine under agents yet",
-    ("agents", "router"): "agents take no router (one warning): the gateway pins each episode to one engine",
 }
 """Pairs neither met nor refused yet, with what they lack beyond a run (any other such pair: NOT_MET)."""
 
