@@ -115,10 +115,12 @@ RUNS = {
                         "test_the_tp2_actor_and_its_critic_trained_and_both_engines_serve_the_synced_weights")}),
     "J": Run(test_id="tests/test_lora_sync_e2e.py::tensor_run", argv="args", effects={
         "lora": "test_each_sync_sends_the_adapter_alone_and_the_engine_serves_the_actors_log_probs",
-        "fault_tolerance": "test_a_restarted_engine_gets_the_current_adapter_before_it_serves"},
+        "fault_tolerance": "test_a_restarted_engine_gets_the_current_adapter_before_it_serves",
+        **dict.fromkeys(("custom_generate", "dynamic_sampling", "tp_pp"), "test_every_sample_is_the_custom_functions_"
+                        "on_the_adapter_filtered_and_both_stages_adapters_synced")},
         unasserted=("eval",)),
     "K": Run(test_id="tests/test_lora_sync_e2e.py::disk_run", argv="args",
-             effects=dict.fromkeys(("lora", "agents", "eval"),
+             effects=dict.fromkeys(("lora", "agents", "partial_rollout", "decoupled", "tp_pp", "eval"),
                                    "test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept")),
     "L": Run(test_id="tests/test_delta_sync.py::test_a_server_serving_another_version_gets_the_next_sync_whole_then_"
              "deltas_again", argv="args", effects={
@@ -156,6 +158,8 @@ REFUSED = {
 
 NOT_MET = "no run meets it yet"
 NEEDS_MOE_RUN = "the one MoE run (N, the companion job of test_train_e2e.py) has it not: needs a run or a refusal"
+ONE_SYNC = "the one router run (I) stops at rollout 1 by design (its filter keeps nothing): one weight sync, "
+FT_RUNS = "an engine is killed in J (LoRA, co-located) and M (two hosts) only"
 
 OPEN = {
     **{
@@ -163,8 +167,26 @@ OPEN = {
         for pair in itertools.combinations(FEATURES, 2)
         if "moe_r3" in pair and not set(pair) <= set(RUNS["N"].effects)
     },
+    ("moe_r3", "custom_generate"): "N has partial rollout, which a custom function is refused with: needs a second MoE "
+    "run, whose function returns its sample's routed experts (Sample.rollout_routed_experts)",
+    ("moe_r3", "router"): "N has one engine: a second MoE server is a start-up more in the suite's slowest file",
+    ("lora", "max_staleness"): "the LoRA runs (J, K) are on-policy: K's check that the engine's log-probs of agent "
+    "samples are the actor's after each update needs it",
+    ("lora", "router"): "each LoRA run starts its own server (LoRA serving is a launch flag): two engines are a "
+    "start-up more",
+    ("delta", "router"): ONE_SYNC + "so no delta to see",
+    ("custom_generate", "max_staleness"): ONE_SYNC + "so no rollout generated one step off",
+    ("max_staleness", "router"): ONE_SYNC + "so no rollout generated one step off",
+    ("partial_rollout", "router"): "the one router run (I) has a custom generate function, which partial rollout is "
+    "refused with",
     ("agents", "fault_tolerance"): "a dead engine under agents is restarted and its groups replaced "
     "(tests/test_agent_engine_restart.py, below a train run); no train run kills an engine under agents yet",
+    ("agents", "ppo"): "the agent runs score 0/1 success, often all 0 on the embedded model, which a zero-initialised "
+    "value head fits exactly (no critic gradient to assert): needs an agent with a graded reward",
+    ("partial_rollout", "fault_tolerance"): FT_RUNS + "; M's check that each rollout was sampled by its own sync "
+    "excludes a carried group",
+    ("max_staleness", "fault_tolerance"): FT_RUNS,
+    ("router", "fault_tolerance"): FT_RUNS + "; the router run (I) is on external servers, which tidal cannot restart",
 }
 """Pairs neither met nor refused yet, with what they lack beyond a run (any other such pair: NOT_MET)."""
 
