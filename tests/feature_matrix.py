@@ -102,10 +102,9 @@ RUNS = {
         name: "test_async_partial_agents_resume_the_checkpointed_episodes_and_lose_or_repeat_no_prompt"
         for name in ("agents", "max_staleness", "partial_rollout", "decoupled")}, unasserted=("eval",)),
     "H": Run(test_id="tests/test_train_agents_e2e.py::test_the_embedded_agent_recipe_trains_its_shipped_agent_and_"
-             "evaluates_episodes", argv="args", effects={
-        "agents": "test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes",
-        "eval": "test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes"},
-        unasserted=("decoupled",)),
+             "evaluates_episodes", argv="args", effects=dict.fromkeys(
+        ("agents", "delta", "dynamic_sampling", "decoupled", "eval"),
+        "test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes")),
     "I": Run(test_id="tests/test_train_router_e2e.py::routed", argv="args", effects={
         "custom_generate": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers",
         "dynamic_sampling": "test_dynamic_sampling_fills_rollout_0_in_its_second_round_and_writes_its_metrics",
