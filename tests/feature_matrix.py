@@ -130,8 +130,8 @@ RUNS = {
         "fault_tolerance": "test_a_killed_server_on_the_other_host_is_restarted",
         "eval": "test_the_run_spans_two_hosts_and_completes"}),
     "N": Run(test_id="tests/test_train_e2e.py::_jobs", argv="COMPANION_ARGS", effects=dict.fromkeys(
-        ("moe_r3", "delta", "partial_rollout", "max_staleness", "decoupled", "tp_pp", "ppo", "eval"),
-        "test_the_companion_replays_the_moe_routing_one_step_off_with_partial_rollouts_and_deltas")),
+        ("moe_r3", "delta", "dynamic_sampling", "partial_rollout", "max_staleness", "decoupled", "tp_pp", "ppo",
+         "eval"), "test_the_companion_replays_the_moe_routing_one_step_off_with_filtered_partial_rollouts_and_deltas")),
 }  # fmt: skip
 """The covering runs, by the letter the README's grid uses."""
 
