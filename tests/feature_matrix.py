@@ -128,6 +128,8 @@ RUNS = {
     "M": Run(test_id="tests/test_multi_node.py::two_host_run", argv="args", effects={
         "decoupled": "test_the_restarted_server_got_the_actors_weights_before_serving",
         "fault_tolerance": "test_a_killed_server_on_the_other_host_is_restarted",
+        "delta": "test_the_restarted_server_got_the_actors_weights_before_serving",
+        "ppo": "test_the_critic_trained_beside_the_actor_through_the_restart",
         "eval": "test_the_run_spans_two_hosts_and_completes"}),
     "N": Run(test_id="tests/test_train_e2e.py::_jobs", argv="COMPANION_ARGS", effects=dict.fromkeys(
         ("moe_r3", "delta", "dynamic_sampling", "partial_rollout", "max_staleness", "decoupled", "tp_pp", "ppo",
