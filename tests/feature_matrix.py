@@ -102,10 +102,9 @@ RUNS = {
         name: "test_async_partial_agents_resume_the_checkpointed_episodes_and_lose_or_repeat_no_prompt"
         for name in ("agents", "max_staleness", "partial_rollout", "decoupled")}, unasserted=("eval",)),
     "H": Run(test_id="tests/test_train_agents_e2e.py::test_the_embedded_agent_recipe_trains_its_shipped_agent_and_"
-             "evaluates_episodes", argv="args", effects={
-        "agents": "test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes",
-        "eval": "test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes"},
-        unasserted=("decoupled",)),
+             "evaluates_episodes", argv="args", effects=dict.fromkeys(
+        ("agents", "delta", "dynamic_sampling", "decoupled", "eval"),
+        "test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episodes")),
     "I": Run(test_id="tests/test_train_router_e2e.py::routed", argv="args", effects={
         "custom_generate": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers",
         "dynamic_sampling": "test_dynamic_sampling_fills_rollout_0_in_its_second_round_and_writes_its_metrics",
@@ -115,10 +114,12 @@ RUNS = {
                         "test_the_tp2_actor_and_its_critic_trained_and_both_engines_serve_the_synced_weights")}),
     "J": Run(test_id="tests/test_lora_sync_e2e.py::tensor_run", argv="args", effects={
         "lora": "test_each_sync_sends_the_adapter_alone_and_the_engine_serves_the_actors_log_probs",
-        "fault_tolerance": "test_a_restarted_engine_gets_the_current_adapter_before_it_serves"},
+        "fault_tolerance": "test_a_restarted_engine_gets_the_current_adapter_before_it_serves",
+        **dict.fromkeys(("custom_generate", "dynamic_sampling", "tp_pp"), "test_every_sample_is_the_custom_functions_"
+                        "on_the_adapter_filtered_and_both_stages_adapters_synced")},
         unasserted=("eval",)),
     "K": Run(test_id="tests/test_lora_sync_e2e.py::disk_run", argv="args",
-             effects=dict.fromkeys(("lora", "agents", "eval"),
+             effects=dict.fromkeys(("lora", "agents", "partial_rollout", "decoupled", "tp_pp", "eval"),
                                    "test_over_disk_each_engine_loads_the_peft_folder_and_only_the_newest_is_kept")),
     "L": Run(test_id="tests/test_delta_sync.py::test_a_server_serving_another_version_gets_the_next_sync_whole_then_"
              "deltas_again", argv="args", effects={
@@ -127,10 +128,12 @@ RUNS = {
     "M": Run(test_id="tests/test_multi_node.py::two_host_run", argv="args", effects={
         "decoupled": "test_the_restarted_server_got_the_actors_weights_before_serving",
         "fault_tolerance": "test_a_killed_server_on_the_other_host_is_restarted",
+        "delta": "test_the_restarted_server_got_the_actors_weights_before_serving",
+        "ppo": "test_the_critic_trained_beside_the_actor_through_the_restart",
         "eval": "test_the_run_spans_two_hosts_and_completes"}),
     "N": Run(test_id="tests/test_train_e2e.py::_jobs", argv="COMPANION_ARGS", effects=dict.fromkeys(
-        ("moe_r3", "delta", "partial_rollout", "max_staleness", "decoupled", "tp_pp", "ppo", "eval"),
-        "test_the_companion_replays_the_moe_routing_one_step_off_with_partial_rollouts_and_deltas")),
+        ("moe_r3", "delta", "dynamic_sampling", "partial_rollout", "max_staleness", "decoupled", "tp_pp", "ppo",
+         "eval"), "test_the_companion_replays_the_moe_routing_one_step_off_with_filtered_partial_rollouts_and_deltas")),
 }  # fmt: skip
 """The covering runs, by the letter the README's grid uses."""
 
@@ -149,12 +152,15 @@ REFUSED = {
     ("lora", "ppo"): Refusal(why="no critic beside adapters yet"),
     ("moe_r3", "agents"): Refusal(why="the gateway records no routing per call"),
     ("agents", "custom_generate"): Refusal(why="an agent and a custom function each own the episode"),
+    ("agents", "router"): Refusal(why="the gateway pins each episode to one engine and sends nothing through a router"),
     ("custom_generate", "partial_rollout"): Refusal(why="a custom sample cannot be resumed as one continuation"),
 }
 """Pairs `train` refuses before any process starts (both features' ``argv`` together); any other pair it accepts."""
 
 NOT_MET = "no run meets it yet"
 NEEDS_MOE_RUN = "the one MoE run (N, the companion job of test_train_e2e.py) has it not: needs a run or a refusal"
+ONE_SYNC = "the one router run (I) stops at rollout 1 by design (its filter keeps nothing): one weight sync, "
+FT_RUNS = "an engine is killed in J (LoRA, co-located) and M (two hosts) only"
 
 OPEN = {
     **{
@@ -162,9 +168,26 @@ OPEN = {
         for pair in itertools.combinations(FEATURES, 2)
         if "moe_r3" in pair and not set(pair) <= set(RUNS["N"].effects)
     },
+    ("moe_r3", "custom_generate"): "N has partial rollout, which a custom function is refused with: needs a second MoE "
+    "run, whose function returns its sample's routed experts (Sample.rollout_routed_experts)",
+    ("moe_r3", "router"): "N has one engine: a second MoE server is a start-up more in the suite's slowest file",
+    ("lora", "max_staleness"): "the LoRA runs (J, K) are on-policy: K's check that the engine's log-probs of agent "
+    "samples are the actor's after each update needs it",
+    ("lora", "router"): "each LoRA run starts its own server (LoRA serving is a launch flag): two engines are a "
+    "start-up more",
+    ("delta", "router"): ONE_SYNC + "so no delta to see",
+    ("custom_generate", "max_staleness"): ONE_SYNC + "so no rollout generated one step off",
+    ("max_staleness", "router"): ONE_SYNC + "so no rollout generated one step off",
+    ("partial_rollout", "router"): "the one router run (I) has a custom generate function, which partial rollout is "
+    "refused with",
     ("agents", "fault_tolerance"): "a dead engine under agents is restarted and its groups replaced "
     "(tests/test_agent_engine_restart.py, below a train run); no train run kills an engine under agents yet",
-    ("agents", "router"): "agents take no router (one warning): the gateway pins each episode to one engine",
+    ("agents", "ppo"): "the agent runs score 0/1 success, often all 0 on the embedded model, which a zero-initialised "
+    "value head fits exactly (no critic gradient to assert): needs an agent with a graded reward",
+    ("partial_rollout", "fault_tolerance"): FT_RUNS + "; M's check that each rollout was sampled by its own sync "
+    "excludes a carried group",
+    ("max_staleness", "fault_tolerance"): FT_RUNS,
+    ("router", "fault_tolerance"): FT_RUNS + "; the router run (I) is on external servers, which tidal cannot restart",
 }
 """Pairs neither met nor refused yet, with what they lack beyond a run (any other such pair: NOT_MET)."""
 

@@ -155,7 +155,8 @@ DETECT = {
     "dynamic_sampling": lambda a: "--dynamic-sampling-filter-path" in a,
     "partial_rollout": lambda a: "--partial-rollout" in a,
     "max_staleness": lambda a: int(value(a, "--max-staleness") or 0) >= 1,
-    "router": lambda a: num_engines(a) >= 2 and "--no-use-router" not in a,
+    # agents start no router: their gateway pins each episode to one engine
+    "router": lambda a: num_engines(a) >= 2 and "--no-use-router" not in a and not DETECT["agents"](a),
     "fault_tolerance": lambda a: "--use-fault-tolerance" in a,
     "decoupled": lambda a: "--no-colocate" in a or "--rollout-external-engine-addrs" in a,
     "tp_pp": lambda a: "2" in (value(a, "--tensor-model-parallel-size"), value(a, "--pipeline-model-parallel-size")),

@@ -7,7 +7,9 @@ engine must listen on B's address and every request and weight update crosses ho
 Midway, B's SGLang server is SIGKILLed; --use-fault-tolerance restarts it, the actor's current weights go into it
 before it serves again over the broadcast transport (nccl's CPU form, gloo, with a fresh group that includes the new
 server; gloo is pinned to each host's interface, since these namespaces resolve their host names to 127.0.0.1),
-checked on the probe (--check-weight-update-equal), and the run completes.
+checked on the probe (--check-weight-update-equal), and the run completes. Its weights go as deltas
+(--update-weight-delta): whole to the restarted server, and whole once more at the sync after it, deltas again
+after that. Its actor trains a PPO critic beside it (--advantage-estimator ppo) through the restart.
 
 Building the namespaces needs CAP_NET_ADMIN: as root the test runs `ip` itself, otherwise through passwordless
 `sudo -n` (what GitHub's hosted runners give the job user). Every process on the two hosts runs as the test's own
@@ -137,6 +139,7 @@ def two_host_run(tmp_path_factory):
     token.write_text(os.urandom(32).hex())
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))  # a cluster reachable from the network
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])  # --custom-rm
     out = root / "run"
     ray_tmp = tempfile.mkdtemp(prefix="tdray")  # short: Ray's socket paths under it must fit in 107 bytes
     killed: list[int] = []
@@ -151,7 +154,8 @@ def two_host_run(tmp_path_factory):
             # 8 rollouts of ~0.15 s each: the kill, polled every 50 ms from rollout 0's record, lands mid-run
             args = [*COMMON, "--num-rollout", "8", "--no-colocate", "--actor-num-gpus-per-node", "1",
                     "--rollout-num-gpus", "1", "--update-weight-transport", "nccl", "--use-fault-tolerance",
-                    "--check-weight-update-equal",
+                    "--check-weight-update-equal", "--update-weight-delta",
+                    "--advantage-estimator", "ppo", "--custom-rm-path", "tidal_train_plugins:reward_by_length",
                     "--ray-address", f"{HOST_A}:{RAY_PORT}",
                     "--output-dir", str(out)]  # fmt: skip
             log = root / "train.log"
@@ -225,6 +229,24 @@ def test_the_restarted_server_got_the_actors_weights_before_serving(two_host_run
     assert check["event"] == "sync.check" and check["mean"] < 1e-3, check  # fp32 engine and actor
     generated = [i for i, e in enumerate(events) if e["event"] == "engines.generate" and e["rollout"] == version]
     assert at[0] < generated[-1]  # the restarted server's generation with that version came after it
+    # --update-weight-delta: the first sync whole, then deltas; the restarted server got the weights whole (the resync
+    # or the sync run again), and the delta snapshots were rebuilt by one more whole sync: the one after the resync,
+    # or the retried sync itself (record version - 1); deltas again after it, none sent again whole
+    full = [r["weight_sync/delta_full"] for r in records]
+    again = version if events[at[0]]["event"] == "resync.nccl" else version - 1
+    assert full == [1.0 if i in (0, again) else 0.0 for i in range(len(records))], (full, again)
+    assert all(r["weight_sync/delta_fallbacks"] == 0.0 for r in records)
+
+
+def test_the_critic_trained_beside_the_actor_through_the_restart(two_host_run):
+    # --advantage-estimator ppo: every rollout trained the critic (no critic-only steps) on returns above 0
+    # (--custom-rm-path: each sample's reward is its response length / 10)
+    _, log, out, _, _ = two_host_run
+    records = _records(out)
+    assert len(records) == 8, log[-6000:]
+    for r in records:
+        assert r["train/critic_only"] == 0.0 and r["critic/returns_mean"] > 0.0, r
+        assert r["critic/value_loss"] > 0.0 and r["critic/grad_norm"] > 0.0, r
 
 
 def test_without_root_or_passwordless_sudo_it_fails_with_the_reason(monkeypatch, tmp_path):

@@ -10,7 +10,9 @@ attached to the session's SGLang server (fp32, as the actor computes):
   over, running or finished) with a checkpoint after each rollout: the driver is SIGKILLed once the checkpoint of
   rollout 1 (which holds rollout 2, generated while rollout 1 trained, and the carried groups) is written, then
   resumed with --load: it trains on exactly the checkpointed episodes, takes the carried groups first, runs the
-  rollout that was in flight again, and no prompt is lost or repeated.
+  rollout that was in flight again, and no prompt is lost or repeated;
+- the embedded agent recipe's own agent, its groups filtered by dynamic sampling (every second one kept), its
+  weights synced to the external engine as deltas.
 """
 
 import json
@@ -244,8 +246,13 @@ def test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episod
         "--rollout-external-engine-addrs", external_engine,
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2", "--num-eval-prompts", "3",
         "--lr", "1e-4",
+        "--dynamic-sampling-filter-path", "tidal_train_plugins:keep_every_second_group",
+        "--update-weight-delta", "--check-weight-update-equal",
+        "--entropy-coef", "1e-3",  # a gradient, so weights change, even when every reward is 0 (the loss's is then 0)
     ]  # fmt: skip
-    code, log, leftovers = _train(args, out=tmp_path / "run")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        code, log, leftovers = _train(args, out=tmp_path / "run")
     assert code == 0, log[-4000:]
     assert not leftovers
     effective = (tmp_path / "run" / "config.yaml").read_text()
@@ -253,8 +260,20 @@ def test_the_embedded_agent_recipe_trains_its_shipped_agent_and_evaluates_episod
     records = _records(tmp_path / "run")
     assert [r["rollout"] for r in records] == [0, 1] and all("train/loss" in r for r in records)
     for r in records:  # every episode ran (a first turn, and a second one when the model asked for the operand)
-        assert r["rollout/agent/failed"] == 0 and r["rollout/agent/episodes"] == 4
-        assert 1.0 <= r["rollout/agent/turns/mean"] <= 2.0
+        assert r["rollout/agent/failed"] == 0 and 1.0 <= r["rollout/agent/turns/mean"] <= 2.0
+        # --dynamic-sampling-filter-path keeps every second group: each round of 2 keeps 1, so a batch of 2 groups
+        # took two rounds, 4 groups of 2 episodes, 2 of them dropped by the filter (none failed)
+        assert r["rollout/agent/rounds"] == 2 and r["rollout/agent/groups_dropped"] == 2, r
+        assert r["rollout/agent/episodes"] == 8 and r["rollout/agent/groups_surplus"] == 0, r
+    # --update-weight-delta (by broadcast to the external engine): the first sync whole, the second the changed
+    # elements only; the engine then served the actor's weights (the probe) and sampled rollout 1's agent calls
+    # with them (their log-probs are the actor's)
+    assert all(r["weight_sync/transport"] == "nccl" for r in records)  # the external engine: by broadcast
+    assert [r["weight_sync/delta_full"] for r in records] == [1.0, 0.0]
+    assert 0.0 < records[1]["weight_sync/delta_changed_share"] <= 1.0
+    assert all(r["weight_sync/delta_fallbacks"] == 0.0 for r in records)
+    assert all(r["weight_sync/probe_logprob_abs_diff/max"] < 1e-4 for r in records)
+    _assert_engine_and_actor_agree(records)
     # the held-out evaluation ran the agent's episodes: one per held-out prompt, none failed, success a share
     (failed,) = [k for k in records[-1] if k.startswith("eval/") and k.endswith("/agent_failed")]
     assert records[-1][failed] == 0.0 and 0.0 <= records[-1]["eval/accuracy"] <= 1.0

@@ -1,7 +1,7 @@
 """Extension points the `train` runs of the cross-package tests load by import path (tests/ on PYTHONPATH).
 
-Those a `train` run loads read files named by environment variables, so that a test decides what they do and sees
-where they ran; ``counting_agent`` counts in this module (it runs in the test's own process).
+Some read files named by environment variables, so that a test decides what they do and sees where they ran;
+``counting_agent`` counts in this module (it runs in the test's own process).
 """
 
 from __future__ import annotations
@@ -89,6 +89,15 @@ def keep_listed_prompts(group) -> bool:
     with open(os.environ["TIDAL_TEST_KEEP"]) as f:
         keep = {tuple(ids) for ids in json.load(f)}
     return tuple(int(t) for t in group[0].prompt_ids) in keep
+
+
+_GROUPS_SEEN = itertools.count(1)
+
+
+def keep_every_second_group(group) -> bool:
+    """Keep the 2nd, 4th, ... group this process is asked about, drop the others: whatever the policy answers, a
+    round of 2k groups keeps k, so a batch fills in a known number of rounds."""
+    return next(_GROUPS_SEEN) % 2 == 0
 
 
 # A chat template for the embedded (character-level) model: "role: text" lines, each assistant turn closed by EOS.

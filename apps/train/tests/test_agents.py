@@ -99,20 +99,23 @@ def test_partial_rollout_with_agents_is_taken_and_needs_no_router() -> None:
         check_router(parse_job(["--partial-rollout", "--no-use-router"]).rollout, SimpleNamespace(num_engines=2))
 
 
-def test_agents_start_no_router_and_the_router_options_are_said_to_be_unused(caplog) -> None:
+def test_agents_start_no_router_and_each_router_option_is_refused_in_one_line_naming_both() -> None:
     from tidal.train.checks import check_router
+    from tidal.train.cli import error_line
 
     agents = ["--agent-function-path", "asyncio:sleep", "--rollout-external-engine-addrs", "h:1", "h:2"]
-    with caplog.at_level(logging.WARNING, logger="tidal.rollout.config"):
-        quiet = parse_job(agents)
-    assert not quiet.rollout.router_wanted(2) and "no sglang-router is started" not in caplog.text
-    with caplog.at_level(logging.WARNING, logger="tidal.rollout.config"):
-        job = parse_job(
-            [*agents, "--use-router", "--sglang-router-policy", "round_robin", "--sglang-router-cache-threshold", "0.3"]
-        )
-    assert not job.rollout.router_wanted(2)  # each episode stays on the engine its gateway session is pinned to
-    line = "--use-router / --sglang-router-* / --sglang-router-policy has no effect with --agent-function-path"
-    assert line in caplog.text and "no sglang-router is started" in caplog.text
+    assert not parse_job(agents).rollout.router_wanted(2)  # each episode stays on the engine its session is pinned to
+    assert not parse_job([*agents, "--no-use-router"]).rollout.router_wanted(2)
+    for given, first in (
+        (["--use-router", "--sglang-router-policy", "round_robin"], "--use-router"),
+        (["--sglang-router-cache-threshold", "0.3"], "--sglang-router-*"),
+        (["--sglang-router-policy", "round_robin"], "--sglang-router-policy"),
+    ):
+        with pytest.raises(ValueError) as refused:
+            parse_job([*agents, *given])
+        (line,) = str(refused.value).splitlines()
+        assert error_line(refused.value) == line
+        assert line.startswith(f"{first} with --agent-function-path is not supported: the agent gateway pins"), line
     assert parse_job(["--rollout-external-engine-addrs", "h:1", "h:2"]).rollout.router_wanted(2)  # without agents
     dapo = parse_job([*agents, "--dynamic-sampling-filter-path", "reward_variance", "--no-use-router"])
     check_router(dapo.rollout, SimpleNamespace(num_engines=2))  # agent groups need no router either

@@ -249,10 +249,10 @@ class RolloutConfig:
         )
         router = [flag for flag, given in router_options if given]
         if router:
-            logger.warning(
-                "%s has no effect with --agent-function-path: the agent gateway pins each episode to one engine "
-                "itself, so no sglang-router is started",
-                " / ".join(router),
+            raise ValueError(
+                f"{router[0]} with --agent-function-path is not supported: the agent gateway pins each episode to one "
+                "engine itself and sends no request through sglang-router; drop the router option(s) "
+                f"({' / '.join(router)})"
             )
 
     def _check_sampling_strategy(self) -> None:
