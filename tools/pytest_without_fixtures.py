@@ -1,8 +1,9 @@
 """pytest plugin: ``--without-fixture NAME`` deselects every test whose fixture closure holds NAME.
 
-`.ci/run` runs tidal-rollout's fast tests alone with ``-p pytest_without_fixtures --without-fixture _sglang_engine``
-(this folder on ``PYTHONPATH``): the tests that need the session's SGLang server are left to the workspace run, so
-that the package-alone step starts no server beyond its README example's. The deselected count is printed by pytest
+tools/check_alone.sh runs tidal-rollout's fast tests alone with ``-p pytest_without_fixtures --without-fixture
+_sglang_engine --without-fixture lora_server`` (this folder on ``PYTHONPATH``): the tests that need one of the test
+session's SGLang servers are left to the workspace run, so that the package-alone step brings up no server beyond its
+README example's. The deselected count is printed by pytest
 as usual ("N deselected"), and a name that no collected test uses is an error, so a renamed fixture cannot turn the
 filter into a silent no-op.
 """
