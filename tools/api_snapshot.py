@@ -19,6 +19,7 @@ import argparse
 import importlib
 import inspect
 import json
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -30,9 +31,11 @@ PACKAGES = ("batching", "ckpt", "placement", "actor", "rollout")
 
 def _signature(obj: Any) -> str:
     try:
-        return str(inspect.signature(obj))
+        text = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return "(signature not available)"
+    # A default that is a function or an object shows its address, which changes from run to run.
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
 
 
 def describe(obj: Any) -> Any:
