@@ -11,12 +11,10 @@ environment, read the bytecode.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import logging
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,10 +49,15 @@ def compile_site_packages(
     folder = site_packages_of(package)
     if folder is None:
         return None
-    key = hashlib.sha1(str(folder).encode()).hexdigest()[:12]
-    lock_path = Path(tempfile.gettempdir()) / f"tidal-bytecode-{key}.lock"
+    # The lock lives in the folder being compiled (which must be writable for the bytecode anyway).
+    lock_path = folder / ".tidal-bytecode.lock"
     start = time.monotonic()
-    with open(lock_path, "w") as lock:
+    try:
+        lock = open(lock_path, "w")  # noqa: SIM115 (closed below, after the compilation it guards)
+    except OSError as e:
+        logger.warning("cannot compile %s's bytecode (%s); starting without it", folder, e)
+        return None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent compilation finishes first; compileall then skips fresh files
         logger.warning(
             "compiling the bytecode of %s once (%s is installed without it and PYTHONDONTWRITEBYTECODE is set): "
