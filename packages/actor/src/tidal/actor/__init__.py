@@ -7,6 +7,7 @@ command-line validation answers before heavy dependencies are imported.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,9 @@ _LAZY = {
     "ReferenceModel": "reference",
     "train_on_rollout": "trainer",
 }
+
+# The installed distribution's version (pyproject.toml's), e.g. "0.1.0".
+__version__ = importlib.metadata.version("tidal-actor")
 
 
 def __getattr__(name: str) -> Any:

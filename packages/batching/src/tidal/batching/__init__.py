@@ -8,6 +8,7 @@ validation before torch is loaded).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from tidal.batching.config import BatchingConfig
@@ -44,6 +45,9 @@ _LAZY = {
     "plan_stats": "stats",
     "PackedBatch": "types",
 }
+
+# The installed distribution's version (pyproject.toml's), e.g. "0.1.0".
+__version__ = importlib.metadata.version("tidal-batching")
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ command-line validation answers before heavy dependencies are imported.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from tidal.ckpt.config import CkptConfig
@@ -50,6 +51,9 @@ _LAZY = {
     "resolve_checkpoint": "layout",
     "TrainerState": "state",
 }
+
+# The installed distribution's version (pyproject.toml's), e.g. "0.1.0".
+__version__ = importlib.metadata.version("tidal-ckpt")
 
 
 def __getattr__(name: str) -> Any:

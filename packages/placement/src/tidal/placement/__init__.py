@@ -7,6 +7,7 @@ command-line validation answers before heavy dependencies are imported.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from tidal.placement.config import PlacementConfig, parse_ray_env
@@ -27,6 +28,9 @@ _LAZY = {
     "PortAllocator": "ports",
     "ResourcePlan": "plan",
 }
+
+# The installed distribution's version (pyproject.toml's), e.g. "0.1.0".
+__version__ = importlib.metadata.version("tidal-placement")
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ command-line validation answers before heavy dependencies are imported.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from tidal.rollout.config import WILDCARD_HOSTS, RolloutConfig
@@ -118,6 +119,9 @@ _LAZY = {
     "update_weights_from_distributed": "weight_sync",
     "update_weights_from_tensor": "weight_sync",
 }
+
+# The installed distribution's version (pyproject.toml's), e.g. "0.1.0".
+__version__ = importlib.metadata.version("tidal-rollout")
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tidal.rollout.bytecode import compile_site_packages
 from tidal.rollout.netif import LOOPBACK_HOSTS, pin_gloo_interface
 from tidal.rollout.server_process import ManagedServer
 from tidal.rollout.transport import DEFAULT_RETRIES
@@ -269,10 +270,14 @@ class SGLangEngine(ManagedServer):
         return env
 
     def start(self, *, wait: bool = True) -> None:
-        """Launch the server (see :meth:`ManagedServer.start`); warns if its imports would compile from source."""
-        note = missing_bytecode_note(self.server_env())
-        if note:
-            logger.warning(note)
+        """Launch the server (see :meth:`ManagedServer.start`).
+
+        When its imports would compile from source in each of its processes (no bytecode, PYTHONDONTWRITEBYTECODE
+        set), the environment's bytecode is compiled first, once (:func:`tidal.rollout.bytecode.compile_site_packages`).
+        """
+        env = self.server_env()
+        if missing_bytecode_note(env) and compile_site_packages(env, package="sglang") is None:
+            logger.warning(missing_bytecode_note(env))
         super().start(wait=wait)
 
     def restart(self) -> None:
