@@ -126,7 +126,9 @@ class RolloutManager:
         """Open while no interruptible update runs: the driver's requests an update cut wait here (the gateway)."""
         self.handoff = handoff or HandOffLog(None)
         self._released: list[str] = []  # memory tags the engines have released now
-        self.reward_fn = resolve_reward_fn(self.cfg.custom_rm_path or self.cfg.rm_type)
+        self.reward_fn = resolve_reward_fn(
+            rollout.custom_rm_path or rollout.rm_type, math_timeout_s=rollout.rm_math_timeout_s
+        )
         self.engines: list = []
         self.engine_urls: list[str] = []
         self.engine_pids: list[int] = []

@@ -124,7 +124,10 @@ def numeric_match(sample: Sample) -> float:
 
 
 def math_answer(sample: Sample) -> float:
-    r"""1.0 when the final answer (last ``\boxed{}``, else the last number) matches the label.
+    r"""1.0 when the final answer (last ``\boxed{}``, else the last number) matches the label, by rules alone.
+
+    ``--rm-type math`` grades with math-verify, which matched or beat these rules on every pair of the reward tests;
+    this one stays for ``--custom-rm-path tidal.rollout.rewards:math_answer`` (no sympy, no worker process).
 
     Answers are compared as numbers when both parse as one (``\frac{1}{2}`` equals ``0.5``), else as
     normalized LaTeX strings.
@@ -147,8 +150,9 @@ def math_answer(sample: Sample) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
-    "math": math_answer,
 }
+"""Built-in rewards that are plain functions; ``math`` (math-verify in a worker, :mod:`tidal.rollout.verified_math`)
+is made per call of :func:`resolve_reward_fn`."""
 
 
 def load_reward_fn(path: str) -> RewardFn:
@@ -161,13 +165,21 @@ def load_reward_fn(path: str) -> RewardFn:
     return load_callable(path, flag="--custom-rm-path")
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
-    """A built-in reward by name (``exact_match``, ``numeric_match``, ``math``) or one by import path."""
+def resolve_reward_fn(spec: str, *, math_timeout_s: float = 5.0) -> RewardFn:
+    """A built-in reward by name (``exact_match``, ``numeric_match``, ``math``) or one by import path.
+
+    ``math`` grades with math-verify, each answer within ``math_timeout_s`` seconds (``--rm-math-timeout-s``).
+    """
+    if spec == "math":
+        from tidal.rollout.verified_math import MathVerifier
+
+        return MathVerifier(math_timeout_s)
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" in spec:
         return load_reward_fn(spec)
-    raise ValueError(f"unknown reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or an import path 'pkg.module:fn'")
+    names = sorted([*BUILTIN_REWARDS, "math"])
+    raise ValueError(f"unknown reward {spec!r}: use one of {names} or an import path 'pkg.module:fn'")
 
 
 async def _await_all(pending: dict[int, Awaitable[Any]]) -> dict[int, Any]:
