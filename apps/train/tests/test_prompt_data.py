@@ -168,7 +168,7 @@ def test_the_start_up_check_reads_nested_keys_of_the_first_row_before_anything_o
 
 
 def test_the_math_reward_flags_reach_the_rollout_manager(tmp_path, tok):
-    from tidal.rollout.verified_math import MathVerifier
+    from tidal.rollout import MathVerifier
     from tidal.train.cli import parse_job
     from tidal.train.cluster import rollout_manager_of
 

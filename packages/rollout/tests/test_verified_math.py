@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from tidal.rollout import Sample, resolve_reward_fn, score_samples
+from tidal.rollout import MathVerifier, Sample, resolve_reward_fn, score_samples
 from tidal.rollout.generation import rollout_metrics
 from tidal.rollout.rewards import math_answer
-from tidal.rollout.verified_math import MathTimeout, MathVerifier
+from tidal.rollout.verified_math import MathTimeout
 
 EQUIVALENT = [
     ("The answer is \\boxed{\\frac{1}{2}}", "0.5"),
