@@ -50,6 +50,9 @@ def open_sources(flag: str, specs: list[str], *, keys: dict[str, str]) -> list[P
             check_rows(f"{flag} {path}", table.data.table, keys)
         starts = np.concatenate([[0], np.cumsum([len(t) for t in tables])]).astype(np.int64)
         out.append(PromptTable(source.paths, tuple(tables), source.weight, starts))
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()  # the checks' columns are gone; their pool pages go back to the OS
     return out
 
 
