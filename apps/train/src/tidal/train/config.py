@@ -271,10 +271,11 @@ def held_out_sets(eval_prompt_data: Sequence[str] | None, prompt_data: Sequence[
     """``--eval-prompt-data``'s sets; unset: each ``--prompt-data`` source, its weight dropped, named by its stem."""
     if eval_prompt_data:
         return eval_sets(eval_prompt_data)
+    from tidal.train.data_sources import split_weight
+
     sets: list[tuple[str, str]] = []
     for spec in prompt_data or ():
-        path, sep, weight = spec.rpartition(":")
-        path = path if sep and weight.replace(".", "", 1).isdigit() else spec
+        path, _ = split_weight(spec)
         name = re.sub(r"[^\w.-]", "_", Path(path).stem) or "eval"
         sets.append((name if name not in dict(sets) else f"{name}_{len(sets)}", path))
     return sets

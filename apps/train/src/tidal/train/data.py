@@ -76,7 +76,6 @@ class PromptDataset:
         if metadata_key:
             keys["--metadata-key"] = metadata_key
         self.tables: list[PromptTable] = open_sources(flag, specs, keys=keys)
-        self.path = Path(specs[0].rsplit(":", 1)[0]) if len(specs) == 1 else None
         self.tokenizer, self.seed = tokenizer, seed
         self.input_key, self.label_key, self.tool_key, self.metadata_key = input_key, label_key, tool_key, metadata_key
         self.apply_chat_template = apply_chat_template
