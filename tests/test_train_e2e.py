@@ -425,4 +425,5 @@ def test_the_companion_replays_the_moe_routing_one_step_off_with_partial_rollout
     for r in records:
         assert r["train/critic_only"] == 0.0 and r["critic/returns_mean"] > 0.0
         assert r["critic/value_loss"] > 0.0 and r["critic/grad_norm"] > 0.0
-    assert "eval/accuracy" not in records[0] and 0.0 <= records[-1]["eval/accuracy"] <= 1.0
+    # the held-out set is the Parquet file too: its samples got their rows' metadata (else the reward raises: 0)
+    assert "eval/accuracy" not in records[0] and 0.0 < records[-1]["eval/accuracy"] <= 1.0
