@@ -58,6 +58,7 @@ def test_parquet_with_nested_keys_chat_rows_tools_and_metadata_through_train(tmp
     assert first[0].text == "[tools:calc,]<system>add<user>0+1=<assistant>"  # Arrow's union of fields is dropped
     assert first[1].text == "[tools:look,]<system>add<user>1+1=<assistant>"
     assert first[2].text == "<system>add<user>2+1=<assistant>"  # a row without tools: none
+    assert "tools" not in first[2].row and "tools" in first[0].row  # a row as written: no other row's keys
     assert [p.label for p in first] == ["1", "2", "3"] and [p.metadata for p in first] == [
         {"index": i} for i in range(3)
     ]

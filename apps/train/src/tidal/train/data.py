@@ -41,7 +41,8 @@ def _without_nulls(value: Any) -> Any:
     """``value`` with every None-valued dict entry dropped, recursively.
 
     Arrow gives each row of a column the union of all rows' fields, the missing ones as nulls: a message without
-    ``tool_calls`` would reach the chat template with ``tool_calls: None``, a tool schema with other tools' fields.
+    ``tool_calls`` would reach the chat template with ``tool_calls: None``, a tool schema with other tools' fields,
+    an agent a row with keys its JSONL line never had.
     """
     if isinstance(value, dict):
         return {k: _without_nulls(v) for k, v in value.items() if v is not None}
@@ -131,13 +132,13 @@ class PromptDataset:
         return self.tables[source].row(index - int(self._starts[source]))
 
     def _prompt(self, index: int) -> Prompt:
-        row = self._row(index)
+        row = _without_nulls(self._row(index))  # a JSONL row reaches agents and rewards as it was written
         value = get_key(row, self.input_key)
         chat = isinstance(value, list)
         if chat or self.apply_chat_template:
-            messages = _without_nulls(value) if chat else [{"role": "user", "content": value}]
+            messages = value if chat else [{"role": "user", "content": value}]
             tools = row.get(self.tool_key)
-            tools = json.loads(tools) if isinstance(tools, str) else _without_nulls(tools)
+            tools = json.loads(tools) if isinstance(tools, str) else tools
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False, add_generation_prompt=True
             )
