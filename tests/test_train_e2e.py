@@ -98,8 +98,25 @@ COMPANION_ARGS = [
     "--dynamic-sampling-filter-path", "tidal_train_plugins:keep_every_second_group",  # half of the groups dropped
     "--update-weight-delta",
     "--advantage-estimator", "ppo",  # a critic, fitting the returns of:
-    "--custom-rm-path", "tidal_train_plugins:reward_by_length",
+    "--custom-rm-path", "tidal_train_plugins:reward_by_length_of_its_row",
 ]  # fmt: skip
+
+
+def companion_data(folder: Path) -> list[str]:
+    """The companion's prompts as verl stores them: a Parquet file, the prompt and answer in nested fields."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tidal.train.task_data import read_jsonl
+
+    rows = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "reward_model": {"ground_truth": r["label"]},
+         "extra_info": {"index": i, "answer": r["label"]}}
+        for i, r in enumerate(read_jsonl(TRAIN_DATA)[:256])
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), folder / "addition.parquet")
+    parquet = str(folder / "addition.parquet")
+    return ["--prompt-data", parquet, "--eval-prompt-data", parquet, "--input-key", "prompt.0.content",
+            "--label-key", "reward_model.ground_truth", "--metadata-key", "extra_info"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +134,7 @@ def _jobs(tmp_path_factory):
     ensure_embedded_model(spec=MOE_SPEC)  # the companion's, built before the two start at the same moment
     out = tmp_path_factory.mktemp("run")
     companion = tmp_path_factory.mktemp("companion")
+    data = companion_data(companion)  # the companion reads a Parquet file with nested keys
     args = [
         "--num-rollout", "2",
         "--rollout-batch-size", "4",
@@ -142,7 +160,15 @@ def _jobs(tmp_path_factory):
         with (companion / "output.log").open("w") as log:
             plugins = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
             second = subprocess.Popen(
-                [sys.executable, "-m", "tidal.train.cli", *COMPANION_ARGS, "--output-dir", str(companion / "run")],
+                [
+                    sys.executable,
+                    "-m",
+                    "tidal.train.cli",
+                    *COMPANION_ARGS,
+                    *data,
+                    "--output-dir",
+                    str(companion / "run"),
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -401,8 +427,11 @@ def test_the_companion_replays_the_moe_routing_one_step_off_with_filtered_partia
     for stage in ("pp0", "pp1"):
         assert [r[f"weight_sync/{stage}/delta_full"] for r in records] == [1.0, 0.0]
         assert all(r[f"weight_sync/{stage}/mb"] > 0 for r in records)
+    # a Parquet file with nested keys: every sample, carried over or not, held its row's --metadata-key value
+    assert all(r["rollout/reward_errors"] == 0.0 for r in records) and records[0]["rollout/reward/mean"] > 0.0
     # --advantage-estimator ppo: the critic trained beside the actor on returns above 0 (--custom-rm-path)
     for r in records:
         assert r["train/critic_only"] == 0.0 and r["critic/returns_mean"] > 0.0
         assert r["critic/value_loss"] > 0.0 and r["critic/grad_norm"] > 0.0
-    assert "eval/accuracy" not in records[0] and 0.0 <= records[-1]["eval/accuracy"] <= 1.0
+    # the held-out set is the Parquet file too: its samples got their rows' metadata (else the reward raises: 0)
+    assert "eval/accuracy" not in records[0] and 0.0 < records[-1]["eval/accuracy"] <= 1.0

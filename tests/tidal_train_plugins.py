@@ -84,6 +84,13 @@ def reward_by_length(sample: Sample) -> float:
     return len(sample.response_ids) / 10
 
 
+def reward_by_length_of_its_row(sample: Sample) -> float:
+    """As reward_by_length, for a sample whose --metadata-key value names its own label (else it raises)."""
+    if not isinstance(sample.metadata, dict) or sample.metadata.get("answer") != sample.label:
+        raise ValueError(f"sample.metadata {sample.metadata!r} is not its row's (label {sample.label!r})")
+    return len(sample.response_ids) / 10
+
+
 def keep_listed_prompts(group) -> bool:
     """Keep a group whose prompt ids are listed in the JSON file $TIDAL_TEST_KEEP."""
     with open(os.environ["TIDAL_TEST_KEEP"]) as f:

@@ -84,7 +84,8 @@ def test_agents_take_the_driver_side_path_and_rows_keep_their_record(tmp_path) -
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
-    (prompt,) = PromptDataset(data, tokenizer, input_key="prompt", label_key="label", seed=0).prompts
+    rows = PromptDataset(data, tokenizer, input_key="prompt", label_key="label", seed=0)
+    (prompt,) = rows.head(len(rows))
     assert prompt.row == {"prompt": "1+1", "label": "2", "tools": ["calc"]}
 
 

@@ -56,9 +56,9 @@ def test_apply_chat_template_renders_each_prompt_as_a_user_turn(tmp_path):
     path.write_text('{"prompt": "12+34=", "label": "046"}\n')
     plain = PromptDataset(path, tok, input_key="prompt", label_key="label", seed=0)
     chat = PromptDataset(path, tok, input_key="prompt", label_key="label", seed=0, apply_chat_template=True)
-    assert plain.prompts[0].text == "12+34="
-    assert chat.prompts[0].text == "<user>12+34=<assistant>"
-    assert tok.decode(list(chat.prompts[0].ids)) == "<user>12+34=<assistant>"
+    assert plain.head(1)[0].text == "12+34="
+    assert chat.head(1)[0].text == "<user>12+34=<assistant>"
+    assert tok.decode(list(chat.head(1)[0].ids)) == "<user>12+34=<assistant>"
 
 
 def test_the_apply_chat_template_flag_renders_the_training_and_held_out_prompts_train_reads(tmp_path):
@@ -165,12 +165,12 @@ def test_the_data_flags_pick_the_keys_and_the_order_train_reads(tmp_path):
         return _datasets(parse_job([*argv, "--output-dir", str(tmp_path / name)]))
 
     (train, held_out), (again, _), (other, _) = datasets(7, "a"), datasets(7, "b"), datasets(8, "c")
-    assert {(p.text, p.label) for p in train.prompts} == {(f"{i}+1=", str(i + 1)) for i in range(40)}
-    assert [p.label for p in held_out["qa"].prompts] == [str(i + 1) for i in range(40)]
+    assert {(p.text, p.label) for p in train.head(40)} == {(f"{i}+1=", str(i + 1)) for i in range(40)}
+    assert [p.label for p in held_out["qa"].head(40)] == [str(i + 1) for i in range(40)]
     order = [p.text for k in range(4) for p in train.batch(k, 10)]
     assert order == [p.text for k in range(4) for p in again.batch(k, 10)]
     assert order != [p.text for k in range(4) for p in other.batch(k, 10)]
-    assert sorted(order) == sorted(p.text for p in train.prompts)
+    assert sorted(order) == sorted(p.text for p in train.head(40))
 
 
 def test_the_chat_tokenizer_round_trips_a_rendered_conversation_and_ends_turns_with_im_end(tmp_path):

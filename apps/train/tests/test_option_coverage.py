@@ -38,6 +38,7 @@ GENERATION = "packages/rollout/tests/test_generation.py"
 CODE = "packages/rollout/tests/test_code_reward.py"
 HANDLES = "apps/train/tests/test_handles.py"
 EMBEDDED = "apps/train/tests/test_embedded.py"
+PROMPT_DATA = "apps/train/tests/test_prompt_data.py"
 MICRO = "packages/batching/tests/test_micro_batches.py"
 ARITH = "packages/batching/tests/test_arithmetic.py"
 
@@ -210,6 +211,9 @@ COVERED: dict[str, tuple[str, str]] = {
     "--update-weight-buffer-size": (HANDLES, "test_sync_plan_defaults_follow_the_placement"),
     "--check-weight-update-tolerance": (HANDLES, "test_a_probe_gap_above_the_tolerance_stops_the_sync_with_one_line"),
     "--input-key": (EMBEDDED, "test_the_data_flags_pick_the_keys_and_the_order_train_reads"),
+    "--tool-key": (PROMPT_DATA, "test_parquet_with_nested_keys_chat_rows_tools_and_metadata_through_train"),
+    "--metadata-key": (PROMPT_DATA, "test_parquet_with_nested_keys_chat_rows_tools_and_metadata_through_train"),
+    "--rm-math-timeout-s": (PROMPT_DATA, "test_the_math_reward_flags_reach_the_rollout_manager"),
     "--label-key": (EMBEDDED, "test_the_data_flags_pick_the_keys_and_the_order_train_reads"),
     "--seed": (EMBEDDED, "test_the_data_flags_pick_the_keys_and_the_order_train_reads"),
     "--actor-num-nodes": (CLI, "test_placement_flags_shape_the_bundles_and_the_local_ray"),

@@ -45,7 +45,7 @@ def _value(job, name: str):
 def test_train_alone_runs_the_embedded_recipe_with_its_values(tmp_path):
     job = parse_job(["--output-dir", str(tmp_path / "run")])
     assert {name: _value(job, name) for name in EMBEDDED} == EMBEDDED
-    assert job.train.hf_checkpoint is None and job.train.prompt_data.endswith("addition_train.jsonl")
+    assert job.train.hf_checkpoint is None and job.train.prompt_data[0].endswith("addition_train.jsonl")
     assert parse_job(["--recipe", "embedded", "--output-dir", str(tmp_path / "run")]) == job
 
 
@@ -57,7 +57,7 @@ def test_a_users_model_names_its_recipe_rather_than_taking_the_embedded_ones_val
     assert job.actor.lr == section_defaults("actor")["lr"] and not job.placement.colocate
     recipe = parse_job([*user, "--recipe", "embedded"])  # asked for: the recipe's values on the user's model
     assert recipe.actor.lr == EMBEDDED["lr"] and recipe.actor.hf_checkpoint == user[1]
-    assert recipe.train.prompt_data == user[3]  # flags override the recipe
+    assert recipe.train.prompt_data == (user[3],)  # flags override the recipe
 
 
 def test_a_fields_default_is_the_same_whatever_other_flags_are_given(user, tmp_path):

@@ -177,7 +177,7 @@ def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_s
     try:
         first = generate_partial_rollout(
             sglang_server, [[6, 7], [8, 9, 10]], params, num_groups=1, carry_over=[carried], labels=["2", "3"],
-            mask_offpolicy=True, reward_fn=numeric_match,
+            mask_offpolicy=True, reward_fn=numeric_match, metadata=[{"row": 2}, {"row": 3}],
         )  # fmt: skip
     finally:
         sglang_server.call("/slow_down", {"forward_sleep_time": None})
@@ -191,6 +191,7 @@ def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_s
     assert len(first.carry_over) == 2
     for group, label in zip(first.carry_over, ["2", "3"], strict=True):
         assert [s.finish_reason for s in group] == ["abort", "abort"] and group[0].label == label
+        assert [s.metadata for s in group] == [{"row": int(label)}] * 2  # each row's --metadata-key value
         assert all(len(s.response_ids) < full_len for s in group)
     assert first.metrics["rollout/partial/resumed_groups"] == 1.0
     assert first.metrics["rollout/partial/carried_over_groups"] == 2.0
@@ -202,6 +203,7 @@ def test_partial_rollout_stops_when_full_and_resumes_the_rest_next_call(sglang_s
     assert second.num_groups == 2 and second.carry_over == []
     assert [s.group_index for s in second.samples] == [0, 0, 1, 1]
     assert {s.label for s in second.samples} == {"2", "3"}
+    assert all(s.metadata == {"row": int(s.label)} for s in second.samples)  # carried over with its samples
     by_prompt = {tuple(g[0].prompt_ids): g for g in first.carry_over}
     for i, s in enumerate(second.samples):
         before = by_prompt[tuple(s.prompt_ids)][i % 2]  # a group's samples keep their order

@@ -164,7 +164,7 @@ def test_custom_reward_by_import_path(reward_module: str) -> None:
     fn = load_reward_fn(f"{reward_module}:length_reward")
     assert fn(_sample("abc", None)) == 3.0
     assert resolve_reward_fn(f"{reward_module}:length_reward") is fn
-    assert resolve_reward_fn("math") is math_answer
+    assert resolve_reward_fn("math") is not resolve_reward_fn("math")  # math-verify: a worker per reward function
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,6 @@ checked here. Every check raises ``ValueError`` with one line naming the flag, w
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -22,7 +21,6 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
-FIRST_RECORD_BYTES = 1 << 20
 
 
 class ConfigErrors(ValueError):
@@ -59,31 +57,6 @@ class Problems:
         """Raise :class:`ConfigErrors` with every problem, in the order found."""
         if self.lines:
             raise ConfigErrors(list(dict.fromkeys(self.lines)))
-
-
-def check_prompt_file(flag: str, path: str, *, input_key: str, label_key: str) -> None:
-    """The file exists and its first record is a JSON object holding ``input_key`` and ``label_key``."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{flag} {path} is not a file; give a JSONL file with one {{{input_key!r}: ..}} per line")
-    with file.open("rb") as f:
-        head = f.read(FIRST_RECORD_BYTES)
-    lines = [(n, line) for n, line in enumerate(head.splitlines(), start=1) if line.strip()]
-    if not lines:
-        raise ValueError(f"{flag} {path} holds no records; give a JSONL file with one JSON object per line")
-    line_no, first = lines[0]
-    try:
-        record = json.loads(first)
-    except ValueError as e:
-        raise ValueError(f"{flag} {path}: line {line_no} is not JSON ({e}); the file must be JSONL") from e
-    if not isinstance(record, dict):
-        raise ValueError(f"{flag} {path}: line {line_no} is a JSON {type(record).__name__}, not an object")
-    for key_flag, key in (("--input-key", input_key), ("--label-key", label_key)):
-        if key not in record:
-            raise ValueError(
-                f"{flag} {path}: the first record has no key {key!r} (its keys: {sorted(record)}); "
-                f"set {key_flag} to the key that holds the {'prompt' if key_flag == '--input-key' else 'answer'}"
-            )
 
 
 def check_hf_checkpoint(path: str) -> dict[str, Any]:
@@ -480,30 +453,35 @@ def check_critic(actor, ckpt) -> None:
 
 
 def check_data_files(train: dict[str, Any], evaluation: dict[str, Any], problems: Problems) -> None:
-    """``--prompt-data`` is given, and each prompt file's first record holds the keys.
+    """``--prompt-data`` is given, and each source's files exist and their first record holds the keys.
 
-    ``--eval-prompt-data`` left unset is ``--prompt-data``, filled in here.
+    ``--eval-prompt-data`` left unset is each ``--prompt-data`` source, filled in here. Every row is checked when the
+    data is opened (``tidal.train.data.PromptDataset``), still before any process starts.
     """
+    from tidal.train.data_sources import check_prompt_source
     from tidal.train.flags import section_defaults
 
     if "prompt_data" not in train:
         problems.add(
-            "--prompt-data is required (the base recipe has none): a JSONL file of prompts and labels, or "
-            "--recipe embedded for the shipped addition task"
+            "--prompt-data is required (the base recipe has none): JSONL, JSON or Parquet files of prompts and "
+            "labels, or --recipe embedded for the shipped addition task"
         )
         return
-    from tidal.train.config import eval_sets
+    from tidal.train.config import held_out_sets
 
-    evaluation.setdefault("eval_prompt_data", (train["prompt_data"],))
+    specs = [train["prompt_data"]] if isinstance(train["prompt_data"], str) else list(train["prompt_data"])
     defaults = section_defaults("train")
-    keys = {key: train.get(key) or defaults[key] for key in ("input_key", "label_key")}
-    problems.run(check_prompt_file, "--prompt-data", train["prompt_data"], **keys)
+    names = ("input_key", "label_key", "metadata_key")
+    keys = {f"--{k.replace('_', '-')}": train.get(k) or defaults[k] for k in names if train.get(k) or defaults[k]}
+    problems.run(check_prompt_source, "--prompt-data", specs, keys=keys)
     try:
-        sets = eval_sets(evaluation["eval_prompt_data"])
+        sets = held_out_sets(evaluation.get("eval_prompt_data"), specs)
     except ValueError:
         return  # EvalConfig reports it
+    pairs = tuple(v for pair in sets for v in pair) if len(sets) > 1 else (sets[0][1],)
+    evaluation.setdefault("eval_prompt_data", pairs)
     for _, path in sets:
-        problems.run(check_prompt_file, "--eval-prompt-data", path, **keys)
+        problems.run(check_prompt_source, "--eval-prompt-data", path, keys=keys)
 
 
 def check_import_paths(rollout: dict[str, Any], problems: Problems, actor: dict[str, Any] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +31,20 @@ class TrainConfig:
     hf_checkpoint: str | None = None
     """HF model dir to train (config.json, tokenizer, weights); None: the embedded tiny Qwen2, built on first use
     and cached."""
-    prompt_data: str | None = None
-    """JSONL of training prompts and labels (required; the embedded recipe gives the shipped addition task)."""
+    prompt_data: tuple[str, ...] | None = field(default=None, metadata={"metavar": "PATH[:WEIGHT]"})
+    """Training prompts and labels (required; the embedded recipe gives the shipped addition task): JSONL, JSON or
+    Parquet files, globs of them, or datasets save_to_disk folders; several sources with weights are mixed
+    (a.parquet:0.7 b.jsonl:0.3), several without are read end to end."""
     input_key: str = "prompt"
-    """Key of the prompt text in each JSONL record."""
+    """Key path of the prompt in each row (nested: prompt.0.content); a list of chat messages is rendered with the
+    chat template."""
     label_key: str = "label"
-    """Key of the reference answer in each JSONL record."""
+    """Key path of the reference answer in each row (nested: reward_model.ground_truth)."""
+    tool_key: str = "tools"
+    """Key of a row's tool list, given to the chat template with its messages (rows without it: no tools)."""
+    metadata_key: str | None = None
+    """Key path of a row's value handed to reward functions as sample.metadata (agent functions get the whole
+    row); None: none."""
     num_rollout: int = 3
     """Rollouts to run, counted from rollout 0 (a resumed run stops at the same place)."""
     start_rollout_id: int | None = None
@@ -77,8 +86,9 @@ class EvalConfig:
     """Held-out evaluation: which sets, how often, how sampled."""
 
     eval_prompt_data: tuple[str, ...] | None = field(default=None, metadata={"metavar": "[NAME] PATH"})
-    """Held-out prompt sets (JSONL): one PATH (named by its file stem), or NAME PATH [NAME PATH ...] as slime;
-    None: --prompt-data. The first set's mean@k is also logged as eval/accuracy."""
+    """Held-out prompt sets (read as --prompt-data, without weights): one PATH (named by its file stem), or NAME
+    PATH [NAME PATH ...] as slime; None: each --prompt-data source. The first set's mean@k is also logged as
+    eval/accuracy."""
     eval_interval: int = 0
     """Evaluate on held-out prompts every this many rollouts, and before the first; 0 only before and after."""
     num_eval_prompts: int = 64
@@ -257,13 +267,27 @@ def eval_sets(value: str | Sequence[str]) -> list[tuple[str, str]]:
     return sets
 
 
+def held_out_sets(eval_prompt_data: Sequence[str] | None, prompt_data: Sequence[str] | None) -> list[tuple[str, str]]:
+    """``--eval-prompt-data``'s sets; unset: each ``--prompt-data`` source, its weight dropped, named by its stem."""
+    if eval_prompt_data:
+        return eval_sets(eval_prompt_data)
+    from tidal.train.data_sources import split_weight
+
+    sets: list[tuple[str, str]] = []
+    for spec in prompt_data or ():
+        path, _ = split_weight(spec)
+        name = re.sub(r"[^\w.-]", "_", Path(path).stem) or "eval"
+        sets.append((name if name not in dict(sets) else f"{name}_{len(sets)}", path))
+    return sets
+
+
 def eval_metric_keys(train: TrainConfig, evaluation: EvalConfig) -> list[str]:
     """The ``eval/...`` keys an evaluation of the held-out sets records (as ``RolloutManager.evaluate``)."""
     from tidal.train.metrics import pass_ks
 
     n = evaluation.n_samples_per_eval_prompt
     keys = ["eval/accuracy"]
-    for name, _ in eval_sets(evaluation.eval_prompt_data or train.prompt_data or ""):
+    for name, _ in held_out_sets(evaluation.eval_prompt_data, train.prompt_data):
         keys += [f"eval/{name}/mean@{n}", *(f"eval/{name}/pass@{k}" for k in pass_ks(n))]
     return keys
 

@@ -114,7 +114,10 @@ class DriverRollouts:
         max_rounds = rollout.dynamic_sampling_max_rounds
 
         def more_prompts(round_no: int) -> list[tuple[tuple[int, ...], object]]:  # dynamic sampling's rounds 2, 3, ...
-            return [(p.ids, p.label) for p in self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)]
+            return [
+                (p.ids, p.label, p.metadata)
+                for p in self.data.more_batch(rollout_id, round_no, size, max_rounds=max_rounds)
+            ]
 
         def attempt():
             return generate_partial_rollout(
@@ -124,6 +127,7 @@ class DriverRollouts:
                 num_groups=wanted,
                 carry_over=self.carry if rollout.partial_rollout else (),
                 labels=[p.label for p in prompts],
+                metadata=[p.metadata for p in prompts],
                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                 reward_fn=self.reward_fn,
                 group_filter=self.group_filter,

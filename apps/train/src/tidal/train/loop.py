@@ -17,7 +17,7 @@ from typing import Any
 
 from tidal.train.actor_group import ActorGroup
 from tidal.train.cluster import Cluster, start_cluster
-from tidal.train.config import JobConfig, eval_sets
+from tidal.train.config import JobConfig, held_out_sets
 from tidal.train.data import PromptDataset
 from tidal.train.interrupted import Progress, save_on_interrupt
 from tidal.train.logs import TERMINAL
@@ -140,7 +140,8 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
         stop_strings=job.rollout.rollout_stop,
         vocab_size=len(tokenizer),
     )
-    keys = {"input_key": job.train.input_key, "label_key": job.train.label_key, "seed": job.train.seed}
+    train = job.train
+    keys = {"input_key": train.input_key, "label_key": train.label_key, "seed": train.seed, "tool_key": train.tool_key}
     if job.rollout.agent_function_path and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"--agent-function-path needs a chat template (the gateway renders the agent's messages with it), and the "
@@ -151,10 +152,13 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
 
         check_chat_template(tokenizer)  # a missing or broken template stops here, before any process starts
         keys["apply_chat_template"] = True
-    train_data = PromptDataset(job.train.prompt_data, tokenizer, **keys)
+    train_data = PromptDataset(train.prompt_data, tokenizer, **keys, metadata_key=train.metadata_key)
     check_prompt_chat_template(train_data.raw_texts, tokenizer, apply_chat_template=job.rollout.apply_chat_template)
-    sets = eval_sets(job.eval.eval_prompt_data or job.train.prompt_data)
-    return train_data, {name: PromptDataset(path, tokenizer, **keys) for name, path in sets}
+    sets = held_out_sets(job.eval.eval_prompt_data, train.prompt_data)
+    return train_data, {
+        name: PromptDataset(path, tokenizer, **keys, metadata_key=train.metadata_key, flag="--eval-prompt-data")
+        for name, path in sets
+    }
 
 
 def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, actors: ActorGroup | None, metrics_log):

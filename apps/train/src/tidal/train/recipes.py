@@ -47,7 +47,7 @@ def embedded() -> dict[str, Any]:
     # at lr 4e-4 reach +25 points of held-out accuracy by rollout 70-90 and end the run within about 5 minutes on
     # such a CPU (bench/RESULTS.md has the runs, and the longer, slower-rate schedules it was chosen over).
     return {
-        "prompt_data": str(shipped_path(TRAIN_FILE)),
+        "prompt_data": (str(shipped_path(TRAIN_FILE)),),
         "eval_prompt_data": (str(shipped_path(EVAL_FILE)),),
         "num_rollout": 110,
         "rollout_batch_size": 64,

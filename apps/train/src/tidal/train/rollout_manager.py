@@ -366,7 +366,7 @@ class RolloutManager:
         ]
         results = self._wait_resyncing(futures)
         samples = [
-            dataclasses.replace(s, group_index=share[s.group_index])
+            dataclasses.replace(s, group_index=share[s.group_index], metadata=prompts[share[s.group_index]].metadata)
             for share, (part, _) in zip(shares, results, strict=True)
             for s in part
         ]

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from tidal.rollout.sandbox import check_sandbox
     from tidal.rollout.staleness import mask_stale_tokens, staleness_metrics, version_number
     from tidal.rollout.types import Sample, episode_ids, num_episodes
+    from tidal.rollout.verified_math import MathVerifier
     from tidal.rollout.weight_sync import (
         destroy_weights_update_group,
         init_weights_update_group,
@@ -112,6 +113,7 @@ _LAZY = {
     "staleness_metrics": "staleness",
     "version_number": "staleness",
     "Sample": "types",
+    "MathVerifier": "verified_math",
     "episode_ids": "types",
     "num_episodes": "types",
     "destroy_weights_update_group": "weight_sync",
@@ -152,6 +154,7 @@ __all__ = [
     "GroupFilter",
     "Heartbeat",
     "InterruptibleUpdates",
+    "MathVerifier",
     "MultiTurn",
     "RewardFn",
     "RewardResult",

@@ -41,8 +41,12 @@ class RolloutConfig:
     apply_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (checked at start-up by check_chat_template())."""
     rm_type: str = "math"
-    """Built-in reward: exact_match, numeric_match, math or code (the last code block of the response run against
-    the label's tests in a sandbox; see tidal.rollout.code_tests); ignored when custom_rm_path is set."""
+    """Built-in reward: exact_match, numeric_match, math (math-verify: symbolic and numeric equivalence of the final
+    answer) or code (the last code block of the response run against the label's tests in a sandbox; see
+    tidal.rollout.code_tests); ignored when custom_rm_path is set."""
+    rm_math_timeout_s: float = 5.0
+    """Most seconds --rm-type math may spend grading one answer; a slower one scores 0 and is counted in
+    rollout/reward_errors/MathTimeout."""
     custom_rm_path: str | None = None
     """Reward function by import path 'pkg.module:fn' (takes a Sample, returns a float)."""
     code_sandbox_max_concurrency: int = 4
@@ -161,6 +165,8 @@ class RolloutConfig:
                 raise ValueError(f"{flag} must be {requirement}, got {value!r}")
         if self.sglang_api_key is not None and self.sglang_api_key.startswith("-"):
             raise ValueError("--sglang-api-key must not start with '-': SGLang's command line would read it as a flag")
+        if not self.rm_math_timeout_s > 0:
+            raise ValueError(f"--rm-math-timeout-s must be > 0, got {self.rm_math_timeout_s}")
         if self.custom_rm_path is None and self.rm_type not in ("exact_match", "numeric_match", "math", "code"):
             raise ValueError(
                 f"--rm-type must be exact_match, numeric_match, math or code, got {self.rm_type!r}; "

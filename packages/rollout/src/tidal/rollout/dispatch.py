@@ -33,7 +33,9 @@ MAX_IDLE_INTERRUPTS = 20
 """Aborts in a row, without a new token, after which a resumed sample's request is an error, not an interruption."""
 
 
-def fresh_group(prompt_ids: Sequence[int], n: int, *, label: Any = None, group_index: int = 0) -> list[Sample]:
+def fresh_group(
+    prompt_ids: Sequence[int], n: int, *, label: Any = None, group_index: int = 0, metadata: Any = None
+) -> list[Sample]:
     """``n`` unstarted samples of one prompt (empty responses, ``finish_reason`` "abort")."""
     ids = [int(t) for t in prompt_ids]
     return [
@@ -44,6 +46,7 @@ def fresh_group(prompt_ids: Sequence[int], n: int, *, label: Any = None, group_i
             finish_reason="abort",
             label=label,
             group_index=group_index,
+            metadata=metadata,
         )
         for _ in range(n)
     ]

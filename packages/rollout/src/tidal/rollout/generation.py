@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import re
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -244,10 +246,18 @@ def rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         metrics["rollout/reward/mean"] = statistics.fmean(rewards)
         metrics["rollout/reward/std"] = statistics.pstdev(rewards)
         metrics["rollout/reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+        kinds = collections.Counter(_error_kind(s.reward_error) for s in samples if s.reward_error is not None)
+        metrics.update({f"rollout/reward_errors/{kind}": float(count) for kind, count in sorted(kinds.items())})
     for s in samples:  # the reward's own figures (--rm-type code: sandbox seconds, why programs scored 0)
         for key, value in (s.reward_metrics or {}).items():
             metrics[f"rollout/{key}"] = metrics.get(f"rollout/{key}", 0.0) + value
     return metrics
+
+
+def _error_kind(error: str) -> str:
+    """The exception class of a ``reward_error`` (``MathTimeout('...')`` -> ``MathTimeout``), else ``not_a_number``."""
+    match = re.match(r"(\w+)\(", error)
+    return match.group(1) if match else "not_a_number"
 
 
 def filter_uniform_groups(samples: Sequence[Sample]) -> tuple[list[Sample], int]:

@@ -220,6 +220,7 @@ def generate_partial_rollout(
     generate_fn: GenerateFn | None = None,
     max_rounds: int = 1,
     more_prompts: Callable[[int], Sequence[tuple[Sequence[int], Any]]] | None = None,
+    metadata: Sequence[Any] | None = None,
 ) -> PartialRolloutResult:
     """Generate until ``num_groups`` groups are finished, abort the rest and hand it over (``--partial-rollout``).
 
@@ -248,8 +249,9 @@ def generate_partial_rollout(
             per sample; once the batch is full the calls not started are cancelled and those running finish (a
             custom sample is not cut): groups not finished are carried over unstarted.
         max_rounds: Most rounds under ``group_filter`` (``--dynamic-sampling-max-rounds``).
-        more_prompts: ``(token ids, label)`` of the prompts of round ``r`` >= 2 (``--over-sampling-batch-size`` of
-            them); None: one round.
+        more_prompts: ``(token ids, label)`` or ``(token ids, label, metadata)`` of the prompts of round ``r`` >= 2
+            (``--over-sampling-batch-size`` of them); None: one round.
+        metadata: ``Sample.metadata`` per new prompt (the row's ``--metadata-key`` value) for the reward.
 
     Returns:
         The finished groups, the groups to carry over, ``rollout/partial/*`` metrics and, under ``group_filter``,
@@ -267,7 +269,12 @@ def generate_partial_rollout(
     began = target.get_model_info().get("weight_version")  # a weight update may land while this rollout runs
     n = int(sampling_params.get("n", 1))
     groups = [list(group) for group in carry_over]
-    groups += [fresh_group(ids, n, label=None if labels is None else labels[i]) for i, ids in enumerate(prompts)]
+    groups += [
+        fresh_group(
+            ids, n, label=None if labels is None else labels[i], metadata=None if metadata is None else metadata[i]
+        )
+        for i, ids in enumerate(prompts)
+    ]
     kept: list[int] = []
     dropped: set[int] = set()
 
@@ -313,7 +320,7 @@ def generate_partial_rollout(
         logger.info("dynamic sampling: %d/%d groups kept after round %d; round %d", len(kept), num_groups,
                     rounds - 1, rounds)  # fmt: skip
         start = len(groups)
-        groups += [fresh_group(ids, n, label=label) for ids, label in batch]
+        groups += [fresh_group(p[0], n, label=p[1], metadata=p[2] if len(p) > 2 else None) for p in batch]
         full = run_round(list(range(start, len(groups))))
     if group_filter is not None and len(kept) < num_groups:
         raise _short_batch(len(kept), num_groups, len(dropped), rounds, ran_out=rounds < max_rounds)
@@ -393,6 +400,8 @@ def _run_generate_fn(
         if decode is not None:
             samples = [s if s.response_text else dataclasses.replace(s, response_text=decode(list(s.response_ids)))
                        for s in samples]  # fmt: skip
+        if groups[g][0].metadata is not None:  # a custom function's samples carry the row's metadata on
+            samples = [dataclasses.replace(s, metadata=groups[g][0].metadata) for s in samples]
         groups[g] = samples
         full = finished(g)
         return full

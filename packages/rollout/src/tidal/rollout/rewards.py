@@ -125,7 +125,10 @@ def numeric_match(sample: Sample) -> float:
 
 
 def math_answer(sample: Sample) -> float:
-    r"""1.0 when the final answer (last ``\boxed{}``, else the last number) matches the label.
+    r"""1.0 when the final answer (last ``\boxed{}``, else the last number) matches the label, by rules alone.
+
+    ``--rm-type math`` grades with math-verify, which matched or beat these rules on every pair of the reward tests;
+    this one stays for ``--custom-rm-path tidal.rollout.rewards:math_answer`` (no sympy, no worker process).
 
     Answers are compared as numbers when both parse as one (``\frac{1}{2}`` equals ``0.5``), else as
     normalized LaTeX strings.
@@ -148,8 +151,9 @@ def math_answer(sample: Sample) -> float:
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
-    "math": math_answer,
 }
+"""Built-in rewards that are plain functions; ``math`` (math-verify in a worker, :mod:`tidal.rollout.verified_math`)
+is made per call of :func:`resolve_reward_fn`."""
 
 
 def load_reward_fn(path: str) -> RewardFn:
@@ -162,20 +166,26 @@ def load_reward_fn(path: str) -> RewardFn:
     return load_callable(path, flag="--custom-rm-path")
 
 
-def resolve_reward_fn(spec: str, cfg: RolloutConfig | None = None) -> RewardFn:
+def resolve_reward_fn(spec: str, cfg: RolloutConfig | None = None, *, math_timeout_s: float | None = None) -> RewardFn:
     """A built-in reward by name (``exact_match``, ``numeric_match``, ``math``, ``code``) or one by import path.
 
-    ``code`` runs programs in a sandbox under ``cfg``'s ``--code-sandbox-*`` limits (the defaults without ``cfg``).
+    ``math`` grades with math-verify, each answer within ``math_timeout_s`` seconds (default: ``cfg``'s
+    ``--rm-math-timeout-s``); ``code`` runs programs in a sandbox under ``cfg``'s ``--code-sandbox-*`` limits (the
+    defaults without ``cfg``).
     """
     if spec == "code":
         from tidal.rollout.code_reward import CodeReward
 
         return CodeReward.from_config(cfg or RolloutConfig(rm_type="code"))
+    if spec == "math":
+        from tidal.rollout.verified_math import MathVerifier
+
+        return MathVerifier(math_timeout_s or (cfg.rm_math_timeout_s if cfg is not None else 5.0))
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" in spec:
         return load_reward_fn(spec)
-    names = sorted([*BUILTIN_REWARDS, "code"])
+    names = sorted([*BUILTIN_REWARDS, "math", "code"])
     raise ValueError(f"unknown reward {spec!r}: use one of {names} or an import path 'pkg.module:fn'")
 
 

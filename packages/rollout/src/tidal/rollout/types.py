@@ -34,6 +34,8 @@ class Sample:
     """Version of the engine weights that produced the response."""
     response_text: str = ""
     """Decoded response, for rule-based rewards and logs (the ids stay authoritative)."""
+    metadata: Any = field(default=None, compare=False)
+    """The dataset row's ``--metadata-key`` value, for reward functions; None without one."""
     reward_error: str | None = None
     """Why scoring this sample failed (its reward is then 0.0), None when it did not."""
     reward_metrics: dict[str, float] | None = None
