@@ -81,8 +81,8 @@ def test_the_apply_chat_template_flag_renders_the_training_and_held_out_prompts_
     base += ["--eval-prompt-data", "held", str(path)]
     for flags, text in (([], "12+34="), (["--apply-chat-template"], "<user>12+34=<assistant>")):
         train, held_out = _datasets(parse_job([*base, *flags, "--output-dir", str(tmp_path / str(len(flags)))]))
-        assert [p.text for p in train.prompts] == [text] == [p.text for p in held_out["held"].prompts]
-        assert train.tokenizer.decode(list(train.prompts[0].ids)) == text
+        assert [p.text for p in train.head(len(train))] == [text] == [p.text for p in held_out["held"].head(1)]
+        assert train.tokenizer.decode(list(train.head(1)[0].ids)) == text
 
 
 def test_warm_start_lowers_the_loss_and_greedy_accuracy_is_a_share():
