@@ -167,3 +167,20 @@ def test_moe_plan_matches_the_actor_and_counts_routed_activations(dist_env, tmp_
     kept = next(k for k in rows if k.startswith("activations"))
     dense = dict(plan_memory(replace(shape, num_moe_layers=0, num_experts=0), inputs).rows)[kept]
     assert rows[kept] > dense  # top-2 copies of (h + 4F) per token against the dense MLP's 3 x intermediate
+
+
+def test_moe_log_prob_pass_grows_per_token_as_measured_on_an_h100():
+    # Qwen3-30B-A3B's width, 4 layers, bf16 with --log-probs-chunk-size 4096 (bench/auto_plan_gpu.py, the MoE rows
+    # of bench/RESULTS.md): the measured peak rose 10.92 GiB from 32,768 to 131,072 tokens in one micro-batch.
+    config = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                  num_hidden_layers=4, model_type="qwen3_moe", tie_word_embeddings=False)  # fmt: skip
+    shape = ModelShape.from_hf_config(config)
+
+    def peak(tokens: int) -> int:
+        inputs = MemoryInputs(train_tokens=tokens, logprob_tokens=tokens, longest_sequence=12672,
+                              log_probs_chunk_size=4096)  # fmt: skip
+        return plan_memory(shape, inputs).logprob_peak
+
+    measured = 66.909 - 55.991  # GiB, H100 80GB, 2026-12-07
+    assert (peak(131072) - peak(32768)) / GIB == pytest.approx(measured, rel=0.05)
