@@ -13,6 +13,11 @@ def test_shipped_data_is_what_the_generator_makes():
     for r in train[:50]:
         a, b = r["prompt"].rstrip("=").split("+")
         assert int(a) + int(b) == int(r["label"])
+    import pyarrow.parquet as pq
+    from tidal.train.task_data import CHAT_EVAL_FILE, CHAT_TRAIN_FILE, chat_row
+
+    for name, records in ((CHAT_TRAIN_FILE, train), (CHAT_EVAL_FILE, held_out)):  # --recipe embedded-math's rows
+        assert pq.read_table(shipped_path(name)).to_pylist() == [chat_row(r) for r in records]
 
 
 def test_tokenizer_round_trips_and_never_encodes_to_nothing():

@@ -81,7 +81,8 @@ def test_base_recipe_asks_for_what_it_does_not_set(tmp_path):
 def test_an_unknown_recipe_names_the_known_ones():
     with pytest.raises(
         ValueError,
-        match=r"--recipe 'nope' is not a recipe; pick one of \['base', 'embedded', 'embedded-agent', 'embedded-moe'\]",
+        match=r"--recipe 'nope' is not a recipe; pick one of "
+        r"\['base', 'embedded', 'embedded-agent', 'embedded-math', 'embedded-moe'\]",
     ):
         parse_job(["--recipe", "nope"])
 
@@ -125,3 +126,29 @@ def test_the_embedded_agent_recipe_trains_the_shipped_agent_on_the_chat_model(tm
     assert job.rollout.rollout_max_response_len == MAX_TOKENS and job.train.num_rollout == 15
     rest = {k: v for k, v in EMBEDDED.items() if k not in ("rollout_max_response_len", "num_rollout", "eval_interval")}
     assert {name: _value(job, name) for name in rest} == rest  # the embedded recipe's sizes and lr otherwise
+
+
+def test_the_embedded_math_recipe_reads_chat_rows_from_parquet_and_grades_with_math_verify(tmp_path):
+    from tidal.rollout import Sample, resolve_reward_fn, score_samples
+    from tidal.train.agent_task import ASK, MAX_TOKENS, second_turn
+    from tidal.train.data import PromptDataset
+    from tidal.train.embedded_model import CHAT_SPEC, build_chat_tokenizer, embedded_model_path
+    from tidal.train.task_data import EVAL_FILE, read_jsonl, shipped_path
+
+    job = parse_job(["--recipe", "embedded-math", "--output-dir", str(tmp_path / "run")])
+    assert job.actor.hf_checkpoint == str(embedded_model_path(spec=CHAT_SPEC))
+    assert job.train.prompt_data[0].endswith(".parquet") and job.train.label_key == "reward_model.ground_truth"
+    assert job.rollout.rm_type == "math" and job.rollout.rollout_max_response_len == MAX_TOKENS
+    tokenizer = build_chat_tokenizer()
+    (held_out,) = job.eval.eval_prompt_data
+    data = PromptDataset(held_out, tokenizer, input_key=job.train.input_key, label_key=job.train.label_key, seed=0)
+    records = read_jsonl(shipped_path(EVAL_FILE))  # the same problems as the plain task's held-out file
+    prompts = data.head(3)
+    for prompt, record in zip(prompts, records, strict=False):
+        rendered = tokenizer.apply_chat_template(second_turn(record, ASK), tokenize=False, add_generation_prompt=True)
+        assert (prompt.text, prompt.label) == (rendered, record["label"])
+    label = prompts[0].label  # "093"-style; math-verify takes "93" as the same number, and another as wrong
+    samples = [Sample(prompt_ids=[1], response_ids=[2], response_log_probs=[0.0], finish_reason="stop",
+                      response_text=text, label=label) for text in
+               (str(int(label)), str(int(label) + 1))]  # fmt: skip
+    assert [s.reward for s in score_samples(samples, resolve_reward_fn("math"))] == [1.0, 0.0]

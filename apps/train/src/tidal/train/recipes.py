@@ -90,6 +90,26 @@ def embedded_agent() -> dict[str, Any]:
     }
 
 
+@register
+def embedded_math() -> dict[str, Any]:
+    """The embedded chat model on chat problems stored as Parquet (verl's layout), rewarded by math-verify."""
+    from tidal.train.agent_task import MAX_TOKENS
+    from tidal.train.embedded_model import CHAT_SPEC, embedded_model_path
+    from tidal.train.task_data import CHAT_EVAL_FILE, CHAT_TRAIN_FILE, shipped_path
+
+    # The shipped addition problems as a data set is stored: each row's "prompt" holds chat messages (rendered with
+    # the model's template), its answer sits in "reward_model.ground_truth", and --rm-type math grades the sum.
+    return embedded() | {
+        "hf_checkpoint": str(embedded_model_path(spec=CHAT_SPEC)),
+        "prompt_data": (str(shipped_path(CHAT_TRAIN_FILE)),),
+        "eval_prompt_data": (str(shipped_path(CHAT_EVAL_FILE)),),
+        "label_key": "reward_model.ground_truth",
+        "rm_type": "math",
+        "rollout_max_response_len": MAX_TOKENS,
+        "num_rollout": 30,
+    }
+
+
 DEFAULT_RECIPE = "embedded"
 """The recipe of a job without ``--recipe``."""
 
