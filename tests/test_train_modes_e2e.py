@@ -493,7 +493,7 @@ def test_sigterm_during_start_up_stops_everything(tmp_path):
     code, log, leftovers = _train([*COMMON, *decoupled, "--num-rollout", "1"], out=tmp_path / "run",
                                   kill_when=engine_launched, sig=signal.SIGTERM, group=False, timeout=600)  # fmt: skip
     assert code == 130, log[-4000:]
-    assert "interrupted (" in log
+    assert "interrupted (signal SIGTERM)" in log
     assert "no checkpoint was written: the same command starts the run over" in log
     assert not leftovers, leftovers
 

@@ -293,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run(job)
     except KeyboardInterrupt as e:
         from tidal.train.interrupted import resume_command
+        from tidal.train.watchdog import STOPPED_BY
 
-        logger.error("interrupted (%s): every SGLang, Ray and Megatron process was stopped", str(e) or "Ctrl-C")
+        cause = str(e) or (STOPPED_BY[-1] if STOPPED_BY else "Ctrl-C")
+        logger.error("interrupted (%s): every SGLang, Ray and Megatron process was stopped", cause)
         if not job.train.debug_rollout_only:
             logger.error("%s", resume_command(argv, job))
         return 130

@@ -113,6 +113,11 @@ def start_watchdog() -> subprocess.Popen | None:
     )
 
 
+STOPPED_BY: list[str] = []
+"""The signal that stopped the run (``stop_on_sigterm``): a KeyboardInterrupt re-raised on the way (Ray's ``get``
+raises a bare one) loses its message, this keeps it."""
+
+
 def stop_on_sigterm() -> None:
     """Make SIGTERM stop the run as Ctrl-C does (KeyboardInterrupt): every process is stopped before the exit.
 
@@ -122,7 +127,8 @@ def stop_on_sigterm() -> None:
 
     def interrupt(signum: int, _frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        STOPPED_BY.append(f"signal {signal.Signals(signum).name}")
+        raise KeyboardInterrupt(STOPPED_BY[-1])
 
     signal.signal(signal.SIGTERM, interrupt)
 
