@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from tidal.actor import Actor, ActorConfig
 from tidal.actor.bridge import build_gpt_model, load_hf_weights, named_hf_tensors
 from tidal.actor.hf_config import parse_hf_config, read_hf_config, to_transformer_config
+from tidal.actor.megatron_holds import drop_dispatch_graphs
 from tidal.batching import pack
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -257,6 +258,27 @@ def test_recompute_gives_the_same_step(dist_env, moe_dir, rl_batch):
         assert m1[key] == pytest.approx(m2[key], rel=1e-6), key
     for (name, a), b in zip(plain.model.named_parameters(), again.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=0, msg=name)
+    # the recomputed forward's graph, never back-propagated, is not kept past the step by a token dispatcher
+    assert _dispatch_graphs(again) == [] and _dispatch_graphs(plain) == []
+    # megatron-core's dispatcher keeps its last routing probabilities with their graph: when this fails, upstream
+    # stopped doing so and tidal.actor.megatron_holds can go
+    again.model.train()
+    again._forward(rl_batch(again, SEQS), with_entropy=False)
+    held = _dispatch_graphs(again)
+    assert "probs" in held, "megatron-core no longer keeps the dispatch's graph"
+    assert drop_dispatch_graphs(again.model) == len(held)
+    assert _dispatch_graphs(again) == []
+
+
+def _dispatch_graphs(actor) -> list[str]:
+    """Attributes of the actor's MoE token dispatchers that hold a tensor with an autograd graph."""
+    return [
+        name
+        for module in actor.model.modules()
+        if (dispatcher := getattr(module, "token_dispatcher", None)) is not None
+        for name, value in vars(dispatcher).items()
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None
+    ]
 
 
 def test_expert_load_metric_counts_transformers_routing(dist_env, moe_plain_dir, rl_batch):

@@ -26,6 +26,7 @@ from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss, load_function
 from tidal.actor.main_params import MainParams
+from tidal.actor.megatron_holds import drop_dispatch_graphs
 from tidal.actor.memory_plan import MemoryInputs, ModelShape, largest_fitting_tokens
 from tidal.actor.offload import CPUOffloadAdamW, PinnedReservation, host_copy_shapes, move_tensors
 from tidal.actor.oom import LOGPROB_FLAG, TRAIN_FLAG, run_reporting_oom
@@ -383,6 +384,7 @@ class Actor:
         if self.stage.size == 1:
             for mb in micro_batches:
                 self._guard_oom(lambda mb=mb: loss_of(mb, forward(mb)).backward(), [mb], logprob=False)
+                drop_dispatch_graphs(self.model)
         else:  # the loss on the last stage; metrics come from there (_metrics)
             self._guard_oom(
                 lambda: run_schedule(
@@ -395,6 +397,7 @@ class Actor:
                 micro_batches,
                 logprob=False,
             )
+            drop_dispatch_graphs(self.model)
         if self.step_log_probs and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the step_log_probs copies have landed
         params = self._optimizer_params()

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 from tidal.actor.errors import ActorOutOfMemoryError
+from tidal.actor.megatron_holds import drop_dispatch_graphs
 from tidal.actor.memory_plan import GIB
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,10 @@ def forget_failed_pass(model: torch.nn.Module) -> None:
 
     ``TransformerLayer.mlp_norm_manager`` holds the layer's input (a ``[tokens, 1, hidden]`` tensor) from the pre-MLP
     norm until the MLP's end, so an out-of-memory inside the MLP left it referenced (8 GiB after a 1M-token log-prob
-    pass of an 8B model on an H100).
+    pass of an 8B model on an H100); an MoE layer's token dispatcher keeps its routing probabilities' graph
+    (``tidal.actor.megatron_holds``).
     """
+    drop_dispatch_graphs(model)
     for module in model.modules():
         if getattr(module, "mlp_norm_manager", None) is not None:
             module.mlp_norm_manager = None
