@@ -26,7 +26,7 @@ from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss, load_function
 from tidal.actor.main_params import MainParams
-from tidal.actor.megatron_holds import drop_dispatch_graphs
+from tidal.actor.megatron_holds import release_dispatch_graphs
 from tidal.actor.memory_plan import MemoryInputs, ModelShape, largest_fitting_tokens
 from tidal.actor.offload import CPUOffloadAdamW, PinnedReservation, host_copy_shapes, move_tensors
 from tidal.actor.oom import LOGPROB_FLAG, TRAIN_FLAG, run_reporting_oom
@@ -114,6 +114,7 @@ class Actor:
         """The MoE routers' hooks: replay the engine's experts (--use-rollout-routing-replay), count mismatches."""
         if self.spec.moe is not None:
             moe_loss.prepare_model(self.model)
+            release_dispatch_graphs(self.model)
             self._expert_load = moe_loss.ExpertLoad(self.model)
             self.routing_replay = RoutingReplay(self.model, replay=cfg.use_rollout_routing_replay)
         self._check_routing_replay()
@@ -384,7 +385,6 @@ class Actor:
         if self.stage.size == 1:
             for mb in micro_batches:
                 self._guard_oom(lambda mb=mb: loss_of(mb, forward(mb)).backward(), [mb], logprob=False)
-                drop_dispatch_graphs(self.model)
         else:  # the loss on the last stage; metrics come from there (_metrics)
             self._guard_oom(
                 lambda: run_schedule(
@@ -397,7 +397,6 @@ class Actor:
                 micro_batches,
                 logprob=False,
             )
-            drop_dispatch_graphs(self.model)
         if self.step_log_probs and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the step_log_probs copies have landed
         params = self._optimizer_params()
