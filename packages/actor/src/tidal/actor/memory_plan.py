@@ -8,8 +8,8 @@ Standard library only, so the app can plan at parse time. The estimate adds, per
   (``--lora-rank``) the base parameters alone, and main copies, gradients and moments of the adapters only (the
   reference is the base: no second copy);
 - **activations** of one training micro-batch of ``tokens`` tokens kept for backward: per token and layer the
-  tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer what was measured to stay held
-  (``RECOMPUTED_QKV_HOLD``), plus one layer's worth while a recomputed layer runs its backward;
+  tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer its input (what the checkpoint
+  keeps), plus one layer's worth while a recomputed layer runs its backward;
   the final hidden states; the LM head's logits (all of
   them with ``--no-recompute-lm-head``, one chunk otherwise); cuDNN's padded q/k/v copies when a sequence can reach
   ``--cudnn-attention-min-tokens``;
@@ -38,11 +38,6 @@ if TYPE_CHECKING:
 GIB = 2**30
 ALIGN = 128
 """Token budgets the plan proposes are multiples of this (the usual --pad-to-multiple-of)."""
-RECOMPUTED_QKV_HOLD = 4.25
-"""Elements per q/k/v channel and token that a recomputed layer still holds until its backward when every layer is
-recomputed, as measured on the GPU path (torch's non-reentrant checkpoint around megatron's layer;
-bench/memory_plan_gpu.py, bench/auto_plan_gpu.py): far more than the layer's input alone, for a cause not pinned
-down. With only the first layers recomputed, the measured peaks (bench/auto_plan_gpu.py) fit the layer's input alone."""
 ALLOCATOR_HEADROOM = 0.05
 """Share of the card kept free for the caching allocator's fragmentation and the CUDA context."""
 
@@ -417,10 +412,9 @@ def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[t
     per_layer = _mean_layer_activation_bytes(shape, inputs)
     rows = [(f"activations ({layers - recomputed} layers kept)", (layers - recomputed) * per_layer * t)]
     if recomputed:
-        held = h * e  # the recomputed layer's input, kept by the checkpoint
-        if recomputed == layers:  # every layer recomputed: far more stays held (RECOMPUTED_QKV_HOLD)
-            held = int(RECOMPUTED_QKV_HOLD * shape.qkv_width // inputs.tensor_parallel) * e
-        rows.append((f"recomputed layers ({recomputed}, held)", recomputed * held * t))
+        # the recomputed layer's input, kept by the checkpoint: all it keeps since tidal's checkpoint runs without
+        # torch's early stop and the MoE dispatchers let go of their routing graphs (bench/auto_plan_gpu.py --leak)
+        rows.append((f"recomputed layers ({recomputed}, held)", recomputed * h * e * t))
         # the first layers are recomputed, so their backward runs after every kept layer's has freed its
         # activations: a rebuilt layer adds to the peak only where it exceeds what the kept layers held
         rebuilt = _max_layer_activation_bytes(shape, inputs) * t - (layers - recomputed) * per_layer * t
