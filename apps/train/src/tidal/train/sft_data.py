@@ -138,7 +138,10 @@ class SftDataset:
             tools = row.get(self.tool_key)
             tools = json.loads(tools) if isinstance(tools, str) else tools
             return assistant_mask(self.tokenizer, value, tools=tools or None, where=where)
-        response = get_key(row, self.label_key)
+        try:
+            response = get_key(row, self.label_key)
+        except KeyError:
+            response = None
         if response is None:
             raise ValueError(
                 f"{where}: its --input-key {self.input_key!r} is a prompt text, and it has no --label-key "
