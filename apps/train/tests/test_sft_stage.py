@@ -59,7 +59,9 @@ def test_an_rl_option_given_with_the_sft_stage_is_refused_in_one_line(rows, tmp_
 
 def test_sft_options_need_the_sft_stage_and_the_stage_needs_its_data(rows, tmp_path):
     out = ["--output-dir", str(tmp_path)]
-    assert _problems(["--sft-data", rows, *out]) == ["--sft-data is read by --stage sft only; add --stage sft or drop it"]
+    assert _problems(["--sft-data", rows, *out]) == [
+        "--sft-data is read by --stage sft only; add --stage sft or drop it"
+    ]
     assert "--stage sft needs --sft-data FILE" in _problems(["--stage", "sft", *out])[0]
     assert "--stage must be one of rl, sft, got 'dpo'" in _problems(["--stage", "dpo", *out])[0]
     missing = _problems(["--stage", "sft", "--sft-data", str(tmp_path / "none.jsonl"), *out])

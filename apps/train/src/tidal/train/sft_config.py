@@ -101,8 +101,11 @@ def prepare_sft_sections(sections: dict[str, dict[str, Any]], given: set[str], p
     kept = {name: values.get(name) for name in ("hf_checkpoint", "save_hf", "output_dir") if name in values}
     for section, values in sections.items():  # the recipe's RL values go; the SFT stage's own stay
         if section not in _WHOLE:
-            for name in set(values) - SFT_OPTIONS.get(section, frozenset()) - {"sglang_server_args",
-                                                                                "sglang_router_args", "ray_env"}:
+            for name in (
+                set(values)
+                - SFT_OPTIONS.get(section, frozenset())
+                - {"sglang_server_args", "sglang_router_args", "ray_env"}
+            ):
                 if section != "train" or name not in kept:
                     del values[name]
     if size:
@@ -113,4 +116,3 @@ def prepare_sft_sections(sections: dict[str, dict[str, Any]], given: set[str], p
     actor.update(loss_type="sft_loss", calculate_per_token_loss=True, lora_rank=0)
     sections["placement"]["colocate"] = True  # the engines' share of the GPUs is the actor's: no GPU is set aside
     sections["offload"] = {"offload": False}
-

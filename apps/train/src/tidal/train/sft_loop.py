@@ -54,9 +54,8 @@ class SftResult:
 
 def run_sft(job: JobConfig) -> SftResult:
     """Run the SFT stage of ``job``; every process it starts is stopped before it returns or raises."""
-    from transformers import AutoTokenizer
-
     from tidal.train.wandb_run import wandb_options
+    from transformers import AutoTokenizer
 
     out = Path(job.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +171,6 @@ def _write_outputs(result: SftResult, history: list[dict[str, Any]]) -> None:
 def _actor_alone(job: JobConfig, out: Path) -> Iterator[ActorGroup]:
     """Ray, the placement and the actor's ranks, without any engine; all stopped when the block ends."""
     from tidal.placement import create_placement, ray_session
-
     from tidal.train.async_plan import resolve_async_plan
     from tidal.train.cluster import actor_group_of
     from tidal.train.handoff import HandOffLog
