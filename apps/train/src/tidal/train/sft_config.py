@@ -34,6 +34,13 @@ SFT_OPTIONS: dict[str, frozenset[str]] = {
 }  # fmt: skip
 """Options of the other sections that ``--stage sft`` reads; ``parallel``, ``logging`` and ``sft`` are read whole."""
 _WHOLE = ("parallel", "logging", "sft")
+_OWN_LINE = {  # the RL options whose refusal says more than that they are RL's
+    "load": "--load with --stage sft is not supported (an SFT run starts from --hf-checkpoint): give the --save-hf "
+    "folder of the earlier SFT run as --hf-checkpoint",
+    "lora_rank": "--lora-rank with --stage sft is not supported yet: drop --lora-rank (SFT trains every weight)",
+    "rollout_batch_size": "--rollout-batch-size counts an RL rollout's prompts: --stage sft takes --global-batch-size "
+    "(rows per optimizer step)",
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,33 +88,22 @@ def prepare_sft_sections(sections: dict[str, dict[str, Any]], given: set[str], p
     for section, values in sections.items():
         if section in _WHOLE:
             continue
-        for name in sorted(set(values) & given):
+        for name in sorted(set(values) & given - set(_OWN_LINE)):
             if name not in SFT_OPTIONS.get(section, frozenset()):
                 problems.add(
                     f"{flags.get(name, name)} is an RL option that --stage sft would ignore (no engine, rollout or "
                     "reward runs in it): drop it, or run --stage rl"
                 )
-    actor, batching, ckpt = sections["actor"], sections["batching"], sections["ckpt"]
+    actor, batching = sections["actor"], sections["batching"]
     if actor.get("loss_type", "sft_loss") != "sft_loss":
         problems.add(f"--stage sft trains on --loss-type sft_loss, got --loss-type {actor['loss_type']}: drop it")
-    if ckpt.get("load") and "load" in given:
-        problems.add(
-            "--load with --stage sft is not supported (an SFT run starts from --hf-checkpoint): give the --save-hf "
-            "folder of the earlier SFT run as --hf-checkpoint"
-        )
-    if actor.get("lora_rank") and "lora_rank" in given:
-        problems.add("--lora-rank with --stage sft is not supported yet: drop --lora-rank (SFT trains every weight)")
+    for name in sorted(set(_OWN_LINE) & given):
+        problems.add(_OWN_LINE[name])
     size = batching.get("global_batch_size") or batching.get("rollout_batch_size")  # given, else the recipe's
-    kept = {name: values.get(name) for name in ("hf_checkpoint", "save_hf", "output_dir") if name in values}
     for section, values in sections.items():  # the recipe's RL values go; the SFT stage's own stay
         if section not in _WHOLE:
-            for name in (
-                set(values)
-                - SFT_OPTIONS.get(section, frozenset())
-                - {"sglang_server_args", "sglang_router_args", "ray_env"}
-            ):
-                if section != "train" or name not in kept:
-                    del values[name]
+            for name in set(values) - SFT_OPTIONS.get(section, frozenset()):
+                del values[name]
     if size:
         batching.update(rollout_batch_size=size, global_batch_size=size)
     else:
