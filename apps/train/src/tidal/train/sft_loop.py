@@ -105,7 +105,7 @@ def _steps(job, actors, data, held_out, log, result: SftResult, *, steps_per_epo
         log.write(record)
         result.num_steps = step + 1
         if last or _due(step, job.ckpt.save_interval):
-            # no rollout finished: an RL run that --loads this checkpoint starts at rollout 0
+            # no rollout finished: an RL run given this checkpoint as --load starts at rollout 0
             actors.save(-1, weight_version=0, iteration=step + 1)
             if job.train.save_hf:
                 hf = job.train.save_hf.replace("{rollout_id}", str(step))
