@@ -85,15 +85,22 @@ def prepare_sft_sections(sections: dict[str, dict[str, Any]], given: set[str], p
     from tidal.train.flags import options
 
     flags = {o.name: o.flag for o in options()}
-    for section, values in sections.items():
-        if section in _WHOLE:
-            continue
-        for name in sorted(set(values) & given - set(_OWN_LINE)):
-            if name not in SFT_OPTIONS.get(section, frozenset()):
-                problems.add(
-                    f"{flags.get(name, name)} is an RL option that --stage sft would ignore (no engine, rollout or "
-                    "reward runs in it): drop it, or run --stage rl"
-                )
+
+    def shown(name: str, value: Any) -> str:  # as given: a pair's off side is its --no- flag
+        flag = flags.get(name, name)
+        return "--no-" + flag[2:] if value is False and not flag.startswith("--no-") else flag
+
+    ignored = [
+        shown(name, values[name])
+        for section, values in sections.items()
+        if section not in _WHOLE
+        for name in sorted(set(values) & given - set(_OWN_LINE) - SFT_OPTIONS.get(section, frozenset()))
+    ]
+    if ignored:  # one line for them all: they have one cause and one fix
+        problems.add(
+            f"--stage sft would ignore RL option{'s' if len(ignored) > 1 else ''} {', '.join(ignored)} (no engine, "
+            "rollout or reward runs in it): drop them, or run --stage rl"
+        )
     actor, batching = sections["actor"], sections["batching"]
     if actor.get("loss_type", "sft_loss") != "sft_loss":
         problems.add(f"--stage sft trains on --loss-type sft_loss, got --loss-type {actor['loss_type']}: drop it")
