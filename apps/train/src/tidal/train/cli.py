@@ -307,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cause = str(e) or (STOPPED_BY[-1] if STOPPED_BY else "Ctrl-C")
         logger.error("interrupted (%s): every SGLang, Ray and Megatron process was stopped", cause)
-        if not job.train.debug_rollout_only:
+        if job.sft.stage == "sft":  # an SFT run does not resume: its last --save-hf folder is where to go on from
+            logger.error("the SFT stage is not resumed: start a new one from its last --save-hf folder, if any")
+        elif not job.train.debug_rollout_only:
             logger.error("%s", resume_command(argv, job))
         return 130
     except Exception as e:
