@@ -179,8 +179,9 @@ def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, act
 
 
 def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, weights: WeightSync | None, version: int):
-    """Before the first rollout the engines serve the resumed weights, or an external server the initial ones."""
-    if rollouts.has_engines and weights is not None and version > 0:
+    """Before the first rollout the engines serve --load's weights (a resumed run's, or an SFT stage's at version 0),
+    or an external server the initial ones."""
+    if rollouts.has_engines and weights is not None and (version > 0 or job.ckpt.load):
         return weights.sync(rollouts, version)
     if rollouts.external:  # a server run elsewhere may hold any weights
         logger.info("loading %s into the external SGLang server(s)", job.actor.hf_checkpoint)
