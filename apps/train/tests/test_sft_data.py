@@ -122,3 +122,21 @@ def test_dataset_reads_chat_parquet_and_pairs_jsonl_and_names_a_row_without_its_
     assert _learned_spans(chatml, pairs.sample(0)) == ["2<|im_end|>\n"]
     with pytest.raises(ValueError, match=r"pairs\.jsonl row 1: .* no --label-key 'answer' response"):
         pairs.sample(1)
+
+
+def test_epochs_are_seeded_orders_and_a_weighted_mix_draws_by_its_weights(tmp_path):
+    tok = build_tokenizer(["0123456789+="])
+    for name, n in (("a", 300), ("b", 100)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{i}=", "label": "1"}) + "\n"
+                                                        for i in range(n)))  # fmt: skip
+    plain = SftDataset([str(tmp_path / "a.jsonl")], tok, input_key="prompt", label_key="label", seed=3)
+    first, second = plain.order(0).tolist(), plain.order(1).tolist()
+    assert sorted(first) == sorted(second) == list(range(300)) and first != second
+    assert (
+        SftDataset([str(tmp_path / "a.jsonl")], tok, input_key="prompt", label_key="label", seed=3).order(0).tolist()
+        == first
+    )
+    mix = SftDataset([f"{tmp_path / 'a.jsonl'}:0.2", f"{tmp_path / 'b.jsonl'}:0.8"], tok, input_key="prompt",
+                     label_key="label", seed=3)  # fmt: skip
+    order = mix.order(0)
+    assert len(order) == 400 and 0.7 < float((order >= 300).mean()) < 0.9  # rows of b: 80 % of the draws

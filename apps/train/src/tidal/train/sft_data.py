@@ -113,6 +113,7 @@ class SftDataset:
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         weights = [t.weight for t in self.tables]
         self._shares = None if weights[0] is None else np.array(weights, dtype=np.float64) / sum(weights)
+        self._order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
     def __len__(self) -> int:
         """Rows of one epoch (a weighted mix: the same count, drawn by the weights)."""
@@ -120,12 +121,15 @@ class SftDataset:
 
     def order(self, epoch: int) -> np.ndarray:
         """The row indices of epoch ``epoch``: a seeded permutation (a weighted mix draws each row's source first)."""
-        rng = np.random.default_rng([self.seed % 2**63, epoch])
-        if self._shares is None:
-            return rng.permutation(len(self))
-        sources = rng.choice(len(self.tables), size=len(self), p=self._shares)
-        sizes = np.diff(self._starts)
-        return self._starts[sources] + rng.integers(0, sizes[sources])
+        if self._order[0] != epoch:  # the current epoch's is kept: each step reads a slice of it
+            rng = np.random.default_rng([self.seed % 2**63, epoch])
+            if self._shares is None:
+                order = rng.permutation(len(self))
+            else:
+                sources = rng.choice(len(self.tables), size=len(self), p=self._shares)
+                order = self._starts[sources] + rng.integers(0, np.diff(self._starts)[sources])
+            self._order = (epoch, order)
+        return self._order[1]
 
     def sample(self, index: int) -> SftSample:
         """Row ``index`` (over the sources end to end) as token ids and loss mask."""
