@@ -74,7 +74,7 @@ def parse_job(argv: list[str]) -> JobConfig:
     if values.get("stage") == "sft":  # only what the SFT stage reads: the RL options given are refused
         from tidal.train.sft_config import prepare_sft_sections
 
-        prepare_sft_sections(sections, set(given), problems)
+        prepare_sft_sections(sections, set(given), problems, flags={o.name: o.flag for o in options()})
     with option_mutant.parsing_job():
         return _build_job(sections, unknown, parser, problems)
 

@@ -75,16 +75,16 @@ class SftConfig:
                 raise ValueError(f"{given[0]} is read by --stage sft only; add --stage sft or drop it")
 
 
-def prepare_sft_sections(sections: dict[str, dict[str, Any]], given: set[str], problems) -> None:
+def prepare_sft_sections(
+    sections: dict[str, dict[str, Any]], given: set[str], problems, *, flags: dict[str, str]
+) -> None:
     """Refuse the given options ``--stage sft`` would ignore; set the sections to what an SFT run uses.
 
-    ``given`` are the field names set by the command line or ``--config`` (a recipe's values are not refused). The
-    actor trains on ``sft_loss`` with a token mean over every loss token of a step; a step is --global-batch-size
-    rows (else the recipe's --rollout-batch-size), one sample per row, at temperature 1; the actor is placed alone.
+    ``given`` are the field names set by the command line or ``--config`` (a recipe's values are not refused);
+    ``flags`` maps every option's field name to its flag. The actor trains on ``sft_loss`` with a token mean over
+    every loss token of a step; a step is --global-batch-size rows (else the recipe's --rollout-batch-size), one
+    sample per row, at temperature 1; the actor is placed alone.
     """
-    from tidal.train.flags import options
-
-    flags = {o.name: o.flag for o in options()}
 
     def shown(name: str, value: Any) -> str:  # as given: a pair's off side is its --no- flag
         flag = flags.get(name, name)
