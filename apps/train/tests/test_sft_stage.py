@@ -70,3 +70,17 @@ def test_sft_options_need_the_sft_stage_and_the_stage_needs_its_data(rows, tmp_p
     assert any("none.jsonl" in p for p in missing), missing
     base = ["--recipe", "base", "--hf-checkpoint", str(shipped_path(TRAIN_FILE).parent), "--stage", "sft"]
     assert any("--global-batch-size N" in p for p in _problems([*base, "--sft-data", rows, *out]))
+
+
+def test_an_rl_run_given_an_sft_checkpoint_hands_its_weights_to_the_engines_before_rollout_0():
+    from types import SimpleNamespace
+
+    from tidal.train.loop import _serve_first_weights
+
+    synced: list[int] = []
+    weights = SimpleNamespace(sync=lambda rollouts, version: synced.append(version) or "weights/0")
+    rollouts = SimpleNamespace(has_engines=True, external=False)
+    sft_checkpoint = SimpleNamespace(ckpt=SimpleNamespace(load="sft/ckpt"))  # its trainer state: version 0
+    assert _serve_first_weights(sft_checkpoint, rollouts, weights, 0) == "weights/0" and synced == [0]
+    assert _serve_first_weights(SimpleNamespace(ckpt=SimpleNamespace(load=None)), rollouts, weights, 0) is None
+    assert synced == [0]  # a fresh run's engines already serve --hf-checkpoint
