@@ -413,7 +413,7 @@ def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[t
     rows = [(f"activations ({layers - recomputed} layers kept)", (layers - recomputed) * per_layer * t)]
     if recomputed:
         # the recomputed layer's input, kept by the checkpoint: all it keeps since tidal's checkpoint runs without
-        # torch's early stop and the MoE dispatchers let go of their routing graphs (the recompute check of bench/auto_plan_gpu.py)
+        # torch's early stop and the MoE dispatchers let go of their routing graphs (bench/auto_plan_gpu.py measures it)
         rows.append((f"recomputed layers ({recomputed}, held)", recomputed * h * e * t))
         # the first layers are recomputed, so their backward runs after every kept layer's has freed its
         # activations: a rebuilt layer adds to the peak only where it exceeds what the kept layers held
