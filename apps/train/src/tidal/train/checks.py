@@ -60,7 +60,7 @@ class Problems:
 
 
 def check_hf_checkpoint(path: str) -> dict[str, Any]:
-    """An HF model folder: a readable config.json, a tokenizer and weights; returns the config."""
+    """An HF model folder: a config.json of a known model family, a tokenizer and weights; returns the config."""
     folder = Path(path)
     config = folder / "config.json"
     if not config.is_file():
@@ -69,6 +69,9 @@ def check_hf_checkpoint(path: str) -> dict[str, Any]:
         data = read_hf_config_json(folder)
     except (OSError, ValueError) as e:
         raise ValueError(f"--hf-checkpoint {path}: config.json cannot be read as JSON ({e})") from e
+    from tidal.actor import family_of
+
+    family_of(data, source=f"--hf-checkpoint {config}")  # an unknown architecture, before any process starts
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
             f"--hf-checkpoint {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the tokenizer "

@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tidal.actor.families import FAMILIES, family_of
 from tidal.actor.moe_spec import MoESpec, moe_transformer_fields, parse_moe
 from tidal.actor.rope_scaling import RopeScaling, parse_rope_scaling
 from tidal.ckpt import read_hf_config_json
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,10 +77,7 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
     model_type = cfg.get("model_type")
     moe = parse_moe(cfg)  # names other MoE architectures first
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"HF model_type {model_type!r} is not supported by tidal.actor; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        family_of(cfg)  # one line naming the known families
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU/silu only)")
     if cfg.get("use_sliding_window"):
