@@ -30,6 +30,7 @@ FAMILIES: dict[str, Family] = {
         Family(model_type="qwen3", architecture="Qwen3ForCausalLM", moe=False),
         Family(model_type="llama", architecture="LlamaForCausalLM", moe=False),
         Family(model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", moe=True),
+        Family(model_type="glm4_moe", architecture="Glm4MoeForCausalLM", moe=True),
     )
 }
 """Every family the actor builds, by ``model_type``."""
