@@ -85,6 +85,12 @@ def check_hf_checkpoint(path: str) -> dict[str, Any]:
     return data
 
 
+def routed_experts(hf_config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer of a ``config.json`` dict (0 for a dense model), under each family's key."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen3_moe, transformers 5, glm4_moe
+    return int(next((hf_config[k] for k in keys if hf_config.get(k)), 0))
+
+
 def check_writable_dir(flag: str, path: str) -> None:
     """``path`` is a folder, or can be created as one, by this user."""
     target = Path(path).expanduser()
@@ -148,7 +154,7 @@ def check_expert_parallel(parallel, placement, hf_config: dict[str, Any] | None,
         )
     if hf_config is None:  # the embedded model may not exist yet: the actor checks it when it builds the model
         return
-    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    experts = routed_experts(hf_config)
     if not experts:
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; {Path(hf) / 'config.json'} "
@@ -164,7 +170,7 @@ def check_expert_parallel(parallel, placement, hf_config: dict[str, Any] | None,
 def check_moe_context_parallel(parallel, hf_config: dict[str, Any] | None, hf: str) -> None:
     """Context parallelism is refused with a mixture-of-experts model (tidal.actor refuses it too, seconds later)."""
     cp = parallel.context_parallel_size
-    if cp > 1 and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+    if cp > 1 and hf_config and routed_experts(hf_config):
         raise ValueError(
             f"--context-parallel-size {cp} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
             "supported yet; use --context-parallel-size 1"
@@ -182,7 +188,7 @@ def check_delta_lora(sync, actor) -> None:
 
 def check_lora_moe(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
     """LoRA is refused on a mixture-of-experts model: adapters on the grouped experts are not built yet."""
-    if actor.lora_rank and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+    if actor.lora_rank and hf_config and routed_experts(hf_config):
         raise ValueError(
             f"--lora-rank {actor.lora_rank} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
             "supported yet (no adapters on the experts); drop --lora-rank to fine-tune it fully"
@@ -526,7 +532,7 @@ def check_output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: d
 
 def check_routing_replay(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
     """--use-rollout-routing-replay is refused on a dense model (tidal.actor refuses it too, later)."""
-    moe = hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+    moe = hf_config and routed_experts(hf_config)
     if actor.use_rollout_routing_replay and hf_config is not None and not moe:
         raise ValueError(
             f"--use-rollout-routing-replay replays the experts of a mixture-of-experts model, but "
