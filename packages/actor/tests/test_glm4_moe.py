@@ -59,23 +59,6 @@ def test_settings_megatron_computes_differently_are_refused_by_name(overrides, m
             "partial_rotary_factor", 0.5), "rope_theta": 1e6, "rope_type": "default"}})  # fmt: skip
 
 
-def test_logits_and_export_match_transformers(dist_env, hf_reference, glm_dir):
-    seqs = [[5, 17, 99, 3, 42, 7, 64], [1, 2, 3], [120, 0, 33, 33, 8, 90, 12, 101, 4, 56, 77]]
-    spec, model = _build(glm_dir)
-    ref_logits, _ = hf_reference(glm_dir, seqs)
-    with torch.no_grad():
-        ours = _packed_logits(model.eval(), seqs)
-    for got, ref in zip(ours, ref_logits, strict=True):
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    # export: every HF tensor back under its HF name, the score-correction bias and shared expert included, bit-exact
-    original = load_file(glm_dir / "model.safetensors")
-    exported = dict(named_hf_tensors(model, spec))
-    assert set(exported) == set(original)
-    assert all(torch.equal(t, original[n]) for n, t in exported.items())
-    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
-    assert exported[bias].dtype == torch.float32 and exported[bias].abs().min() > 0
-
-
 def test_long_packed_log_probs_and_weight_sync_match_transformers_fp32(dist_env, glm_dir):
     """fp32 log-probs of a 700-token sequence packed beside a short one, to 1e-5; the sync buckets equal the export."""
     from transformers import AutoModelForCausalLM
@@ -99,8 +82,9 @@ def test_long_packed_log_probs_and_weight_sync_match_transformers_fp32(dist_env,
     assert all(torch.equal(t, exported[n]) for n, t in buckets)
 
 
-def test_gradients_match_transformers_and_the_bias_stays_frozen(dist_env, glm_dir):
-    """Every parameter's gradient of a weighted log-prob loss equals transformers'; the bias is a buffer (no grad)."""
+def test_logits_gradients_and_export_match_transformers(dist_env, glm_dir):
+    """fp32 logits and every parameter's gradient of a weighted log-prob loss equal transformers'; the bias is a
+    buffer (no gradient); the export gives every HF tensor back bit-exact, the bias in float32."""
     from transformers import AutoModelForCausalLM
 
     gen = torch.Generator().manual_seed(5)
@@ -108,16 +92,19 @@ def test_gradients_match_transformers_and_the_bias_stays_frozen(dist_env, glm_di
     weights = [torch.linspace(-1.0, 1.0, len(s) - 1) for s in seqs]
     hf = AutoModelForCausalLM.from_pretrained(glm_dir, dtype=torch.float32)
     hf.train()
+    ref_logits = []
     for seq, w in zip(seqs, weights, strict=True):
         ids = torch.tensor([seq])
-        lp = torch.log_softmax(hf(ids).logits[0], -1)[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+        ref_logits.append(hf(ids).logits[0])
+        lp = torch.log_softmax(ref_logits[-1], -1)[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
         (lp * w).sum().backward()
     want = _hf_named_grads(hf)
 
     spec, model = _build(glm_dir)
     model.train()
     loss = torch.zeros(())
-    for logits, seq, w in zip(_packed_logits(model, seqs), seqs, weights, strict=True):
+    for logits, ref, seq, w in zip(_packed_logits(model, seqs), ref_logits, seqs, weights, strict=True):
+        torch.testing.assert_close(logits, ref.detach(), atol=1e-5, rtol=0)
         ids = torch.tensor(seq)
         lp = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None]).squeeze(-1)
         loss = loss + (lp * w).sum()
@@ -129,6 +116,12 @@ def test_gradients_match_transformers_and_the_bias_stays_frozen(dist_env, glm_di
         ref = want[name]
         torch.testing.assert_close(g, ref, atol=1e-6 + 1e-5 * float(ref.abs().max()), rtol=1e-5, msg=name)
     assert not any(n.endswith("expert_bias") for n, _ in model.named_parameters())
+    original = load_file(glm_dir / "model.safetensors")
+    exported = dict(named_hf_tensors(model, spec))
+    assert set(exported) == set(original)
+    assert all(torch.equal(t, original[n]) for n, t in exported.items())
+    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+    assert exported[bias].dtype == torch.float32 and exported[bias].abs().min() > 0
 
 
 def test_memory_plan_shape_counts_the_shared_expert_and_dense_layers(dist_env, glm_dir):
