@@ -80,6 +80,12 @@ def test_long_packed_log_probs_and_weight_sync_match_transformers_fp32(dist_env,
     buckets = [(n, t) for b in actor.hf_tensor_buckets(dtype=torch.float32, bucket_bytes=2**14) for n, t in b]
     assert [n for n, _ in buckets] == list(exported)
     assert all(torch.equal(t, exported[n]) for n, t in buckets)
+    # in bf16 the biases stay float32, in a last bucket of their own: the engine routes with the actor's bias
+    bf16 = [b for b in actor.hf_tensor_buckets(dtype=torch.bfloat16, bucket_bytes=2**14)]
+    assert sorted(n for b in bf16 for n, _ in b) == sorted(exported)
+    assert [n for n, _ in bf16[-1]] == [n for n in exported if n.endswith("e_score_correction_bias")]
+    assert bf16[-1].flat.dtype == torch.float32 and all(b.flat.dtype == torch.bfloat16 for b in bf16[:-1])
+    assert all(torch.equal(t, exported[n]) for n, t in bf16[-1])
 
 
 def test_logits_gradients_and_export_match_transformers(dist_env, glm_dir):

@@ -521,7 +521,8 @@ class Actor:
 
         Each ``HFTensorBucket`` holds at most ``bucket_bytes`` (a larger single tensor gets its own); iterating
         one yields ``(hf_name, tensor)`` views into its ``flat`` buffer. TP shards are gathered and pipeline stages
-        broadcast (every rank must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype``. With
+        broadcast (every rank must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype`` (the
+        score-correction biases of a ``glm4_moe`` kept float32, in a last bucket). With
         ``reuse_buffers`` the buffers are kept and refilled by the next call (consume a bucket before asking for
         the next export). With ``stage_only`` only this pipeline stage's HF tensors (in HF order; the tied
         embedding from the first stage), with no broadcast between stages: only this rank's TP group iterates.
