@@ -662,6 +662,9 @@ def test_a_glm_checkpoint_is_known_and_checked_as_a_mixture_of_experts(tmp_path,
     assert job.parallel.expert_model_parallel_size == 2 and job.actor.use_rollout_routing_replay
     with pytest.raises(ValueError, match="--lora-rank 8 with a mixture-of-experts model"):
         parse_job([*argv, "--lora-rank", "8"])
+    message = _error([*argv, "--update-weight-delta"])
+    assert message.startswith(f"--update-weight-delta with --hf-checkpoint {model} (glm4_moe) is not supported: ")
+    assert "\n" not in message
 
 
 def test_expert_parallel_size_is_checked_against_the_model_before_start(tmp_path, paths):

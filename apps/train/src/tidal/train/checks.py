@@ -186,6 +186,20 @@ def check_delta_lora(sync, actor) -> None:
         )
 
 
+def check_delta_glm(sync, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """--update-weight-delta is refused with a glm4_moe checkpoint (its engines' float32 routers are not modelled).
+
+    SGLang holds a GLM-4.5's router weights and score-correction biases in float32; the delta's snapshot keeps one
+    dtype, the engines'.
+    """
+    if sync.update_weight_delta and hf_config and hf_config.get("model_type") == "glm4_moe":
+        raise ValueError(
+            f"--update-weight-delta with --hf-checkpoint {hf} (glm4_moe) is not supported: SGLang holds a GLM-4.5's "
+            "router weights and score-correction biases in float32 beside the model's dtype, and the delta's snapshot "
+            "keeps one dtype; drop --update-weight-delta"
+        )
+
+
 def check_lora_moe(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
     """LoRA is refused on a mixture-of-experts model: adapters on the grouped experts are not built yet."""
     if actor.lora_rank and hf_config and routed_experts(hf_config):
@@ -603,6 +617,7 @@ def _check_actor(problems: Problems, actor, sync, hf_config: dict[str, Any] | No
     problems.run(check_routing_replay, actor, hf_config, hf)
     if sync is not None:
         problems.run(check_delta_lora, sync, actor)
+        problems.run(check_delta_glm, sync, hf_config, hf)
 
 
 def _check_layout(problems: Problems, parallel, placement, batching, hf_config: dict[str, Any] | None, hf: str) -> None:
