@@ -33,6 +33,7 @@ class CheckHarness(vf.Harness[vf.HarnessConfig]):
     """Two model calls on one conversation: the answer, then the answer again after the user's ``check``."""
 
     EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url=None):
         async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:

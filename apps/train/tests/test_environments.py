@@ -1,13 +1,14 @@
-"""`--environment KIND:NAME`: parsed into an agent run on the environment's own rows, refused beside what it replaces."""
+"""`--environment KIND:NAME`: an agent run on the environment's own rows; what it replaces is refused in one line."""
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 from tidal.train.cli import parse_job
 
 TASKSET = textwrap.dedent(
-    '''
+    """
     import verifiers.v1 as vf
     from verifiers.v1.harnesses.null import NullHarness
 
@@ -30,7 +31,7 @@ TASKSET = textwrap.dedent(
 
 
     __all__ = ["EchoTaskset", "NullHarness"]
-    '''
+    """
 )
 
 
@@ -50,7 +51,7 @@ def test_an_environment_is_an_agent_run_on_its_own_rows(echo_env, tmp_path):
     (path,) = job.train.prompt_data
     assert job.eval.eval_prompt_data == (path,) and job.rollout.agent_function_path == AGENT
     assert job.train.environment == echo_env and (job.train.input_key, job.train.label_key) == ("prompt", "label")
-    rows = [json.loads(line) for line in open(path)]
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     assert rows == [
         {"environment": echo_env, "label": "0", "prompt": [{"role": "user", "content": "say 1"}], "task": 0},
         {
@@ -61,18 +62,11 @@ def test_an_environment_is_an_agent_run_on_its_own_rows(echo_env, tmp_path):
         },
     ]
     assert load_environment(echo_env) is load_environment(echo_env)  # loaded once per process
-    assert parse_job(["--environment", echo_env]).train.prompt_data == (path,)  # the same file, written once
-
-
-def test_a_run_resumes_from_its_own_config_file(echo_env, tmp_path):
+    # the run's own config.yaml holds the options --environment set: a rerun from it is not refused
     from tidal.train.config_file import write_effective_config
 
-    job = parse_job(["--environment", echo_env, "--output-dir", str(tmp_path / "run")])
-    path = write_effective_config(job, tmp_path / "run")
-    again = parse_job(["--config", str(path), "--output-dir", str(tmp_path / "rerun")])
-    assert again.train.prompt_data == job.train.prompt_data and again.rollout.agent_function_path == (
-        job.rollout.agent_function_path
-    )
+    again = parse_job(["--config", str(write_effective_config(job, tmp_path / "run")), "--output-dir", str(tmp_path)])
+    assert again.train.prompt_data == (path,) and again.rollout.agent_function_path == AGENT  # the same file
 
 
 @pytest.mark.parametrize(
