@@ -42,9 +42,15 @@ def test_a_multi_turn_environment_extends_one_trajectory_through_the_gateway(tmp
     rows = env.rows()
     assert len(rows) == NUM_TASKS and rows[0]["prompt"] == [{"role": "user", "content": env.tasks[0].data.prompt}]
     with Gateway(SGLangClient(f"http://{external_engine}"), tokenizer, api_key="k", default_max_tokens=6) as gw:
-        for row in rows[:2]:
-            sid = gw.open_session()
-            reward = asyncio.run(env.episode(gw.session_url(sid), gw.api_key, row))
+        sessions = [gw.open_session() for _ in rows[:3]]
+
+        async def episodes():  # at once, on one event loop: they share the environment's servers
+            return await asyncio.gather(
+                *(env.episode(gw.session_url(sid), gw.api_key, row) for sid, row in zip(sessions, rows, strict=False))
+            )
+
+        rewards = asyncio.run(episodes())
+        for sid, row, reward in zip(sessions, rows, rewards, strict=False):
             episode = gw.close_session(sid).episode
             (sample,) = episode.samples(reward=reward, label=row["label"])  # one trajectory: the turns extend it
             assert episode.forks == 0 and episode.metrics()["turns"] == 2.0
@@ -53,6 +59,7 @@ def test_a_multi_turn_environment_extends_one_trajectory_through_the_gateway(tmp
             sampled = [t for t, v in zip(sample.response_ids, sample.response_weight_versions, strict=True) if v]
             last = tokenizer.decode(sampled, skip_special_tokens=True).split("user:check")[-1]
             assert reward == float(last.strip() == env.tasks[row["task"]].data.answer), (last, reward)
+    assert not env._served  # the last episode on the loop stopped the environment's servers
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,12 @@ functions of the trainable agent's trace (the mean over trainable traces when an
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import os
+import threading
 from typing import Any
 
 from tidal.train.environments import EpisodeFailed, RowKeys
@@ -50,13 +53,14 @@ class VerifiersEnvironment:
         vf = _vf()
         self.name = name
         try:
-            config = vf.resolve_env_config({"taskset": {"id": name}, "agent": {"runtime": {"type": "subprocess"}}})
-            self.env = vf.load_environment(config)
-            self.tasks = list(self.env.taskset)
+            self.config = vf.resolve_env_config({"taskset": {"id": name}, "agent": {"runtime": {"type": "subprocess"}}})
+            self.tasks = list(vf.load_environment(self.config).taskset)
         except Exception as e:  # the environment's own code: anything may be raised
             raise ValueError(f"--environment {KIND}:{name}: loading it failed: {type(e).__name__}: {e}") from e
         if not self.tasks:
             raise ValueError(f"--environment {KIND}:{name}: its taskset has no tasks")
+        self._served: dict[asyncio.AbstractEventLoop, _Serving] = {}
+        self._lock = threading.Lock()
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per task, in the taskset's order: the prompt as chat messages, the task's id as the label."""
@@ -87,15 +91,72 @@ class VerifiersEnvironment:
         client = EvalClientConfig(base_url=base_url, api_key_var=_KEY_VAR)
         context = vf.ModelContext(model="tidal", client=client)
         task = self.tasks[int(row[RowKeys.TASK])]
-        async with self.env.serving():  # its interception server lives on this episode's event loop
-            episode = await self.env.run_episode(task, context)
+        async with self._serving() as env:
+            episode = await env.run_episode(task, context)
         traces = [t for t in episode.traces if t.agent is None or t.agent.trainable]
         errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
         if errors or not episode.ok or not traces:
             first = errors[0] if errors else None
-            why = f"{first.type}: {first.message}" if first else f"stopped by {episode.traces[-1].stop_condition!r}"
+            stopped = f"stopped by {episode.traces[-1].stop_condition!r}" if episode.traces else "no agent of it ran"
+            why = f"{first.type}: {first.message}" if first else stopped
             raise EpisodeFailed(f"{KIND}:{self.name} episode of task {row[RowKeys.TASK]} failed: {why}")
         return sum(t.reward for t in traces) / len(traces)
+
+    @contextlib.asynccontextmanager
+    async def _serving(self):
+        """The environment serving on the running event loop, shared by the episodes that run on it.
+
+        A verifiers ``Env`` keeps its serving resources (the interception server, shared tool servers) on itself and
+        binds them to one event loop; tidal runs episodes on several loops (one per round of a rollout, evaluation's,
+        a partial rollout's thread). So each loop gets an ``Env`` of its own (built from the same config; the tasks
+        are loaded once), served while any episode on that loop runs and stopped after the last one.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            serving = self._served.get(loop)
+            if serving is None:
+                serving = self._served[loop] = _Serving(_vf().load_environment(self.config), loop)
+            serving.users += 1
+        try:
+            await asyncio.shield(serving.ready)
+            yield serving.env
+        finally:
+            with self._lock:
+                serving.users -= 1
+                last = serving.users == 0
+                if last:
+                    del self._served[loop]
+            if last:
+                await serving.stop()
+
+
+class _Serving:
+    """One ``Env``'s ``serving()`` context on one event loop, held open by a task of its own until :meth:`stop`.
+
+    One task enters and leaves the context (its servers may hold task-bound scopes); episodes wait on ``ready``.
+    """
+
+    def __init__(self, env: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.env, self.users = env, 0
+        self.ready: asyncio.Future = loop.create_future()
+        self._leave = asyncio.Event()
+        self._task = loop.create_task(self._hold())
+
+    async def _hold(self) -> None:
+        try:
+            async with self.env.serving():
+                self.ready.set_result(None)
+                await self._leave.wait()
+        except Exception as e:
+            if not self.ready.done():
+                self.ready.set_exception(e)  # the episodes waiting on it fail with the cause
+            else:
+                logger.warning("stopping the %s environment's servers failed: %s", KIND, e)
+
+    async def stop(self) -> None:
+        """Leave the serving context (the last episode on this loop ended)."""
+        self._leave.set()
+        await self._task
 
 
 def _plain_message(message: Any) -> dict[str, Any]:
