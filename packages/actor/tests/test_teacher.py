@@ -1,6 +1,7 @@
 """On-policy distillation through train_on_rollout: a frozen teacher of another shape scores the sampled tokens."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -124,3 +125,17 @@ def test_teacher_settings_are_refused_in_one_line_naming_the_flags(kwargs, messa
     with pytest.raises(ValueError, match=message) as info:
         ActorConfig(hf_checkpoint="S", **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_steps_on_the_teachers_signal_bring_the_student_to_the_teacher(dist_env, qwen2_dir, teacher_dir):
+    """Each rollout's step on the same samples lowers their reverse KL to the teacher (the student moves to it)."""
+    cfg = ActorConfig(
+        hf_checkpoint=str(qwen2_dir), lr=3e-4, advantage_estimator="on_policy_distillation",
+        teacher_hf_checkpoint=str(teacher_dir),
+    )  # fmt: skip
+    actor, teacher = Actor(cfg), TeacherModel(cfg)
+    batching = BatchingConfig(rollout_batch_size=2, n_samples_per_prompt=2)
+    rollout = dict(tokens=TOKENS, loss_masks=MASKS, rewards=REWARDS, group_size=2, teacher=teacher)
+    kl = [train_on_rollout(actor, batching, **rollout)["distill/teacher_kl/mean"] for _ in range(4)]
+    assert all(a > b > 0 for a, b in itertools.pairwise(kl)), kl
+    assert kl[-1] < 0.7 * kl[0], kl
