@@ -4,12 +4,13 @@ actor's rank scores the student's sampled tokens, and the student moves towards 
 The student is the embedded Qwen2 (dense, tied embeddings); the teacher the embedded Qwen3-MoE (8 experts, q/k norm,
 its own LM head), warm-started apart from it on the same task with the same tokenizer: two models that agree on the
 answers often but differ token by token. The run attaches to the session's SGLang server (``external_engine``), so
-it pays no server start-up of its own; its cost is the actor's and the teacher's build and three small rollouts.
+it pays no server start-up of its own; its cost is the actor's and the teacher's build and two small rollouts.
 
 That the teacher KL falls as the student trains is shown in packages/actor/tests/test_teacher.py, on fixed samples:
 on fresh samples, a few rollouts of this size move it less than its rollout-to-rollout noise.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from test_train_modes_e2e import COMMON, _records, _train
 
 pytestmark = pytest.mark.slow
 
-NUM_ROLLOUT = 3
+NUM_ROLLOUT = 2
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +36,15 @@ def distill_run(tmp_path_factory, external_engine):
             "--rollout-external-engine-addrs", external_engine]  # fmt: skip
     code, log, leftovers = _train(args, out=out)
     assert code == 0, log[-6000:]
-    return _records(out), log, leftovers
+    plan = json.loads((out / "memory_plan.json").read_text())
+    return _records(out), log, leftovers, plan
 
 
 def test_each_token_is_trained_on_minus_its_reverse_kl_to_the_teacher(distill_run):
     """One step per rollout from the weights that sampled it (ratio 1): the policy loss, the mean over the rollout's
     response tokens of -advantage, is the mean reverse KL to the teacher the same pass measured, rollout by rollout:
     every token's advantage is teacher minus student log-prob, with no reward term."""
-    records, log, leftovers = distill_run
+    records, log, leftovers, _ = distill_run
     assert [r["rollout"] for r in records] == list(range(NUM_ROLLOUT))
     for r in records:
         kl = r["distill/teacher_kl/mean"]
@@ -54,3 +56,14 @@ def test_each_token_is_trained_on_minus_its_reverse_kl_to_the_teacher(distill_ru
         assert r["rollout/logprob_abs_diff/mean"] < 1e-4  # the engine samples from the student the actor trains
     assert "teacher model from" in log
     assert not leftovers, leftovers
+
+
+def test_the_memory_plan_counts_the_teachers_weights(distill_run):
+    from tidal.actor import ModelShape
+    from tidal.ckpt import read_hf_config_json
+    from tidal.train.embedded_model import MOE_SPEC, embedded_model_path
+
+    *_, plan = distill_run
+    teacher = ModelShape.from_hf_config(read_hf_config_json(embedded_model_path(spec=MOE_SPEC)))
+    assert plan["rows_gib"]["teacher model"] == round(teacher.num_params() * 4 / 2**30, 3)  # float32, one GPU
+    assert plan["inputs"]["teacher"]["num_experts"] == MOE_SPEC.num_experts
