@@ -91,7 +91,7 @@ class ActorConfig:
     """How rewards become advantages and the policy loss: grpo (group baseline, token ratio), gspo (GRPO advantages,
     one ratio per sequence: exp of its mean token log-ratio), cispo (GRPO advantages, clipped stop-gradient IS weight
     times log-prob), rloo (leave-one-out baseline), reinforce_plus_plus (token returns with the KL in the reward,
-    whitened over the rollout), reinforce_plus_plus_baseline (group baseline minus per-token KL, whitened) or ppo (a
+    whitened over the rollout), reinforce_plus_plus_baseline (group baseline minus per-token KL, whitened), ppo (a
     critic model, GAE with --gamma/--lambd, whitened; the critic trains on the actor's GPUs with --critic-lr) or
     on_policy_distillation (no reward term: each response token's advantage is --teacher-kl-coef x (teacher log-prob
     minus the actor's old log-prob) of the sampled token, the negative reverse KL to --teacher-hf-checkpoint)."""
