@@ -422,10 +422,10 @@ def test_resumed_async_run_trains_on_the_buffered_samples_without_gap_or_repeat(
 
 
 @pytest.fixture(scope="module")
-def debug_runs(tmp_path_factory, external_engine):
+def debug_runs(tmp_path_factory, external_engine, sft_run):
     """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them with PPO (a critic; the first
     rollout trains it alone), its forward-only passes (old log-probs, values) packed under
-    --log-probs-max-tokens-per-gpu."""
+    --log-probs-max-tokens-per-gpu; its model is the --save-hf folder of the SFT stage's run (``sft_run``)."""
     root = tmp_path_factory.mktemp("debug")
     data = root / "rollouts"
     gen = [*COMMON, "--num-rollout", "2", "--debug-rollout-only", "--save-debug-rollout-data", str(data),
@@ -435,7 +435,8 @@ def debug_runs(tmp_path_factory, external_engine):
     assert code == 0, gen_log[-6000:]
     trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data),
            "--advantage-estimator", "ppo", "--num-critic-only-steps", "1", "--value-clip", "0.2", "--lambd", "0.95",
-           "--critic-lr", "1e-3", "--log-probs-max-tokens-per-gpu", "32"]  # fmt: skip
+           "--critic-lr", "1e-3", "--log-probs-max-tokens-per-gpu", "32",
+           "--recipe", "embedded", "--hf-checkpoint", str(sft_run[0] / "hf")]  # fmt: skip
     code, train_log, train_left = _train(trn, out=root / "train")  # forward passes at 32 tokens, training at 8192
     assert code == 0, train_log[-6000:]
     return root, data, gen_left | train_left
@@ -483,6 +484,13 @@ def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
     assert summary["engine_pids"] == []
     assert (root / "train" / "ckpt" / "latest_checkpointed_iteration.txt").exists()
     assert not leftovers, leftovers
+
+
+def test_train_only_run_starts_from_the_sft_stages_weights(debug_runs, sft_run):
+    root, _, _ = debug_runs
+    hf = sft_run[0] / "hf"
+    actor_log = (root / "train" / "logs" / "actor_r0.log").read_text()
+    assert f"actor weights: read from {hf} by rank 0" in actor_log, actor_log[-3000:]
 
 
 def test_sigterm_during_start_up_stops_everything(tmp_path):

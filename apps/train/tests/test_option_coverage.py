@@ -42,8 +42,15 @@ EMBEDDED = "apps/train/tests/test_embedded.py"
 PROMPT_DATA = "apps/train/tests/test_prompt_data.py"
 MICRO = "packages/batching/tests/test_micro_batches.py"
 ARITH = "packages/batching/tests/test_arithmetic.py"
+SFT_E2E = "tests/test_train_sft_e2e.py"
+SFT_RUN = "test_sft_lowers_the_nll_of_its_rows_counting_response_tokens_only"
 
 COVERED: dict[str, tuple[str, str]] = {
+    # the SFT stage, end to end (its run is the session fixture sft_run)
+    "--stage": (SFT_E2E, SFT_RUN),
+    "--sft-data": (SFT_E2E, SFT_RUN),
+    "--sft-eval-data": (SFT_E2E, SFT_RUN),
+    "--num-epoch": (SFT_E2E, SFT_RUN),
     # dynamic sampling and the custom generate function, through the router over two real engines
     "--dynamic-sampling-filter-path": (
         ROUTER,

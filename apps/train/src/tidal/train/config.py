@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.train.sft_config import SftConfig
+
 if TYPE_CHECKING:
     from tidal.actor import ActorConfig, MemoryChoice
     from tidal.batching import BatchingConfig
@@ -20,7 +22,7 @@ WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
 """The values of --update-weight-transport."""
 WANDB_MODES = ("online", "offline", "disabled")
 """The values of --wandb-mode."""
-APP_SECTIONS = ("eval", "parallel", "sync", "offload", "logging")
+APP_SECTIONS = ("eval", "parallel", "sync", "offload", "logging", "sft")
 """The app's sections besides ``train``, each its own config (JobConfig has one attribute per section)."""
 
 
@@ -318,6 +320,8 @@ class JobConfig:
     """Model, optimizer and loss."""
     ckpt: CkptConfig
     """Where checkpoints are loaded from and saved to."""
+    sft: SftConfig = field(default_factory=SftConfig)
+    """The stage (RL or SFT) and the SFT stage's data."""
     memory_choice: MemoryChoice | None = field(default=None, compare=False)
     """What ``auto`` budgets and recompute resolved to (tidal.train.auto_memory), for the run folder; None: none
     was ``auto``. A record, not an option: two jobs with the same options are equal whatever chose them."""
