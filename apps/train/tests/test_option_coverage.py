@@ -306,6 +306,7 @@ COVERED: dict[str, tuple[str, str]] = {
         CODE,
         "test_hostile_programs_are_contained_scored_zero_with_their_reason_and_the_run_goes_on",
     ),
+    "--environment": ("apps/train/tests/test_environments.py", "test_an_environment_is_an_agent_run_on_its_own_rows"),
     "--agent-function-path": (
         "packages/rollout/tests/test_gateway_agents.py",
         "test_groups_of_episodes_replace_a_failed_group_and_record_why",

@@ -59,6 +59,10 @@ def parse_job(argv: list[str]) -> JobConfig:
     # A missing --recipe is reported with the other problems, which are checked against the default recipe.
     recipe = problems.run(recipe_for, given.pop("recipe", None), given) or DEFAULT_RECIPE
     values = option_mutant.neutralize_values({**recipe_options(recipe), **given})  # as merged, unless a mutant
+    if values.get("environment"):  # an environment is an agent that brings its own prompt data
+        from tidal.train.environments import environment_values
+
+        values = problems.run(environment_values, values["environment"], given, values) or values
     if values.get("agent_function_path") and "rm_type" in given:  # a recipe's --rm-type is its plain runs'
         problems.add(
             "--agent-function-path scores each episode with the reward its agent returns, so --rm-type would be "

@@ -47,6 +47,10 @@ class TrainConfig:
     metadata_key: str | None = None
     """Key path of a row's value handed to reward functions as sample.metadata (agent functions get the whole
     row); None: none."""
+    environment: str | None = field(default=None, metadata={"metavar": "KIND:NAME"})
+    """Train on an environment of another library, unmodified: verifiers:NAME (a verifiers taskset id or module;
+    needs tidal-train[environments]). Its tasks are the prompts and the held-out set, its episodes run as agents
+    through the gateway, its rubric is the reward; None: none."""
     num_rollout: int = 3
     """Rollouts to run, counted from rollout 0 (a resumed run stops at the same place)."""
     start_rollout_id: int | None = None

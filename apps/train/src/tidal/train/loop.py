@@ -144,8 +144,9 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
     keys = {"input_key": train.input_key, "label_key": train.label_key, "seed": train.seed, "tool_key": train.tool_key}
     if job.rollout.agent_function_path and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"--agent-function-path needs a chat template (the gateway renders the agent's messages with it), and the "
-            f"tokenizer of {job.actor.hf_checkpoint} has none: use a checkpoint whose tokenizer ships one"
+            "--agent-function-path (and --environment) needs a chat template (the gateway renders the agent's "
+            f"messages with it), and the tokenizer of {job.actor.hf_checkpoint} has none: use a checkpoint whose "
+            "tokenizer ships one"
         )
     if job.rollout.apply_chat_template:
         from tidal.rollout import check_chat_template
