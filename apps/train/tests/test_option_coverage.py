@@ -30,6 +30,7 @@ WANDB = "apps/train/tests/test_wandb_run.py"
 BAD_CONFIG = "test_bad_configuration_is_one_line_naming_the_flag_and_the_fix"
 SETTINGS = "packages/actor/tests/test_loss_settings.py"
 ADV = "packages/actor/tests/test_advantages.py"
+TEACHER = "packages/actor/tests/test_teacher.py"
 WEIGHTS = "packages/actor/tests/test_sample_weights.py"
 ACTOR = "packages/actor/tests/test_actor.py"
 MAIN = "packages/actor/tests/test_main_params.py"
@@ -133,6 +134,8 @@ COVERED: dict[str, tuple[str, str]] = {
     "--advantage-estimator": (ADV, "test_reinforce_plus_plus_formula"),
     "--gamma": (ADV, "test_reinforce_plus_plus_formula"),
     "--kl-coef": (ADV, "test_kl_coef_shapes_the_advantage_per_token"),
+    "--teacher-hf-checkpoint": (TEACHER, "test_advantage_is_teacher_minus_old_log_prob_on_the_loss_tokens"),
+    "--teacher-kl-coef": (TEACHER, "test_advantage_is_teacher_minus_old_log_prob_on_the_loss_tokens[mixed-with-grpo]"),
     "--disable-grpo-std-normalization": (
         WEIGHTS,
         "test_std_normalization_follows_the_config_unless_the_caller_overrides_it",

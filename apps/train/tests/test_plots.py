@@ -39,3 +39,11 @@ def test_each_eval_set_gets_its_curves(tmp_path):
     ]  # fmt: skip
     assert _eval_keys(history) == ["eval/add/mean@4", "eval/add/pass@4", "eval/mul/mean@4", "eval/mul/pass@4"]
     assert _size(write_curves(tmp_path / "c.png", history, eval_before=0.2))[0] > 0
+
+
+def test_a_distillation_run_gets_a_teacher_kl_panel(tmp_path):
+    history = [{"rollout": i, "rollout/reward/mean": 0.0, "distill/teacher_kl/mean": 0.5 / (i + 1),
+                "distill/teacher_kl/p10": 0.0, "distill/teacher_kl/p90": 1.0 / (i + 1)} for i in range(3)]  # fmt: skip
+    with_panel = write_curves(tmp_path / "a.png", history)
+    rewards_only = write_curves(tmp_path / "b.png", [{"rollout": 0, "rollout/reward/mean": 0.5}])
+    assert _size(with_panel)[1] > 1.5 * _size(rewards_only)[1]

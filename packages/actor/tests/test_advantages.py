@@ -293,7 +293,8 @@ def test_group_shapes_at_their_bounds():
     assert compute_advantages(rewards, 3).tolist() == pytest.approx(grpo_advantages(rewards, 3).tolist())  # grpo
     with pytest.raises(ValueError, match=r"^--n-samples-per-prompt must be >= 1, got 0$"):
         compute_advantages(rewards, 0)
-    with pytest.raises(ValueError, match=r"^--advantage-estimator must be one of \(.*'ppo'\), got 'ppo2'$"):
+    unknown = r"^--advantage-estimator must be one of \(.*'on_policy_distillation'\), got 'ppo2'$"
+    with pytest.raises(ValueError, match=unknown):
         compute_advantages(rewards, 1, estimator="ppo2")
     # PPO's sample term is the reward itself: GAE with the critic's values does the rest
     assert compute_advantages(rewards, 3, estimator="ppo").tolist() == rewards.tolist()
@@ -384,3 +385,10 @@ def test_grpo_adds_its_epsilon_to_a_tiny_std():
     rewards = torch.tensor([0.0, 2e-6])  # std 1.41e-6: the epsilon 1e-6 is of the same size
     expected = 1e-6 / (2**0.5 * 1e-6 + 1e-6)
     assert grpo_advantages(rewards, 2).tolist() == pytest.approx([-expected, expected], rel=1e-3)
+
+
+def test_distillation_has_no_reward_term():
+    """on_policy_distillation's per-sample advantage is 0 whatever the rewards: the teacher's term is all of it."""
+    rewards = torch.tensor([1.0, 0.0, 3.0, -2.0])
+    out = compute_advantages(rewards, 2, estimator="on_policy_distillation")
+    assert out.dtype == torch.float32 and out.tolist() == [0.0, 0.0, 0.0, 0.0]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tidal.ckpt import read_hf_config_json
+from tidal.train.teacher import check_teacher
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -59,27 +60,27 @@ class Problems:
             raise ConfigErrors(list(dict.fromkeys(self.lines)))
 
 
-def check_hf_checkpoint(path: str) -> dict[str, Any]:
-    """An HF model folder: a config.json of a known model family, a tokenizer and weights; returns the config."""
+def check_hf_checkpoint(path: str, flag: str = "--hf-checkpoint") -> dict[str, Any]:
+    """An HF model folder (``flag``'s): a config.json of a known model family, a tokenizer and weights; returns it."""
     folder = Path(path)
     config = folder / "config.json"
     if not config.is_file():
-        raise ValueError(f"--hf-checkpoint {path} has no config.json; point it at a Hugging Face model directory")
+        raise ValueError(f"{flag} {path} has no config.json; point it at a Hugging Face model directory")
     try:
         data = read_hf_config_json(folder)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--hf-checkpoint {path}: config.json cannot be read as JSON ({e})") from e
+        raise ValueError(f"{flag} {path}: config.json cannot be read as JSON ({e})") from e
     from tidal.actor import family_of
 
-    family_of(data, source=f"--hf-checkpoint {config}")  # an unknown architecture, before any process starts
+    family_of(data, source=f"{flag} {config}")  # an unknown architecture, before any process starts
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
-            f"--hf-checkpoint {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the tokenizer "
+            f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the tokenizer "
             "into the model directory (tokenizer.save_pretrained(DIR))"
         )
     if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise ValueError(
-            f"--hf-checkpoint {path} has no weights (*.safetensors or *.bin); save the model with "
+            f"{flag} {path} has no weights (*.safetensors or *.bin); save the model with "
             "model.save_pretrained(DIR), or convert a Megatron checkpoint with `train convert`"
         )
     return data
@@ -601,6 +602,7 @@ def check_job(
             problems.run(check_memory, parallel, offload, actor, batching, rollout, placement, hf_config)
     if actor is not None:
         _check_actor(problems, actor, sync, hf_config, hf)
+        _check_teacher(problems, actor, parallel, train, rollout, hf)
     if ckpt is not None:
         problems.run(check_load, ckpt)
         if actor is not None:
@@ -618,6 +620,13 @@ def _check_actor(problems: Problems, actor, sync, hf_config: dict[str, Any] | No
     if sync is not None:
         problems.run(check_delta_lora, sync, actor)
         problems.run(check_delta_glm, sync, hf_config, hf)
+
+
+def _check_teacher(problems: Problems, actor, parallel, train, rollout, hf: str) -> None:
+    """``--teacher-hf-checkpoint``: an HF model folder, then what distillation takes (:mod:`tidal.train.teacher`)."""
+    teacher = actor.teacher_hf_checkpoint
+    if teacher is None or problems.run(check_hf_checkpoint, teacher, "--teacher-hf-checkpoint") is not None:
+        problems.run(check_teacher, actor, parallel, train, rollout, hf)
 
 
 def _check_layout(problems: Problems, parallel, placement, batching, hf_config: dict[str, Any] | None, hf: str) -> None:

@@ -146,7 +146,8 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     train.setdefault("output_dir", str(default_output_dir()))  # runs/DATE-TIME; runs/latest links to it
     ckpt.setdefault("save", str(Path(train["output_dir"]) / "ckpt"))
     # Absolute: workers on other nodes (and other working directories) get these paths, not the driver's cwd.
-    paths = (("train", "output_dir"), ("ckpt", "save"), ("ckpt", "load"), ("ckpt", "ref_load"), ("ckpt", "critic_load"))
+    paths = (("train", "output_dir"), ("ckpt", "save"), ("ckpt", "load"), ("ckpt", "ref_load"), ("ckpt", "critic_load"),
+             ("actor", "teacher_hf_checkpoint"))  # fmt: skip
     for section, key in paths:
         if sections[section].get(key):
             sections[section][key] = str(Path(sections[section][key]).absolute())

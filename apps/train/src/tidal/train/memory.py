@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.actor import MemoryInputs, MemoryPlan, ModelShape, largest_fitting_tokens, plan_memory
+from tidal.ckpt import read_hf_config_json
 from tidal.placement import gpu_memory_bytes
 from tidal.rollout import server_arg_value
 from tidal.train.logs import TERMINAL
@@ -62,7 +63,19 @@ def memory_inputs(parallel, actor, batching, rollout) -> MemoryInputs:
         expert_parallel=parallel.expert_model_parallel_size,
         reference_model=actor.use_kl_loss or actor.kl_coef > 0,
         critic=actor.advantage_estimator == "ppo",
+        teacher=teacher_shape(actor),
     )
+
+
+def teacher_shape(actor) -> ModelShape | None:
+    """The shape of ``--teacher-hf-checkpoint``'s config.json (None without a teacher, or one not plannable)."""
+    if actor.teacher_hf_checkpoint is None:
+        return None
+    try:
+        config = read_hf_config_json(actor.teacher_hf_checkpoint)
+    except (OSError, ValueError):
+        return None  # check_teacher reports the folder
+    return ModelShape.from_hf_config(config) if plannable(config) else None
 
 
 def job_memory_plan(

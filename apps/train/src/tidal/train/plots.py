@@ -1,4 +1,4 @@
-"""The curves of a run, redrawn as a PNG after every rollout: reward and held-out accuracy, engine-actor agreement."""
+"""The curves of a run, redrawn as a PNG after every rollout: reward, held-out accuracy, agreement, teacher KL."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ _AGREEMENT = (
     ("rollout/logprob_abs_diff/max", "max |Δ log-prob|"),
     ("rollout/engine_actor_kl", "KL(engine || actor), k3"),
 )
+_TEACHER_KL = "distill/teacher_kl/"
 _FLOOR = 1e-9  # a log scale needs > 0: exact agreement (fp32 serving) is drawn at the floor
 
 
@@ -22,9 +23,10 @@ def write_curves(
 ) -> Path:
     """Draw reward, held-out accuracy and, when recorded, the engine-actor agreement into ``path``; returns it.
 
-    The top panel: mean reward per rollout and held-out accuracy (before RL at x=0). The bottom one (runs with an
+    The top panel: mean reward per rollout and held-out accuracy (before RL at x=0). The next (runs with an
     actor and engines): the gap between the engine's and the actor's log-probs of the sampled tokens, on a log
-    scale, with ``mismatch_threshold`` (``--mismatch-warn-threshold``) dashed.
+    scale, with ``mismatch_threshold`` (``--mismatch-warn-threshold``) dashed. The last (runs with
+    ``--teacher-hf-checkpoint``): the reverse KL to the teacher per token, its mean and its 10-90 % band.
     """
     import matplotlib
 
@@ -32,10 +34,14 @@ def write_curves(
     import matplotlib.pyplot as plt
 
     agreement = [r for r in history if _AGREEMENT[0][0] in r]
-    fig, axes = plt.subplots(2 if agreement else 1, 1, figsize=(6, 6 if agreement else 3.5), dpi=120, squeeze=False)
+    teacher = [r for r in history if _TEACHER_KL + "mean" in r]
+    panels = 1 + bool(agreement) + bool(teacher)
+    fig, axes = plt.subplots(panels, 1, figsize=(6, 3.5 + 2.5 * (panels - 1)), dpi=120, squeeze=False)
     _rewards(axes[0][0], history, eval_before)
     if agreement:
         _agreement(axes[1][0], agreement, mismatch_threshold)
+    if teacher:
+        _teacher_kl(axes[-1][0], teacher)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp)
@@ -88,5 +94,18 @@ def _agreement(ax, records: list[dict[str, Any]], threshold: float | None) -> No
     ax.set_xlabel("rollout")
     ax.set_ylabel("nats")
     ax.set_title("engine vs actor log-probs of the sampled tokens", fontsize="small")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+
+
+def _teacher_kl(ax, records: list[dict[str, Any]]) -> None:
+    rollouts = [r["rollout"] + 1 for r in records]
+    ax.plot(rollouts, [r[_TEACHER_KL + "mean"] for r in records], marker=".", label="mean")
+    low, high = _TEACHER_KL + "p10", _TEACHER_KL + "p90"
+    if all(low in r and high in r for r in records):
+        ax.fill_between(rollouts, [r[low] for r in records], [r[high] for r in records], alpha=0.25, label="p10-p90")
+    ax.set_xlabel("rollout")
+    ax.set_ylabel("nats per token")
+    ax.set_title("reverse KL to the teacher on the sampled tokens", fontsize="small")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small")

@@ -99,6 +99,15 @@ class ActorWorker(WeightSender, AdapterSender, DeltaSender):
 
             lend = None if resume else self.actor  # --load does not hold the reference: from HF or --ref-load
             self.reference = ReferenceModel(actor_cfg, load_dir=ckpt_cfg.ref_load, weights_from=lend)
+        self.teacher = None
+        if actor_cfg.teacher_hf_checkpoint is not None:  # frozen, its own shape, offloaded to CPU between rollouts
+            from tidal.actor import TeacherModel
+            from tidal.train.teacher import check_same_tokenizer
+
+            check_same_tokenizer(
+                actor_cfg.hf_checkpoint, actor_cfg.teacher_hf_checkpoint
+            )  # the embedded one exists now
+            self.teacher = TeacherModel(actor_cfg)
         self.critic = None
         if actor_cfg.advantage_estimator == "ppo":  # a second model on the same GPUs, with its own optimizer
             from tidal.actor import Critic
@@ -129,6 +138,7 @@ class ActorWorker(WeightSender, AdapterSender, DeltaSender):
             rollout_id=rollout.rollout_id,
             routed_experts=rollout.routed_experts,
             episode_ids=rollout.episode_ids,
+            teacher=self.teacher,
         )
 
     def nll(self, tokens: list[list[int]], loss_masks: list[list[int]]) -> tuple[float, float]:

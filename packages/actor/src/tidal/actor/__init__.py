@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from tidal.actor.lora_peft import gather_adapter_tensors, merged_hf_tensors, peft_adapter_config, write_peft_adapter
     from tidal.actor.lora_targets import resolve_target_modules
     from tidal.actor.reference import ReferenceModel
+    from tidal.actor.teacher import TeacherModel
     from tidal.actor.trainer import train_on_rollout
 
 _LAZY = {
@@ -74,6 +75,7 @@ _LAZY = {
     "write_peft_adapter": "lora_peft",
     "resolve_target_modules": "lora_targets",
     "ReferenceModel": "reference",
+    "TeacherModel": "teacher",
     "train_on_rollout": "trainer",
 }
 
@@ -107,6 +109,7 @@ __all__ = [
     "MemoryPlan",
     "ModelShape",
     "ReferenceModel",
+    "TeacherModel",
     "build_gpt_model",
     "check_adapter_checkpoint",
     "choose_memory_config",

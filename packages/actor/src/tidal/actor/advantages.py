@@ -12,7 +12,10 @@ import itertools
 import torch
 from tidal.actor.transfer import to_device
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ADVANTAGE_ESTIMATORS = (
+    "grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+    "on_policy_distillation",
+)  # fmt: skip
 TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 """Estimators whose advantages are per token (KL in the reward, whitened over the rollout's tokens)."""
 WHITEN_EPS = 1e-8
@@ -85,6 +88,7 @@ def compute_advantages(
       :func:`token_advantages`).
     - ``reinforce_plus_plus_baseline``: reward minus the group mean (then per token, :func:`token_advantages`).
     - ``ppo``: the reward itself (GAE with the critic's values is per token: :func:`gae_advantages`).
+    - ``on_policy_distillation``: 0 (the teacher's per-token term is the whole advantage; the trainer adds it).
 
     Raises:
         ValueError: an unknown estimator (naming the flag), or rewards that do not form whole groups.
@@ -95,6 +99,8 @@ def compute_advantages(
     ids = _group_ids(rewards, group_size, group_ids)
     if estimator in ("reinforce_plus_plus", "ppo"):
         return rewards
+    if estimator == "on_policy_distillation":
+        return torch.zeros_like(rewards)
     if estimator in ("grpo", "gspo", "cispo"):
         return grpo_advantages(rewards, group_size, normalize_std=normalize_std, group_ids=ids)
     count, mean, _ = _group_stats(rewards, ids)

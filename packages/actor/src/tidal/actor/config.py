@@ -6,7 +6,12 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16")
 _KL_TYPES = ("k1", "k2", "k3")
-_ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+_ADVANTAGE_ESTIMATORS = (
+    "grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+    "on_policy_distillation",
+)  # fmt: skip
+_TEACHER_ESTIMATORS = ("grpo", "gspo", "cispo", "rloo", "on_policy_distillation")
+"""Estimators a teacher's per-token term is added to (per-sample advantages; the token-level ones and GAE are not)."""
 _LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 _TIS_MODES = ("truncate", "mask")
 _LORA_REFUSED = (  # (what it is, given?) LoRA cannot serve yet
@@ -86,8 +91,17 @@ class ActorConfig:
     """How rewards become advantages and the policy loss: grpo (group baseline, token ratio), gspo (GRPO advantages,
     one ratio per sequence: exp of its mean token log-ratio), cispo (GRPO advantages, clipped stop-gradient IS weight
     times log-prob), rloo (leave-one-out baseline), reinforce_plus_plus (token returns with the KL in the reward,
-    whitened over the rollout), reinforce_plus_plus_baseline (group baseline minus per-token KL, whitened) or ppo (a
-    critic model, GAE with --gamma/--lambd, whitened; the critic trains on the actor's GPUs with --critic-lr)."""
+    whitened over the rollout), reinforce_plus_plus_baseline (group baseline minus per-token KL, whitened), ppo (a
+    critic model, GAE with --gamma/--lambd, whitened; the critic trains on the actor's GPUs with --critic-lr) or
+    on_policy_distillation (no reward term: each response token's advantage is --teacher-kl-coef x (teacher log-prob
+    minus the actor's old log-prob) of the sampled token, the negative reverse KL to --teacher-hf-checkpoint)."""
+    teacher_hf_checkpoint: str | None = None
+    """HF model dir of a frozen teacher (its own architecture and size, the actor's tokenizer), built on the actor's
+    ranks and kept on the CPU between uses: its log-probs of the sampled tokens add --teacher-kl-coef x (teacher
+    minus old log-prob) to each response token's advantage (on-policy distillation; with grpo, gspo, cispo or rloo
+    on top of the reward's advantage)."""
+    teacher_kl_coef: float = 1.0
+    """Weight of the teacher's per-token term (the negative reverse KL on the sampled token) in the advantage."""
     disable_grpo_std_normalization: bool = False
     """GRPO (and gspo, cispo) without dividing by the group's reward std (Dr.GRPO)."""
     gamma: float = 1.0
@@ -275,6 +289,37 @@ class ActorConfig:
                 f"--advantage-estimator {self.advantage_estimator}): pass --advantage-estimator ppo or drop {given[0]}"
             )
 
+    def _check_teacher(self) -> None:
+        teacher, estimator = self.teacher_hf_checkpoint, self.advantage_estimator
+        if not self.teacher_kl_coef > 0:
+            raise ValueError(f"--teacher-kl-coef must be > 0 (the teacher term's weight), got {self.teacher_kl_coef}")
+        if teacher is None:
+            if estimator == "on_policy_distillation":
+                raise ValueError(
+                    "--advantage-estimator on_policy_distillation needs a teacher: add --teacher-hf-checkpoint DIR"
+                )
+            if self.teacher_kl_coef != 1.0:
+                raise ValueError(
+                    f"--teacher-kl-coef {self.teacher_kl_coef} weighs a teacher's term and this run has none: add "
+                    "--teacher-hf-checkpoint DIR or drop --teacher-kl-coef"
+                )
+            return
+        if estimator not in _TEACHER_ESTIMATORS:
+            raise ValueError(
+                f"--teacher-hf-checkpoint with --advantage-estimator {estimator} is not supported (its advantages are "
+                f"not per sample): use one of {', '.join(_TEACHER_ESTIMATORS)} or drop --teacher-hf-checkpoint"
+            )
+        if self.loss_type != "policy_loss":
+            raise ValueError(
+                f"--teacher-hf-checkpoint with --loss-type {self.loss_type}: the teacher's term is an advantage, "
+                "which only --loss-type policy_loss uses; drop one of them"
+            )
+        if estimator == "on_policy_distillation" and self.custom_advantage_function_path is not None:
+            raise ValueError(
+                "--custom-advantage-function-path with --advantage-estimator on_policy_distillation: distillation "
+                "has no reward term to replace; use --advantage-estimator grpo to mix the two, or drop one of them"
+            )
+
     def _check_algorithm(self) -> None:
         if self.tis_mode not in _TIS_MODES:
             raise ValueError(f"--tis-mode must be one of {_TIS_MODES}, got {self.tis_mode!r}")
@@ -288,6 +333,7 @@ class ActorConfig:
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"--gamma must be in [0, 1], got {self.gamma}")
         self._check_critic()
+        self._check_teacher()
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(f"--loss-type must be one of {_LOSS_TYPES}, got {self.loss_type!r}")
         if (self.loss_type == "custom_loss") != (self.custom_loss_function_path is not None):

@@ -4,7 +4,8 @@ Standard library only, so the app can plan at parse time. The estimate adds, per
 
 - **resident state**: parameters (in ``--params-dtype``), fp32 main copies and gradients (``--fp32-main-params``)
   or gradients in the parameters' dtype, AdamW's two moments (none on the GPU with ``--optimizer-cpu-offload``),
-  a reference model's weights when a KL term needs one, a critic with its optimizer for PPO; with LoRA
+  a reference model's weights when a KL term needs one, a frozen teacher's weights (its own shape) for on-policy
+  distillation, a critic with its optimizer for PPO; with LoRA
   (``--lora-rank``) the base parameters alone, and main copies, gradients and moments of the adapters only (the
   reference is the base: no second copy);
 - **activations** of one training micro-batch of ``tokens`` tokens kept for backward: per token and layer the
@@ -21,7 +22,8 @@ experts (``--expert-model-parallel-size``), and in their activations each token'
 shared expert (``glm4_moe``) counts as a dense SwiGLU MLP of its width in every MoE layer.
 
 The log-prob pass (``--log-probs-max-tokens-per-gpu``) keeps no activations: resident state plus the larger of one
-layer's forward and one LM-head chunk. Co-located engines take ``--sglang-mem-fraction-static`` of the card on top.
+layer's forward and one LM-head chunk (of the teacher's shape too, when it has one). Co-located engines take
+``--sglang-mem-fraction-static`` of the card on top.
 The formula's terms are those of the CUDA path (bf16, fused kernels); bench/memory_plan_gpu.py compares it with
 the measured peak.
 """
@@ -207,6 +209,9 @@ class MemoryInputs:
     """A reference model's weights are resident (a KL loss or KL penalty)."""
     critic: bool = False
     """A critic with its own optimizer shares the GPU (``--advantage-estimator ppo``)."""
+    teacher: ModelShape | None = None
+    """A frozen teacher's shape (``--teacher-hf-checkpoint``): its weights are resident, in ``--params-dtype``, split
+    over the same tensor/pipeline/expert layout; None: no teacher."""
     lora_rank: int = 0
     """``--lora-rank`` (0: full fine-tuning)."""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
@@ -372,13 +377,18 @@ def _layers_per_stage(shape: ModelShape, inputs: MemoryInputs) -> int:
     return -(-shape.num_layers // inputs.pipeline_parallel)
 
 
-def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
+def _stage_params(shape: ModelShape, inputs: MemoryInputs) -> int:
+    """Parameters on one GPU of the stage that holds the embedding (and, in one stage, the LM head): the largest."""
     tp, pp = inputs.tensor_parallel, inputs.pipeline_parallel
-    # the stage that holds the embedding (and, in one stage, the LM head): the largest
     heads = 1 if shape.tie_word_embeddings or pp > 1 else 2
     layer_params = -(-shape.all_layer_params(tp, inputs.expert_parallel) // pp)  # even stages
-    params = layer_params + heads * shape.embedding_params(tp)
-    params += shape.hidden_size  # the final norm
+    return layer_params + heads * shape.embedding_params(tp) + shape.hidden_size  # and the final norm
+
+
+def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
+    tp, pp = inputs.tensor_parallel, inputs.pipeline_parallel
+    heads = 1 if shape.tie_word_embeddings or pp > 1 else 2
+    params = _stage_params(shape, inputs)
     width = 2 if inputs.params_dtype == "bfloat16" else 4
     rows = [(f"parameters ({inputs.params_dtype})", params * width)]
     if inputs.lora_rank:  # the base is frozen: the trained state is the adapters'
@@ -402,6 +412,8 @@ def _resident(shape: ModelShape, inputs: MemoryInputs) -> list[tuple[str, int]]:
     trained = sum(size for _, size in rows)  # the policy's weights, gradients and optimizer state
     if inputs.reference_model and not inputs.lora_rank:  # with LoRA the base is the reference
         rows.append(("reference model", params * width))
+    if inputs.teacher is not None:
+        rows.append(("teacher model", _stage_params(inputs.teacher, inputs) * width))
     if inputs.critic:  # the same trunk with a value head, its gradients and optimizer
         trunk = params - shape.embedding_params(tp) * (heads - 1)
         rows.append(("critic (weights, gradients, AdamW)", trained * trunk // params))
@@ -460,10 +472,7 @@ def plan_memory(
     static = sum(size for _, size in resident)
     activations = _activations(shape, inputs, inputs.train_tokens)
     t = -(-inputs.logprob_tokens // inputs.context_parallel)
-    e, h = _activation_bytes(inputs), shape.hidden_size
-    one_layer = t * (_mlp_transient_elements(shape, inputs, forward_only=True) + 3 * h) * e
-    chunk = _chunk_bytes(shape, inputs, min(inputs.log_probs_chunk_size, t))
-    logprob_peak = static + max(one_layer, chunk) + t * h * e
+    logprob_peak = static + max(_forward_transient(s, inputs, t) for s in (shape, inputs.teacher) if s is not None)
     engine = int(engine_fraction * gpu_bytes) if gpu_bytes else 0
     notes = ()
     if inputs.pipeline_parallel > 1:
@@ -477,6 +486,14 @@ def plan_memory(
         gpu_bytes=gpu_bytes,
         notes=notes,
     )
+
+
+def _forward_transient(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> int:
+    """A forward-only pass's largest transient on one GPU: one layer's forward or one LM-head chunk, and the hidden."""
+    e, h = _activation_bytes(inputs), shape.hidden_size
+    one_layer = tokens * (_mlp_transient_elements(shape, inputs, forward_only=True) + 3 * h) * e
+    chunk = _chunk_bytes(shape, inputs, min(inputs.log_probs_chunk_size, tokens))
+    return max(one_layer, chunk) + tokens * h * e
 
 
 def largest_fitting_tokens(

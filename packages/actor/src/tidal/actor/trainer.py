@@ -6,7 +6,7 @@ step per rollout (and no reference model, no token-level estimator, one pipeline
 skipped: the step's own forward runs on those same weights, and its detached log-probs are the old ones, the same
 numbers (slime computes them again; the pass is a sizeable share of a short rollout).
 
-The forward-only passes (old and reference log-probs, critic values) keep no activations for backward, so with
+The forward-only passes (old, reference and teacher log-probs, critic values) keep no activations for backward, so with
 --log-probs-max-tokens-per-gpu they run on micro-batches of their own, packed under that larger budget (slime's flag),
 and their per-sample values are packed into the training micro-batches as token fields.
 """
@@ -31,6 +31,7 @@ from tidal.actor.advantages import (
     whiten_sums,
 )
 from tidal.actor.agreement import agreement_metrics, agreement_sums, all_reduce_sums, combine_sums
+from tidal.actor.distill import teacher_kl_metrics, teacher_shaped
 from tidal.actor.routing_replay import FIELD, routed_experts_field
 from tidal.actor.sample_weights import episode_index, sample_weights
 from tidal.batching import (
@@ -103,6 +104,7 @@ def train_on_rollout(
     reuse_step_log_probs: bool = True,
     routed_experts: Sequence | None = None,
     episode_ids: Sequence[int] | None = None,
+    teacher=None,
 ) -> dict[str, float]:
     """Train ``actor`` (a :class:`tidal.actor.Actor`) on one rollout; every DP rank calls it with the same rollout.
 
@@ -136,6 +138,10 @@ def train_on_rollout(
             :func:`tidal.actor.sample_weights.sample_weights`): groups and optimizer steps count episodes, and a
             step whose samples do not split over the ranks is padded with samples the loss ignores. None: every
             sample is an episode.
+        teacher: a :class:`tidal.actor.TeacherModel` (``--teacher-hf-checkpoint``): its log-probs of every token,
+            computed before any step with the teacher on the device once, add ``--teacher-kl-coef`` x (teacher
+            minus old log-prob) to each loss-mask token's advantage (on-policy distillation; the per-sample
+            estimator's advantage is 0 under ``on_policy_distillation``).
 
     Returns:
         Mean of the steps' train metrics, batching statistics (the first step's plan, and
@@ -145,7 +151,10 @@ def train_on_rollout(
         "rollout/logprob_abs_diff/mean", "rollout/logprob_abs_diff/max", "rollout/engine_actor_kl". With a critic
         also its steps' mean "critic/value_loss", "critic/clipfrac", "critic/values_mean", "critic/grad_norm", ...,
         "critic/explained_variance" of its values before the steps (absent when the returns do not vary),
-        "critic/returns_mean" and "train/critic_only".
+        "critic/returns_mean" and "train/critic_only". With a teacher also the reverse KL to it on the sampled
+        tokens (old minus teacher log-prob, over every DP rank's loss tokens): "distill/teacher_kl/mean", its
+        quantiles "distill/teacher_kl/p10", ".../p50", ".../p90" and "distill/teacher_kl/max", and
+        "time/teacher" (this rank's teacher pass, onload and offload included).
     """
     cfg = actor.cfg
     weights = sample_weights(
@@ -161,6 +170,8 @@ def train_on_rollout(
     token_fields = dict(weights.token_fields)
     if cfg.kl_coef > 0 and reference is None:
         raise ValueError("--kl-coef needs a reference model: pass reference=ReferenceModel(...)")
+    if (cfg.teacher_hf_checkpoint is not None) != (teacher is not None):
+        raise ValueError("--teacher-hf-checkpoint and a teacher go together: pass teacher=TeacherModel(cfg)")
     if (cfg.advantage_estimator == "ppo") != (critic is not None):
         raise ValueError("--advantage-estimator ppo and a critic go together: pass critic=Critic(cfg) with ppo only")
     if rollout_log_probs is not None:
@@ -178,12 +189,15 @@ def train_on_rollout(
     # Every forward-only pass (old and reference log-probs, critic values) runs before any update: on micro-batches of
     # its own under --log-probs-max-tokens-per-gpu, else on this rank's training micro-batches of every step.
     start = time.monotonic()
-    reuse = reuse_step_log_probs and len(steps) == 1 and reference is None and critic is None
+    reuse = reuse_step_log_probs and len(steps) == 1 and reference is None and critic is None and teacher is None
     reuse = reuse and actor.stage.size == 1
     reuse = reuse and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS
     # sft_loss reads no old log-probs: they are computed only to measure the engine's against them
     old_needed = cfg.loss_type != "sft_loss" or rollout_log_probs is not None
-    passes = _forward_passes(actor, reference, critic, old_log_probs=not reuse and old_needed)
+    times: dict[str, float] = {}
+    passes = _forward_passes(
+        actor, reference, critic, old_log_probs=not reuse and old_needed, teacher=teacher, times=times
+    )
     own = bool(passes) and batching.log_probs_token_budget is not None
     if own:
         fields, num_forward = _forward_only_fields(
@@ -207,8 +221,11 @@ def train_on_rollout(
         for field, compute, held in passes:
             with held():
                 packed = [[_with_field(mb, field, compute(mb)) for mb in step] for step in packed]
+    metrics: dict[str, float] = {"batching/logprob_num_micro_batches": float(num_forward), **times}
+    if teacher is not None:
+        packed = [[teacher_shaped(mb, cfg.teacher_kl_coef) for mb in step] for step in packed]
+        metrics |= teacher_kl_metrics(packed)
     packed = _shaped_advantages(packed, cfg, device=actor.device)
-    metrics: dict[str, float] = {"batching/logprob_num_micro_batches": float(num_forward)}
     if critic is not None:
         packed, gae_metrics = _gae(packed, cfg, device=actor.device)
         metrics |= gae_metrics
@@ -248,16 +265,32 @@ def _mismatch(replay, actor, *, now: bool) -> dict[str, float]:
     return replay.metrics(actor.device) if replay is not None and now else {}
 
 
-def _forward_passes(actor, reference, critic, *, old_log_probs: bool) -> list[tuple[str, Callable, Callable]]:
-    """``(token field, compute, context holding its model on the device)`` of each forward-only pass, in order."""
+def _forward_passes(
+    actor, reference, critic, *, old_log_probs: bool, teacher=None, times: dict[str, float] | None = None
+) -> list[tuple[str, Callable, Callable]]:
+    """``(token field, compute, context holding its model on the device)`` of each forward-only pass, in order.
+
+    The teacher's context adds its wall time (onload, passes, offload) to ``times["time/teacher"]``.
+    """
     passes: list[tuple[str, Callable, Callable]] = []
     if old_log_probs:
         passes.append(("old_log_probs", actor.compute_log_probs, contextlib.nullcontext))
     if reference is not None:  # on the device once for the whole pass, not once per micro-batch
         passes.append(("ref_log_probs", reference.compute_log_probs, reference.loaded))
+    if teacher is not None:
+        passes.append(("teacher_log_probs", teacher.compute_log_probs, lambda: _timed(teacher.loaded, times)))
     if critic is not None:
         passes.append(("old_values", critic.compute_values, contextlib.nullcontext))
     return passes
+
+
+@contextlib.contextmanager
+def _timed(held: Callable, times: dict[str, float] | None):
+    start = time.monotonic()
+    with held():
+        yield
+    if times is not None:
+        times["time/teacher"] = times.get("time/teacher", 0.0) + time.monotonic() - start
 
 
 def _forward_only_fields(
