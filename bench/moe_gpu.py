@@ -1,4 +1,4 @@
-"""Qwen3-30B-A3B-shaped MoE on one GPU: tidal-actor against HF transformers' qwen3_moe, and fp32/bf16 parity.
+"""Qwen3-30B-A3B- or GLM-4.5-Air-shaped MoE on one GPU: tidal-actor against HF transformers, and fp32/bf16 parity.
 
 Run on the device machine like bench_actor_gpu.py (megatron-core carried in ``.carry/site``):
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
@@ -7,8 +7,11 @@ Run on the device machine like bench_actor_gpu.py (megatron-core carried in ``.c
 Debug on CPU with a tiny model: uv run python bench/moe_gpu.py --tiny --out /tmp/moe_bench
 
 The model: Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8, expert FFN 768, 32 query / 4 KV heads of 128,
-vocab 151936, norm_topk_prob) with ``--layers`` layers (default: as many as the estimate below fits in the GPU's
-memory for training), random bf16 weights saved with transformers and loaded by both sides from the same files.
+vocab 151936, norm_topk_prob), or with ``--family glm4_moe`` GLM-4.5-Air's (hidden 4096, 128 routed experts of FFN
+1408 and one shared, top-8 by sigmoid scores with the score-correction bias, the first layer dense, 96 query / 8 KV
+heads of 128 with biases, half the head dim rotary, vocab 151552), with ``--layers`` layers (default: as many as the
+estimate below fits in the GPU's memory for training), random bf16 weights saved with transformers and loaded by both
+sides from the same files.
 
 Sections (progress lines as they go; the JSON report is rewritten after each):
   experts:  one MoE layer's experts at the dispatched row count of 32k tokens x top-8, forward + backward, as
@@ -69,21 +72,67 @@ TINY = QWEN3_30B_A3B | dict(
     vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
 )  # fmt: skip
+GLM45_AIR = dict(  # zai-org/GLM-4.5-Air's config.json (layers set per run)
+    model_type="glm4_moe",
+    vocab_size=151552,
+    hidden_size=4096,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    head_dim=128,
+    n_routed_experts=128,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=True,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=False,
+    max_position_embeddings=131072,
+    rope_theta=1e6,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+TINY_GLM = GLM45_AIR | dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+)  # fmt: skip
+FAMILIES = {"qwen3_moe": (QWEN3_30B_A3B, TINY), "glm4_moe": (GLM45_AIR, TINY_GLM)}
 REPORT: dict = {}
 
 
-def active_matmul_params(cfg: dict, layers: int) -> int:
-    """Parameters of every matmul one token goes through (top-k experts only), LM head included."""
+def num_experts(cfg: dict) -> int:
+    return cfg.get("num_experts") or cfg["n_routed_experts"]
+
+
+def _attention_params(cfg: dict) -> int:
     h, d = cfg["hidden_size"], cfg["head_dim"]
-    attn = h * d * (cfg["num_attention_heads"] * 2 + cfg["num_key_value_heads"] * 2)
-    moe = cfg["num_experts"] * h + cfg["num_experts_per_tok"] * 3 * cfg["moe_intermediate_size"] * h
-    return layers * (attn + moe) + cfg["vocab_size"] * h
+    return h * d * (cfg["num_attention_heads"] * 2 + cfg["num_key_value_heads"] * 2)
+
+
+def _dense_layers(cfg: dict, layers: int) -> int:
+    return min(int(cfg.get("first_k_dense_replace") or 0), layers)
+
+
+def active_matmul_params(cfg: dict, layers: int) -> int:
+    """Parameters of every matmul one token goes through (top-k and shared experts only, the first dense layers'
+    MLP), LM head included."""
+    h, f = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    moe = num_experts(cfg) * h + (cfg["num_experts_per_tok"] + int(cfg.get("n_shared_experts") or 0)) * 3 * f * h
+    dense = _dense_layers(cfg, layers)
+    mlp = dense * 3 * cfg["intermediate_size"] * h + (layers - dense) * moe
+    return layers * _attention_params(cfg) + mlp + cfg["vocab_size"] * h
 
 
 def layer_params(cfg: dict) -> int:
-    h, d = cfg["hidden_size"], cfg["head_dim"]
-    attn = h * d * (cfg["num_attention_heads"] * 2 + cfg["num_key_value_heads"] * 2)
-    return attn + cfg["num_experts"] * (h + 3 * cfg["moe_intermediate_size"] * h)
+    """One MoE layer's parameters (every expert, the shared ones, the router)."""
+    h, f = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    experts = num_experts(cfg) + int(cfg.get("n_shared_experts") or 0)
+    return _attention_params(cfg) + num_experts(cfg) * h + experts * 3 * f * h
 
 
 def default_layers(cfg: dict, tokens: int, recompute: bool) -> int:
@@ -97,11 +146,13 @@ def default_layers(cfg: dict, tokens: int, recompute: bool) -> int:
 
 
 def save_model(cfg: dict, layers: int, out: Path, seed: int = 0) -> None:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    config = AutoConfig.for_model(cfg.get("model_type", "qwen3_moe"), **fields, num_hidden_layers=layers)
     with torch.device(DEV):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg, num_hidden_layers=layers)).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -145,7 +196,7 @@ def experts_section(cfg: dict, tokens: int, steps: int) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from tidal.actor import moe_experts
 
-    e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    e, k = num_experts(cfg), cfg["num_experts_per_tok"]
     dtype = torch.bfloat16 if CUDA else torch.float32
     tc = TransformerConfig(
         num_layers=1, hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
@@ -394,6 +445,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--tiny", action="store_true", help="tiny model and lengths, on CPU")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe",
+                   help="qwen3_moe: Qwen3-30B-A3B's shape; glm4_moe: GLM-4.5-Air's")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: as many as fit for training)")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (per GPU)")
     p.add_argument("--samples", type=int, default=40, help="sequences of the long RL mix")
@@ -405,12 +458,18 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[],
                    help="sections to skip: experts tidal tidal_megatron_permute hf parity")  # fmt: skip
     args = p.parse_args()
-    cfg = TINY if args.tiny else QWEN3_30B_A3B
+    cfg = FAMILIES[args.family][1 if args.tiny else 0]
     if args.tiny:
         args.tokens, args.samples, args.parity_len = min(args.tokens, 2048), min(args.samples, 8), 1500
     layers = args.layers or (2 if args.tiny else default_layers(cfg, args.tokens, args.recompute))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    REPORT.update(argv=sys.argv, torch=torch.__version__, date_utc=time.strftime("%Y-%m-%d %H:%M"), layers=layers)
+    REPORT.update(
+        argv=sys.argv,
+        family=args.family,
+        torch=torch.__version__,
+        date_utc=time.strftime("%Y-%m-%d %H:%M"),
+        layers=layers,
+    )
     REPORT["device"] = torch.cuda.get_device_name() if CUDA else "cpu"
     REPORT["mfu_formula"] = ("model FLOPs on active parameters / time / 989e12 (H100 SXM / H200 bf16 dense peak); "
                              "forward = 2*N_active*s + 2*L*s^2*d per sequence, training = 3*forward")  # fmt: skip
