@@ -345,6 +345,29 @@ def check_router(rollout, placement) -> None:
         )
 
 
+def check_routing_replay_sources(rollout, placement) -> None:
+    """Routing replay trains on the experts the engine reported per sample: two paths bring back none, refused.
+
+    A custom generate function builds its own sample from several calls (``tidal.rollout.MultiTurn`` records no
+    routed experts), and sglang-router 0.3.2 re-writes each ``/generate`` request without ``return_routed_experts``
+    (the engines never see it), so either would fail only after a whole rollout.
+    """
+    if not rollout.return_routed_experts:
+        return
+    if rollout.custom_generate_function_path:
+        raise ValueError(
+            "--use-rollout-routing-replay with --custom-generate-function-path is not supported: a custom sample "
+            "(several turns, inserted tokens) carries no routed experts for the actor to replay; drop one of them"
+        )
+    engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
+    if rollout.router_wanted(engines):
+        raise ValueError(
+            f"--use-rollout-routing-replay with {engines} engine(s) behind sglang-router is not supported: "
+            "sglang-router 0.3.2 drops return_routed_experts from the requests it forwards, so no sample would carry "
+            "the experts to replay; pass --no-use-router (each engine generates its own share) or drop the flag"
+        )
+
+
 def check_engine_tp(rollout, placement) -> None:
     """``--sglang-tp-size``, where given, equals --rollout-num-gpus-per-engine (tidal passes it to each engine)."""
     from tidal.rollout import with_engine_tp
@@ -553,6 +576,7 @@ def check_job(
     if rollout is not None and placement is not None:
         problems.run(check_router, rollout, placement)
         problems.run(check_engine_tp, rollout, placement)
+        problems.run(check_routing_replay_sources, rollout, placement)
         if train is not None and sync is not None:
             problems.run(check_async, train, sync, rollout, placement)
     if parallel is not None:
