@@ -110,6 +110,7 @@ RUNS = {
         "dynamic_sampling": "test_dynamic_sampling_fills_rollout_0_in_its_second_round_and_writes_its_metrics",
         "router": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers",
         "eval": "test_the_custom_generate_function_made_every_sample_through_the_router_and_in_the_workers",
+        **dict.fromkeys(("delta", "max_staleness"), "test_one_step_off_through_the_router_with_delta_syncs"),
         **dict.fromkeys(("ppo", "tp_pp", "decoupled"),
                         "test_the_tp2_actor_and_its_critic_trained_and_both_engines_serve_the_synced_weights")}),
     "J": Run(test_id="tests/test_lora_sync_e2e.py::tensor_run", argv="args", effects={
@@ -161,7 +162,6 @@ REFUSED = {
 
 NOT_MET = "no run meets it yet"
 NEEDS_MOE_RUN = "the one MoE run (N, the companion job of test_train_e2e.py) has it not: needs a run or a refusal"
-ONE_SYNC = "the one router run (I) stops at rollout 1 by design (its filter keeps nothing): one weight sync, "
 FT_RUNS = "an engine is killed in J (LoRA, co-located) and M (two hosts) only"
 
 OPEN = {
@@ -174,9 +174,6 @@ OPEN = {
     "samples are the actor's after each update needs it",
     ("lora", "router"): "each LoRA run starts its own server (LoRA serving is a launch flag): two engines are a "
     "start-up more",
-    ("delta", "router"): ONE_SYNC + "so no delta to see",
-    ("custom_generate", "max_staleness"): ONE_SYNC + "so no rollout generated one step off",
-    ("max_staleness", "router"): ONE_SYNC + "so no rollout generated one step off",
     ("partial_rollout", "router"): "the one router run (I) has a custom generate function, which partial rollout is "
     "refused with",
     ("agents", "fault_tolerance"): "a dead engine under agents is restarted and its groups replaced "
