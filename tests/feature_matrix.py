@@ -90,12 +90,13 @@ RUNS = {
         "decoupled": "test_each_pipeline_stage_broadcast_its_own_tensors_and_both_engines_serve_all",
         "eval": "test_one_step_off_trains_on_samples_at_most_one_version_old"}),
     "D": Run(test_id="tests/test_train_modes_e2e.py::debug_runs", argv="gen",
-             effects={"partial_rollout": "test_rollout_only_generates_without_training"},
+             effects=dict.fromkeys(("partial_rollout", "router"), "test_rollout_only_generates_without_training"),
              unasserted=("decoupled", "eval")),  # --debug-rollout-only: no actor, no weight sync
     "E": Run(test_id="tests/test_train_modes_e2e.py::debug_runs", argv="trn",
              effects={"ppo": "test_train_only_trains_on_the_saved_rollouts_with_a_critic"}),  # no engine
     "F": Run(test_id="tests/test_train_agents_e2e.py::agent_run", argv="args", effects={
         "agents": "test_agents_train_through_the_gateway_and_failed_groups_are_replaced",
+        "ppo": "test_a_critic_fits_the_agents_graded_rewards",
         "eval": "test_agents_train_through_the_gateway_and_failed_groups_are_replaced",
         "decoupled": "test_agent_samples_are_covered_by_the_engine_actor_agreement_metrics"}),
     "G": Run(test_id="tests/test_train_agents_e2e.py::async_agent_run", argv="args", effects={
@@ -174,15 +175,11 @@ OPEN = {
     "samples are the actor's after each update needs it",
     ("lora", "router"): "each LoRA run starts its own server (LoRA serving is a launch flag): two engines are a "
     "start-up more",
-    ("partial_rollout", "router"): "the one router run (I) has a custom generate function, which partial rollout is "
-    "refused with",
-    ("agents", "fault_tolerance"): "a dead engine under agents is restarted and its groups replaced "
-    "(tests/test_agent_engine_restart.py, below a train run); no train run kills an engine under agents yet",
-    ("agents", "ppo"): "the agent runs score 0/1 success, often all 0 on the embedded model, which a zero-initialised "
-    "value head fits exactly (no critic gradient to assert): needs an agent with a graded reward",
     ("partial_rollout", "fault_tolerance"): FT_RUNS + "; M's check that each rollout was sampled by its own sync "
     "excludes a carried group",
     ("max_staleness", "fault_tolerance"): FT_RUNS,
+    ("agents", "fault_tolerance"): "a dead engine under agents is restarted and its groups replaced "
+    "(tests/test_agent_engine_restart.py, below a train run); no train run kills an engine under agents yet",
     ("router", "fault_tolerance"): FT_RUNS + "; the router run (I) is on external servers, which tidal cannot restart",
 }
 """Pairs neither met nor refused yet, with what they lack beyond a run (any other such pair: NOT_MET)."""
