@@ -377,7 +377,12 @@ def check_engine_tp(rollout, placement) -> None:
 
 
 def check_async(train, sync, rollout, placement) -> None:
-    """``--max-staleness K >= 1`` overlaps generation with training: engines of their own, a weight sync per rollout."""
+    """``--max-staleness K >= 1`` overlaps generation with training: engines of their own, a weight sync per rollout.
+
+    Not with --use-fault-tolerance yet: an engine worker's two restart paths (a generation that meets the dead server,
+    and the driver's ``ensure_alive`` before a sync) are not serialised, so an overlapped run can start one server
+    twice (seen in the two-host test made one step off: the second start failed with EADDRINUSE on the NCCL port).
+    """
     k = train.max_staleness
     if k == 0:
         return
@@ -398,6 +403,12 @@ def check_async(train, sync, rollout, placement) -> None:
     ]
     if clash:
         raise ValueError(f"--max-staleness {k} overlaps generation with training; {clash[0]} has only one of them")
+    if train.use_fault_tolerance and not rollout.rollout_external_engine_addrs:
+        raise ValueError(
+            f"--max-staleness {k} with --use-fault-tolerance is not supported yet: an engine that dies while the "
+            "generation ahead and the weight sync both reach it is restarted by each at once, and the second start "
+            "fails on the first's ports; drop one of them"
+        )
     if sync.update_weights_interval != 1:
         raise ValueError(
             f"--max-staleness {k} counts staleness in weight versions, one per rollout; --update-weights-interval "
