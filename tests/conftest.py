@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +77,37 @@ def external_engine(_external_engines: list[str]) -> str:
 def second_external_engine(_external_engines: list[str]) -> str:
     """``HOST:PORT`` of a second server like ``external_engine``, for runs with two engines."""
     return _external_engines[1]
+
+
+SFT_ROWS = 192
+"""Rows of the shipped addition task the SFT stage's run trains on (6 steps of 32 per epoch)."""
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], str]:
+    """`train --stage sft` on the embedded model: 2 epochs over 192 addition rows, evaluated on 64 of them.
+
+    ``(run folder, its arguments, its output)``. Its --save-hf folder is the --hf-checkpoint of the --debug-train-only
+    run of test_train_modes_e2e.py (an RL run starting from the SFT stage's weights), so the RL side costs no run.
+    """
+    import subprocess
+    import sys
+
+    from tidal.train.task_data import TRAIN_FILE, shipped_path
+
+    root = tmp_path_factory.mktemp("sft")
+    rows = shipped_path(TRAIN_FILE).read_text().splitlines()[:SFT_ROWS]
+    (root / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "held_out.jsonl").write_text("\n".join(rows[:64]) + "\n")  # the NLL of training rows: it must drop
+    out = root / "run"
+    args = ["--stage", "sft", "--sft-data", str(root / "train.jsonl"), "--sft-eval-data", str(root / "held_out.jsonl"),
+            "--global-batch-size", "32", "--num-epoch", "2", "--lr", "1e-3", "--eval-interval", "6",
+            "--save-interval", "4", "--save-hf", str(out / "hf")]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal.train.cli", *args, "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return out, args, proc.stdout + proc.stderr

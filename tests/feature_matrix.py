@@ -1,6 +1,6 @@
 """The feature-interaction matrix of `train`: which runs of the suite meet which features, and which pairs are refused.
 
-The table of record. Each pair of the 14 features is met in a run (an end-to-end `train` run of the suite, whose
+The table of record. Each pair of the 15 features is met in a run (an end-to-end `train` run of the suite, whose
 tests assert the effect of each of its features), refused at parse time with one line naming both, or listed as
 open with what it lacks. tests/test_feature_matrix.py checks it against the runs' own argument lists and `train`'s
 own parser, and keeps the table in apps/train/README.md. ``python tests/feature_matrix.py`` rewrites that section.
@@ -30,6 +30,7 @@ class Feature:
 
 
 DECOUPLED = ("--no-colocate", "--rollout-num-gpus")
+SFT_DATA = str(Path(__file__).parent.parent / "apps/train/src/tidal/train/data/addition_train.jsonl")
 FEATURES = {
     "lora": Feature(title="LoRA (`--lora-rank`)", short="LoRA", argv=("--lora-rank", "8"), names=("--lora-rank",)),
     "delta": Feature(title="delta weight sync (`--update-weight-delta`)", short="Δ",
@@ -62,6 +63,8 @@ FEATURES = {
                    argv=("--advantage-estimator", "ppo"), names=("--advantage-estimator",)),
     "eval": Feature(title="evaluation", short="Ev", argv=("--eval-interval", "1"),
                     names=("--eval-interval", "--num-eval-prompts")),
+    "sft": Feature(title="the SFT stage (`--stage sft`)", short="SFT", argv=("--stage", "sft", "--sft-data", SFT_DATA),
+                   names=("--stage",)),
 }  # fmt: skip
 
 
@@ -158,10 +161,13 @@ REFUSED = {
     ("agents", "custom_generate"): Refusal(why="an agent and a custom function each own the episode"),
     ("agents", "router"): Refusal(why="the gateway pins each episode to one engine and sends nothing through a router"),
     ("custom_generate", "partial_rollout"): Refusal(why="a custom sample cannot be resumed as one continuation"),
-    ("max_staleness", "fault_tolerance"): Refusal(
-        why="a dead engine met by the generation ahead and the sync at once is restarted twice"
-    ),
-}
+    ("max_staleness", "fault_tolerance"): Refusal(why="a dead engine met by the generation ahead and the sync at "
+                                                  "once is restarted twice"),
+    ("lora", "sft"): Refusal(why="no adapters in the SFT stage yet"),
+    **{(name, "sft"): Refusal(why="an RL option: the SFT stage runs no engine, rollout or reward")
+       for name in ("delta", "moe_r3", "agents", "custom_generate", "dynamic_sampling", "partial_rollout",
+                    "max_staleness", "router", "fault_tolerance", "decoupled", "ppo")},
+}  # fmt: skip
 """Pairs `train` refuses before any process starts (both features' ``argv`` together); any other pair it accepts."""
 
 NOT_MET = "no run meets it yet"
@@ -184,6 +190,10 @@ OPEN = {
     ("agents", "fault_tolerance"): "a dead engine under agents is restarted and its groups replaced "
     "(tests/test_agent_engine_restart.py, below a train run); no train run kills an engine under agents yet",
     ("router", "fault_tolerance"): FT_RUNS + "; the router run (I) is on external servers, which tidal cannot restart",
+    ("tp_pp", "sft"): "the SFT run (tests/conftest.py::sft_run) has one rank: needs an SFT run with TP or PP",
+    ("eval", "sft"): "the SFT run (tests/conftest.py::sft_run, asserted in tests/test_train_sft_e2e.py) evaluates its "
+    "held-out NLL every --eval-interval steps, but its fixture is shared with test_train_modes_e2e.py, so no run "
+    "letter names it",
 }
 """Pairs neither met nor refused yet, with what they lack beyond a run (any other such pair: NOT_MET)."""
 
@@ -196,7 +206,7 @@ class Cell:
 
 
 def pairs() -> list[tuple[str, str]]:
-    """The 91 pairs, each in FEATURES order."""
+    """Every pair (105 of 15 features), each in FEATURES order."""
     return list(itertools.combinations(FEATURES, 2))
 
 

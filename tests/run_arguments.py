@@ -162,6 +162,7 @@ DETECT = {
     "tp_pp": lambda a: "2" in (value(a, "--tensor-model-parallel-size"), value(a, "--pipeline-model-parallel-size")),
     "ppo": lambda a: value(a, "--advantage-estimator") == "ppo",
     "eval": lambda a: "--debug-train-only" not in a,  # every run with engines evaluates after its last rollout
+    "sft": lambda a: value(a, "--stage") == "sft",
 }
 """For each feature of the matrix: whether an argument list turns it on."""
 

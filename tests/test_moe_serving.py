@@ -1,6 +1,6 @@
 """A Qwen3-MoE served by the real SGLang (CPU) and trained by the real Megatron actor: same log-probs, and after each
 training step and a weight hand-off (an HF checkpoint on disk, then tensors in small buckets: the experts split across
-them), the engine serves the actor's new weights.
+them), the engine serves the actor's new weights. A GLM-4.5 too: same log-probs, and its score-correction bias synced.
 
 SGLang 0.5.23 runs ``qwen3_moe`` on the CPU through its native MoE path (``moe_forward_native``); tidal-rollout's
 ``sgl_kernel`` import stand-in is all it needs (no fused-MoE kernel is called). Its ``qwen3_moe`` makes every layer
@@ -29,13 +29,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tiny_moe_with_tokenizer(out: Path) -> Path:
+def _tiny_moe_with_tokenizer(out: Path, family: str = "qwen3_moe") -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     sys.path.insert(0, str(ACTOR_TESTS))
     try:
-        from moe_models import save_tiny_moe
+        from moe_models import save_tiny_glm, save_tiny_moe
     finally:
         sys.path.pop(0)
     tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -44,6 +44,8 @@ def _tiny_moe_with_tokenizer(out: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
     fast.save_pretrained(out)
     ids = dict(eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id)
+    if family == "glm4_moe":  # grouped biased sigmoid routing, shared expert, a dense layer, partial RoPE
+        return save_tiny_glm(out, vocab_size=tokenizer.get_vocab_size(), **ids, max_position_embeddings=512)
     return save_tiny_moe(
         out, vocab_size=tokenizer.get_vocab_size(), norm_topk_prob=True, **ids,
         max_position_embeddings=512,
@@ -67,8 +69,26 @@ def _actor_log_probs(actor, responses) -> list[torch.Tensor]:
     return [lp[len(p) :] for p, lp in zip(PROMPTS, per_seq, strict=True)]
 
 
+@pytest.fixture(scope="module")
+def glm_engine(tmp_path_factory):
+    """``(engine, model dir)`` of a tiny GLM-4.5 served by SGLang, started without waiting for it: asked for by the
+    Qwen3-MoE test too, so that the two servers start side by side rather than one after the other."""
+    from tidal.rollout import SGLangEngine
+
+    root = tmp_path_factory.mktemp("glm")
+    model = _tiny_moe_with_tokenizer(root / "glm", family="glm4_moe")
+    engine = SGLangEngine(
+        model, port=_free_port(), log_dir=root / "logs", extra_server_args=["--dtype", "float32"],
+        startup_timeout_s=600,
+    )  # fmt: skip
+    engine.start(wait=False)
+    yield engine, model
+    engine.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU serving path (GPU runs SGLang's fused MoE kernels)")
+@pytest.mark.usefixtures("glm_engine")  # started here, checked by the GLM test below
 def test_sglang_serves_the_actors_moe_before_and_after_a_step(tmp_path):
     from tidal.actor import Actor, ActorConfig, destroy_distributed, init_distributed
     from tidal.batching import pack
@@ -117,4 +137,39 @@ def test_sglang_serves_the_actors_moe_before_and_after_a_step(tmp_path):
         served_equals_actor(after)
     finally:
         engine.shutdown()
+        destroy_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU serving path (GPU runs SGLang's fused MoE kernels)")
+def test_sglang_serves_the_actors_glm_and_its_score_correction_bias(glm_engine):
+    """GLM-4.5 (glm4_moe): the engine's log-probs equal the actor's; a tensor sync carries a changed bias.
+
+    SGLang 0.5.23's glm4_moe runs on the CPU as its qwen3_moe does (the native MoE path, its grouped biased top-k in
+    torch ops): the ``sgl_kernel`` stand-in is all it needs.
+    """
+    from tidal.actor import Actor, ActorConfig, destroy_distributed, init_distributed
+    from tidal.rollout.weight_sync import update_weights_from_tensor
+
+    engine, model = glm_engine
+    init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
+    try:
+        actor = Actor(ActorConfig(hf_checkpoint=str(model), lr=0.05, clip_grad=0.0))  # built while SGLang starts
+        engine.wait_healthy()
+        before = _generate(engine.port)
+        for (_, theirs), mine in zip(before, _actor_log_probs(actor, before), strict=True):
+            torch.testing.assert_close(torch.tensor(theirs), mine, atol=1e-4, rtol=0)
+        # a new score-correction bias on both sides (as a resumed or bias-updating run would have): the sync carries
+        # it, and the engine routes with it as the actor does
+        with torch.no_grad():
+            for name, bias in actor.model.named_buffers():
+                if name.endswith("router.expert_bias"):
+                    bias.copy_(torch.linspace(0.6, -0.6, bias.numel()))
+        update_weights_from_tensor(engine, actor.named_hf_tensors(), bucket_bytes=2**16)
+        now = _generate(engine.port)
+        for (_, theirs), mine in zip(now, _actor_log_probs(actor, now), strict=True):
+            torch.testing.assert_close(torch.tensor(theirs), mine, atol=1e-4, rtol=0)
+        moved = (torch.tensor(now[0][1]) - torch.tensor(before[0][1])).abs().max()
+        assert now[0][0] != before[0][0] or moved > 1e-3, moved
+    finally:
         destroy_distributed()

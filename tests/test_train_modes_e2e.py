@@ -423,10 +423,11 @@ def test_resumed_async_run_trains_on_the_buffered_samples_without_gap_or_repeat(
 
 
 @pytest.fixture(scope="module")
-def debug_runs(tmp_path_factory, external_engine, second_external_engine, external_engine_logs):
+def debug_runs(tmp_path_factory, external_engine, second_external_engine, external_engine_logs, sft_run):
     """--debug-rollout-only (2 rollouts saved, partial, through sglang-router to two engines), then --debug-train-only
     on them with PPO (a critic; the first rollout trains it alone), its forward-only passes (old log-probs, values)
-    packed under --log-probs-max-tokens-per-gpu."""
+    packed under --log-probs-max-tokens-per-gpu; its model is the --save-hf folder of the SFT stage's run
+    (``sft_run``)."""
     root = tmp_path_factory.mktemp("debug")
     data = root / "rollouts"
     engines = [external_engine, second_external_engine]
@@ -441,7 +442,8 @@ def debug_runs(tmp_path_factory, external_engine, second_external_engine, extern
     ]
     trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data),
            "--advantage-estimator", "ppo", "--num-critic-only-steps", "1", "--value-clip", "0.2", "--lambd", "0.95",
-           "--critic-lr", "1e-3", "--log-probs-max-tokens-per-gpu", "32"]  # fmt: skip
+           "--critic-lr", "1e-3", "--log-probs-max-tokens-per-gpu", "32",
+           "--recipe", "embedded", "--hf-checkpoint", str(sft_run[0] / "hf")]  # fmt: skip
     code, train_log, train_left = _train(trn, out=root / "train")  # forward passes at 32 tokens, training at 8192
     assert code == 0, train_log[-6000:]
     return root, data, gen_left | train_left, (requests, gen_log)
@@ -492,6 +494,13 @@ def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
     assert summary["engine_pids"] == []
     assert (root / "train" / "ckpt" / "latest_checkpointed_iteration.txt").exists()
     assert not leftovers, leftovers
+
+
+def test_train_only_run_starts_from_the_sft_stages_weights(debug_runs, sft_run):
+    root, *_ = debug_runs
+    hf = sft_run[0] / "hf"
+    actor_log = (root / "train" / "logs" / "actor_r0.log").read_text()
+    assert f"actor weights: read from {hf} by rank 0" in actor_log, actor_log[-3000:]
 
 
 def test_sigterm_during_start_up_stops_everything(tmp_path):

@@ -4,12 +4,18 @@
 # uv's cache serves them), checked to lack the heavy stacks it must not need, then its README example run
 # (tools/readme_examples.py) and its own fast tests (`-m "not slow"`) run against the installed wheel.
 #
-#   tools/check_alone.sh DIST PKG      # DIST: a folder holding `uv build --all-packages`' wheels
+#   tools/check_alone.sh DIST PKG             # DIST: a folder holding `uv build --all-packages`' wheels
+#   tools/check_alone.sh DIST PKG lowest      # the same at the lowest versions its dependencies allow
+#
+# `lowest` resolves the package's direct dependencies with uv's lowest-direct resolution (the lower bounds its
+# pyproject.toml states are what it is tested with), holding only torch and megatron-core (and what they pin) to
+# uv.lock's versions: torch's CUDA wheels are gigabytes per version, too much to fetch on every CI run, so torch's
+# lower bound is the one bound of a light package not tested here (its reason is beside it in pyproject.toml).
 #
 # `.ci/run` runs it for all five packages; .github/workflows/ci.yml's `package` job for one each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dist=$(cd "$1" && pwd) pkg=$2
+dist=$(cd "$1" && pwd) pkg=$2 resolution=${3:-locked}
 start=$(date +%s)
 stamp() { echo "[alone $pkg +$(( $(date +%s) - start ))s] $*"; }
 
@@ -45,7 +51,25 @@ uv export --locked --quiet --package "tidal-$pkg" --only-dev --no-emit-workspace
 # cost more than it saves.
 compile=()
 [ "$pkg" = rollout ] && compile=(--compile-bytecode)
-VIRTUAL_ENV="$venv" uv pip install --quiet "${compile[@]}" -c "$venv/constraints.txt" -r "$venv/dev.txt" "${wheels[@]}"
+pins=(-c "$venv/constraints.txt")
+if [ "$resolution" = lowest ]; then
+  grep -E '^(torch|megatron-core|nvidia-|triton|cuda-)' "$venv/constraints.txt" > "$venv/heavy.txt" || true
+  # the wheel's own requirements as top-level ones: lowest-direct lowers only those
+  "$venv/bin/python" - "${wheels[0]}" > "$venv/direct.txt" <<'PY'
+import email, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = email.message_from_bytes(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))))
+print("\n".join(r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r and not r.startswith("tidal-")))
+PY
+  pins=(-c "$venv/heavy.txt" --resolution lowest-direct -r "$venv/direct.txt")
+elif [ "$resolution" != locked ]; then
+  echo "check_alone: unknown resolution '$resolution': give lowest, or nothing for uv.lock's versions" >&2; exit 2
+fi
+VIRTUAL_ENV="$venv" uv pip install --quiet "${compile[@]}" "${pins[@]}" -r "$venv/dev.txt" "${wheels[@]}"
+if [ "$resolution" = lowest ]; then
+  names=$(sed -E 's/[ <>=!~;[].*//' "$venv/direct.txt" | paste -sd'|')
+  stamp "lowest direct dependencies: $(VIRTUAL_ENV="$venv" uv pip freeze | grep -iE "^($names)==" | paste -sd' ')"
+fi
 (cd "$venv" && "$venv/bin/python" - "$pkg" "$forbidden" "$venv" <<'PY'
 import importlib, importlib.metadata, importlib.util, sys
 pkg, forbidden, venv = sys.argv[1:]

@@ -634,6 +634,39 @@ def test_help_lists_the_lora_options():
     assert args.lora_rank == 8 and args.lora_target_modules == ["q_proj", "v_proj"]
 
 
+def test_an_unknown_architecture_is_one_line_listing_the_known_families_before_anything_starts(tmp_path, paths):
+    # A DeepSeek-V3 checkpoint used to start Ray and the engines, then a Ray worker died naming its model_type.
+    model = _write_model(tmp_path / "dsv3")
+    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4}
+    (model / "config.json").write_text(json.dumps(config))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4"]
+    message = _error([*argv, "--hf-checkpoint", str(model)])
+    assert re.fullmatch(
+        rf"--hf-checkpoint {re.escape(str(model / 'config.json'))}: model_type 'deepseek_v3' "
+        r"\(DeepseekV3ForCausalLM\) is not a model family tidal trains; known: qwen2 \(Qwen2ForCausalLM\), .*"
+        r"qwen3_moe \(Qwen3MoeForCausalLM\).*",
+        message,
+    ), message
+    (model / "config.json").write_text(json.dumps(config | {"model_type": "qwen2"}))  # a known type, other class
+    assert "tidal trains qwen2 as Qwen2ForCausalLM only" in _error([*argv, "--hf-checkpoint", str(model)])
+
+
+def test_a_glm_checkpoint_is_known_and_checked_as_a_mixture_of_experts(tmp_path, paths):
+    model = _write_model(tmp_path / "glm")
+    config = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "num_hidden_layers": 4,
+              "n_routed_experts": 4, "first_k_dense_replace": 1}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "4", "--hf-checkpoint"]
+    argv += [str(model), "--actor-num-gpus-per-node", "2"]
+    job = parse_job([*argv, "--expert-model-parallel-size", "2", "--use-rollout-routing-replay"])
+    assert job.parallel.expert_model_parallel_size == 2 and job.actor.use_rollout_routing_replay
+    with pytest.raises(ValueError, match="--lora-rank 8 with a mixture-of-experts model"):
+        parse_job([*argv, "--lora-rank", "8"])
+    message = _error([*argv, "--update-weight-delta"])
+    assert message.startswith(f"--update-weight-delta with --hf-checkpoint {model} (glm4_moe) is not supported: ")
+    assert "\n" not in message
+
+
 def test_expert_parallel_size_is_checked_against_the_model_before_start(tmp_path, paths):
     dense = _write_model(tmp_path / "dense")
     moe = _write_model(tmp_path / "moe")

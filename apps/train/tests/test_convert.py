@@ -119,8 +119,30 @@ def test_bad_flags_fail_with_one_line_naming_the_flag(hf_dir, tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def _tiny_glm(hf: Path) -> Path:
+    """A GLM-4.5 (shared expert, float32 score-correction biases, a dense first layer, grouped routing)."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(2)
+    cfg = Glm4MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+    )  # fmt: skip
+    model = Glm4MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.1).add_(1.0 if "norm" in name else 0.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    model.save_pretrained(hf)
+    return hf
+
+
 def test_moe_round_trip_is_bit_exact(tmp_path):
-    """A Qwen3-MoE (every expert's gate/up/down, the router, a dense layer) through Megatron and back."""
+    """A Qwen3-MoE (every expert's gate/up/down, the router, a dense layer) and a GLM-4.5 (its shared expert and
+    float32 score-correction bias too) through Megatron and back, side by side."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(1)
@@ -135,11 +157,26 @@ def test_moe_round_trip_is_bit_exact(tmp_path):
             p.normal_(0.0, 0.1).add_(1.0 if "norm" in name else 0.0)
     hf = tmp_path / "hf"
     model.save_pretrained(hf)
-    assert convert_all([["--hf-checkpoint", str(hf), "--save", str(tmp_path / "mg")]]) == [0]
-    back = ["--load", str(tmp_path / "mg"), "--hf-checkpoint", str(hf), "--save-hf", str(tmp_path / "back")]
-    assert convert_all([back]) == [0]
-    assert_bit_exact(hf, tmp_path / "back")
-    assert "model.layers.2.mlp.experts.3.down_proj.weight" in hf_tensors(tmp_path / "back")
+    glm = _tiny_glm(tmp_path / "glm")
+    to_megatron = [["--hf-checkpoint", str(d), "--save", str(tmp_path / f"{d.name}_mg")] for d in (hf, glm)]
+    assert convert_all(to_megatron) == [0, 0]
+    back = [
+        [
+            "--load",
+            str(tmp_path / f"{d.name}_mg"),
+            "--hf-checkpoint",
+            str(d),
+            "--save-hf",
+            str(tmp_path / f"{d.name}_back"),
+        ]
+        for d in (hf, glm)
+    ]
+    assert convert_all(back) == [0, 0]
+    assert_bit_exact(hf, tmp_path / "hf_back")
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in hf_tensors(tmp_path / "hf_back")
+    assert_bit_exact(glm, tmp_path / "glm_back")
+    bias = hf_tensors(tmp_path / "glm_back")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().min() > 0
 
 
 def test_a_peft_lora_folder_merges_into_the_base_and_sglang_reads_its_config(hf_dir, tmp_path, capsys):

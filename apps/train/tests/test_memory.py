@@ -160,10 +160,10 @@ def test_auto_without_a_gpu_holds_the_longest_sample(user, monkeypatch):
 
 
 def test_auto_refuses_a_sample_nothing_holds_naming_what_would(user):
-    argv = [*user, "--use-dynamic-batch-size", "--gpu-memory-gib", "80", "--rollout-max-response-len", "200000"]
+    argv = [*user, "--use-dynamic-batch-size", "--gpu-memory-gib", "80", "--rollout-max-response-len", "500000"]
     problems = _problems([*argv, "--max-tokens-per-gpu", "auto", "--recompute-activations", "auto"])
     (line,) = [p for p in problems if "longest sample" in p]
-    assert "201024 tokens" in line and re.search(r"--context-parallel-size \d|--tensor-model-parallel-size \d", line)
+    assert "501024 tokens" in line and re.search(r"--context-parallel-size \d|--tensor-model-parallel-size \d", line)
     assert not [p for p in problems if "memory plan needs" in p]  # no second line about the unresolved budget
 
 

@@ -41,8 +41,15 @@ EMBEDDED = "apps/train/tests/test_embedded.py"
 PROMPT_DATA = "apps/train/tests/test_prompt_data.py"
 MICRO = "packages/batching/tests/test_micro_batches.py"
 ARITH = "packages/batching/tests/test_arithmetic.py"
+SFT_E2E = "tests/test_train_sft_e2e.py"
+SFT_RUN = "test_sft_lowers_the_nll_of_its_rows_counting_response_tokens_only"
 
 COVERED: dict[str, tuple[str, str]] = {
+    # the SFT stage, end to end (its run is the session fixture sft_run)
+    "--stage": (SFT_E2E, SFT_RUN),
+    "--sft-data": (SFT_E2E, SFT_RUN),
+    "--sft-eval-data": (SFT_E2E, SFT_RUN),
+    "--num-epoch": (SFT_E2E, SFT_RUN),
     # dynamic sampling and the custom generate function, through the router over two real engines
     "--dynamic-sampling-filter-path": (
         ROUTER,
@@ -296,6 +303,7 @@ COVERED: dict[str, tuple[str, str]] = {
         CODE,
         "test_hostile_programs_are_contained_scored_zero_with_their_reason_and_the_run_goes_on",
     ),
+    "--environment": ("apps/train/tests/test_environments.py", "test_an_environment_is_an_agent_run_on_its_own_rows"),
     "--agent-function-path": (
         "packages/rollout/tests/test_gateway_agents.py",
         "test_groups_of_episodes_replace_a_failed_group_and_record_why",

@@ -184,3 +184,31 @@ def test_moe_log_prob_pass_grows_per_token_as_measured_on_an_h100():
 
     measured = 66.909 - 55.991  # GiB, H100 80GB, 2026-12-07
     assert (peak(131072) - peak(32768)) / GIB == pytest.approx(measured, rel=0.05)
+
+
+LLAMA_8B_WIDTH = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, model_type="llama", tie_word_embeddings=False)  # fmt: skip
+QWEN3_30B_A3B_WIDTH = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                           num_experts_per_tok=8, model_type="qwen3_moe", tie_word_embeddings=False)  # fmt: skip
+RECOMPUTE_ALL_ON_AN_H100 = {  # (config, layers, LoRA rank): [(largest micro-batch's tokens, measured peak GiB)]
+    "dense": (LLAMA_8B_WIDTH, 4, 0, [(14592, 35.683), (25472, 38.163), (33792, 40.087), (50432, 43.898)]),
+    "lora": (LLAMA_8B_WIDTH, 8, 16, [(14592, 9.676), (25472, 12.787), (33792, 15.189), (100736, 34.374)]),
+    "moe": (QWEN3_30B_A3B_WIDTH, 4, 0, [(14592, 56.059), (25472, 58.854), (33792, 61.010), (50432, 65.289)]),
+}
+
+
+@pytest.mark.parametrize("family", RECOMPUTE_ALL_ON_AN_H100)
+def test_every_layer_recomputed_holds_only_each_layers_input_as_measured_on_an_h100(family):
+    # bench/auto_plan_gpu.py's sweep with --recompute all, H100 80GB, 2026-12-08 (bench/RESULTS.md): bf16 parameters
+    # with fp32 main copies, --log-probs-chunk-size 4096, 48 samples of 100,652 tokens, the longest 12,614. With
+    # torch's checkpoint early stop (or an MoE dispatcher's kept routing graph) far more than the input stayed held.
+    config, layers, rank, rows = RECOMPUTE_ALL_ON_AN_H100[family]
+    shape = ModelShape.from_hf_config(config | dict(num_hidden_layers=layers))
+    lora = dict(lora_rank=rank, lora_target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    for tokens, measured in rows:
+        inputs = MemoryInputs(params_dtype="bfloat16", fp32_main_params=True, recompute_activations=True,
+                              train_tokens=tokens, logprob_tokens=tokens, longest_sequence=12614,
+                              log_probs_chunk_size=4096, **(lora if rank else {}))  # fmt: skip
+        ratio = plan_memory(shape, inputs).train_peak / GIB / measured
+        assert 0.98 <= ratio <= 1.105, (tokens, ratio)

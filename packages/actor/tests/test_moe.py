@@ -260,13 +260,14 @@ def test_recompute_gives_the_same_step(dist_env, moe_dir, rl_batch):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=0, msg=name)
     # the recomputed forward's graph, never back-propagated, is not kept past the step by a token dispatcher
     assert _dispatch_graphs(again) == [] and _dispatch_graphs(plain) == []
-    # megatron-core's dispatcher keeps its last routing probabilities with their graph: when this fails, upstream
-    # stopped doing so and tidal.actor.megatron_holds can go
-    again.model.train()
-    again._forward(rl_batch(again, SEQS), with_entropy=False)
-    held = _dispatch_graphs(again)
-    assert "probs" in held, "megatron-core no longer keeps the dispatch's graph"
-    assert drop_dispatch_graphs(again.model) == len(held)
+    # megatron-core's dispatcher keeps its last routing probabilities with their graph (calling forward directly
+    # skips tidal's hook): when this fails, upstream stopped doing so and tidal.actor.megatron_holds can go
+    layer = next(m for m in again.model.modules() if getattr(m, "token_dispatcher", None) is not None)
+    hidden = torch.randn(5, 1, TINY_MOE["hidden_size"], requires_grad=True)
+    layer.forward(hidden)
+    assert "probs" in _dispatch_graphs(again), "megatron-core no longer keeps the dispatch's graph"
+    assert drop_dispatch_graphs(again.model) >= 1 and _dispatch_graphs(again) == []
+    layer(hidden)  # through the hook
     assert _dispatch_graphs(again) == []
 
 

@@ -291,3 +291,22 @@ def test_a_forked_episode_trains_both_trajectories_and_padding_trains_nothing(di
     [(_, padding_weight, padding_mask)] = found[5]
     assert not any(padding_mask) and float(padding_weight.sum()) == 0.0
     assert sum(float(lw.sum()) for v in found.values() for _, lw, _ in v) == pytest.approx(4.0)  # 4 episodes
+
+
+def test_sft_loss_steps_lower_the_nll_of_the_loss_tokens_without_an_old_log_prob_pass(dist_env, qwen2_dir):
+    """--loss-type sft_loss over several steps (the SFT stage's): no forward-only pass, loss = token-mean NLL."""
+    cfg = ActorConfig(hf_checkpoint=str(qwen2_dir), lr=1e-2, loss_type="sft_loss", calculate_per_token_loss=True)
+    actor = Actor(cfg)
+    batch = pack(TOKENS, loss_masks=MASKS)
+    mask = batch.loss_mask
+    compute = actor.compute_log_probs
+    before = float(-(compute(batch) * mask).sum() / mask.sum())
+    calls = []
+    actor.compute_log_probs = functools.partial(_counted, calls, compute)
+    batching = BatchingConfig(rollout_batch_size=4, n_samples_per_prompt=1, num_steps_per_rollout=2)
+    metrics = train_on_rollout(actor, batching, tokens=TOKENS, loss_masks=MASKS, rewards=[0.0] * 4, group_size=1)
+    assert calls == [] and metrics["batching/logprob_num_micro_batches"] == 0.0
+    assert metrics["train/num_steps"] == 2.0 and metrics["train/num_loss_tokens"] == 3.5  # 3 then 4 response tokens
+    assert metrics["train/sft_loss"] == metrics["train/loss"] and math.isfinite(metrics["train/sft_loss"])
+    after = float(-(compute(batch) * mask).sum() / mask.sum())
+    assert after < before

@@ -24,7 +24,7 @@ def test_groups_of_episodes_replace_a_failed_group_and_record_why(gateway, plugi
     """--agent-function-path's episodes: a raising agent and one past --agent-timeout-s fail their groups."""
     agent = load_agent_fn("tidal_rollout_agents:two_turns")
     log = tmp_path / "agent_failures.log"
-    runner = AgentRunner(gateway, agent, n_samples_per_prompt=2, max_concurrency=3, timeout_s=2.0, failure_log=log)
+    runner = AgentRunner(gateway, agent, n_samples_per_prompt=2, max_concurrency=3, timeout_s=8.0, failure_log=log)
     rounds = {1: _rows("ok", "raise", "ok"), 2: _rows("stall", "ok")}
     result = agent_rollout(runner, rounds.__getitem__, num_groups=3, max_rounds=2)
     samples = result.samples
@@ -40,7 +40,7 @@ def test_groups_of_episodes_replace_a_failed_group_and_record_why(gateway, plugi
     assert metrics["rollout/agent/turns/mean"] == pytest.approx(6 * 2 / 10)
     text = log.read_text()
     assert text.count("ValueError: no tool for 'add 1 and 2'") == 2 and "Traceback" in text
-    assert text.count(" timeout row=") == 2 and "the agent ran past --agent-timeout-s 2" in text
+    assert text.count(" timeout row=") == 2 and "the agent ran past --agent-timeout-s 8" in text
     assert not gateway.sessions  # every session closed, the failed ones too
 
 
@@ -59,6 +59,23 @@ def test_an_episode_that_rewrote_its_history_gives_a_sample_per_trajectory_in_it
     assert result.metrics["rollout/agent/samples_per_episode"] == 1.5
     assert result.metrics["rollout/agent/forks/mean"] == 0.5
     assert rollout_metrics(samples)["rollout/num_episodes"] == 4.0
+
+
+def test_every_rollout_of_a_runner_runs_on_one_event_loop_open_until_it_closes(gateway, plugins) -> None:
+    """Clients an agent makes per episode and never closes outlive their rollout on an open loop."""
+    import tidal_rollout_agents
+
+    agent = load_agent_fn("tidal_rollout_agents:two_turns")
+    runner = AgentRunner(gateway, agent, n_samples_per_prompt=2, max_concurrency=4, timeout_s=10.0)
+    tidal_rollout_agents.LOOPS.clear()
+    for _ in range(2):
+        agent_rollout(runner, lambda r: _rows("ok"), num_groups=1, max_rounds=1)
+    loops = tidal_rollout_agents.LOOPS
+    assert len(loops) == 4 and all(loop is loops[0] for loop in loops)
+    assert not loops[0].is_closed()
+    runner.close()
+    assert loops[0].is_closed()
+    runner.close()
 
 
 def test_a_batch_still_short_after_the_last_round_is_one_line(gateway, plugins) -> None:

@@ -10,10 +10,14 @@ import asyncio
 
 import openai
 
+LOOPS: list[asyncio.AbstractEventLoop] = []
+"""The event loop each ``two_turns`` episode ran on, in order."""
+
 
 async def two_turns(base_url: str, api_key: str, row: dict) -> float:
     """Ask, then ask again with the answer in the history; the reward is the second answer's length parity."""
     mode = row.get("mode", "ok")
+    LOOPS.append(asyncio.get_running_loop())
     if mode == "raise":
         raise ValueError(f"no tool for {row['prompt']!r}")
     if mode == "stall":

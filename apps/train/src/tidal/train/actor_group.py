@@ -127,6 +127,20 @@ class ActorGroup:
             self.handoff.add("actor.train")
         return metrics | moved
 
+    def train_sft(self, tokens: list[list[int]], loss_masks: list[list[int]]) -> dict[str, float]:
+        """One SFT optimizer step on these sequences (the actor's --loss-type sft_loss); its train metrics."""
+        data = RolloutData(
+            tokens=tokens, loss_masks=loss_masks, rollout_log_probs=[], rewards=[0.0] * len(tokens), group_size=1
+        )
+        with self.lock:
+            metrics = self.call_all("train", data)[0]
+            self.version += 1
+        return metrics
+
+    def nll(self, tokens: list[list[int]], loss_masks: list[list[int]]) -> tuple[float, float]:
+        """``(sum of -log p over the loss tokens, their count)`` of these sequences under the current weights."""
+        return self.call_all("nll", tokens, loss_masks)[0]
+
     def load(self) -> TrainerState | None:
         """Load --load into every rank; the trainer state saved with it (None without --load).
 
@@ -150,10 +164,12 @@ class ActorGroup:
         carry: list | None = None,
         buffer: list | None = None,
         timeout: float | None = None,
+        iteration: int | None = None,
     ) -> None:
         """Checkpoint model, optimizer, RNG and the trainer state (rollout carry-over and buffer) into --save.
 
-        ``timeout``: at most that many seconds (plus a minute for the Ray calls), else an error.
+        ``timeout``: at most that many seconds (plus a minute for the Ray calls), else an error. ``iteration``: the
+        checkpoint's number; None: ``rollout_id + 1``.
         """
         from tidal.ckpt import TrainerState
 
@@ -164,7 +180,8 @@ class ActorGroup:
             rollout_carry=carry,
             rollout_buffer=buffer,
         )
-        self.call_all("save_checkpoint", rollout_id + 1, state.to_dict(), timeout=timeout)
+        number = rollout_id + 1 if iteration is None else iteration
+        self.call_all("save_checkpoint", number, state.to_dict(), timeout=timeout)
 
     def save_hf(self, out_dir: str | Path) -> None:
         """Write the current weights as an HF checkpoint (--save-hf)."""

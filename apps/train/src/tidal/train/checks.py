@@ -60,7 +60,7 @@ class Problems:
 
 
 def check_hf_checkpoint(path: str) -> dict[str, Any]:
-    """An HF model folder: a readable config.json, a tokenizer and weights; returns the config."""
+    """An HF model folder: a config.json of a known model family, a tokenizer and weights; returns the config."""
     folder = Path(path)
     config = folder / "config.json"
     if not config.is_file():
@@ -69,6 +69,9 @@ def check_hf_checkpoint(path: str) -> dict[str, Any]:
         data = read_hf_config_json(folder)
     except (OSError, ValueError) as e:
         raise ValueError(f"--hf-checkpoint {path}: config.json cannot be read as JSON ({e})") from e
+    from tidal.actor import family_of
+
+    family_of(data, source=f"--hf-checkpoint {config}")  # an unknown architecture, before any process starts
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
             f"--hf-checkpoint {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the tokenizer "
@@ -80,6 +83,12 @@ def check_hf_checkpoint(path: str) -> dict[str, Any]:
             "model.save_pretrained(DIR), or convert a Megatron checkpoint with `train convert`"
         )
     return data
+
+
+def routed_experts(hf_config: dict[str, Any]) -> int:
+    """Routed experts per MoE layer of a ``config.json`` dict (0 for a dense model), under each family's key."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen3_moe, transformers 5, glm4_moe
+    return int(next((hf_config[k] for k in keys if hf_config.get(k)), 0))
 
 
 def check_writable_dir(flag: str, path: str) -> None:
@@ -145,7 +154,7 @@ def check_expert_parallel(parallel, placement, hf_config: dict[str, Any] | None,
         )
     if hf_config is None:  # the embedded model may not exist yet: the actor checks it when it builds the model
         return
-    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    experts = routed_experts(hf_config)
     if not experts:
         raise ValueError(
             f"--expert-model-parallel-size {ep} needs a mixture-of-experts model; {Path(hf) / 'config.json'} "
@@ -161,7 +170,7 @@ def check_expert_parallel(parallel, placement, hf_config: dict[str, Any] | None,
 def check_moe_context_parallel(parallel, hf_config: dict[str, Any] | None, hf: str) -> None:
     """Context parallelism is refused with a mixture-of-experts model (tidal.actor refuses it too, seconds later)."""
     cp = parallel.context_parallel_size
-    if cp > 1 and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+    if cp > 1 and hf_config and routed_experts(hf_config):
         raise ValueError(
             f"--context-parallel-size {cp} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
             "supported yet; use --context-parallel-size 1"
@@ -177,9 +186,23 @@ def check_delta_lora(sync, actor) -> None:
         )
 
 
+def check_delta_glm(sync, hf_config: dict[str, Any] | None, hf: str) -> None:
+    """--update-weight-delta is refused with a glm4_moe checkpoint (its engines' float32 routers are not modelled).
+
+    SGLang holds a GLM-4.5's router weights and score-correction biases in float32; the delta's snapshot keeps one
+    dtype, the engines'.
+    """
+    if sync.update_weight_delta and hf_config and hf_config.get("model_type") == "glm4_moe":
+        raise ValueError(
+            f"--update-weight-delta with --hf-checkpoint {hf} (glm4_moe) is not supported: SGLang holds a GLM-4.5's "
+            "router weights and score-correction biases in float32 beside the model's dtype, and the delta's snapshot "
+            "keeps one dtype; drop --update-weight-delta"
+        )
+
+
 def check_lora_moe(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
     """LoRA is refused on a mixture-of-experts model: adapters on the grouped experts are not built yet."""
-    if actor.lora_rank and hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+    if actor.lora_rank and hf_config and routed_experts(hf_config):
         raise ValueError(
             f"--lora-rank {actor.lora_rank} with a mixture-of-experts model ({Path(hf) / 'config.json'}) is not "
             "supported yet (no adapters on the experts); drop --lora-rank to fine-tune it fully"
@@ -557,7 +580,7 @@ def check_output_folders(train: dict[str, Any], ckpt: dict[str, Any], rollout: d
 
 def check_routing_replay(actor, hf_config: dict[str, Any] | None, hf: str) -> None:
     """--use-rollout-routing-replay is refused on a dense model (tidal.actor refuses it too, later)."""
-    moe = hf_config and (hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+    moe = hf_config and routed_experts(hf_config)
     if actor.use_rollout_routing_replay and hf_config is not None and not moe:
         raise ValueError(
             f"--use-rollout-routing-replay replays the experts of a mixture-of-experts model, but "
@@ -629,6 +652,7 @@ def _check_actor(problems: Problems, actor, sync, hf_config: dict[str, Any] | No
     problems.run(check_routing_replay, actor, hf_config, hf)
     if sync is not None:
         problems.run(check_delta_lora, sync, actor)
+        problems.run(check_delta_glm, sync, hf_config, hf)
 
 
 def _check_layout(problems: Problems, parallel, placement, batching, hf_config: dict[str, Any] | None, hf: str) -> None:

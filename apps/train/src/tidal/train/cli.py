@@ -59,6 +59,10 @@ def parse_job(argv: list[str]) -> JobConfig:
     # A missing --recipe is reported with the other problems, which are checked against the default recipe.
     recipe = problems.run(recipe_for, given.pop("recipe", None), given) or DEFAULT_RECIPE
     values = option_mutant.neutralize_values({**recipe_options(recipe), **given})  # as merged, unless a mutant
+    if values.get("environment"):  # an environment is an agent that brings its own prompt data
+        from tidal.train.environments import environment_values
+
+        values = problems.run(environment_values, values["environment"], given, values) or values
     if values.get("agent_function_path") and "rm_type" in given:  # a recipe's --rm-type is its plain runs'
         problems.add(
             "--agent-function-path scores each episode with the reward its agent returns, so --rm-type would be "
@@ -71,6 +75,10 @@ def parse_job(argv: list[str]) -> JobConfig:
     for option in options():
         if option.name in values:
             sections[option.section][option.name] = values[option.name]
+    if values.get("stage") == "sft":  # only what the SFT stage reads: the RL options given are refused
+        from tidal.train.sft_config import prepare_sft_sections
+
+        prepare_sft_sections(sections, set(given), problems, flags={o.name: o.flag for o in options()})
     with option_mutant.parsing_job():
         return _build_job(sections, unknown, parser, problems)
 
@@ -142,7 +150,12 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
     for section, key in paths:
         if sections[section].get(key):
             sections[section][key] = str(Path(sections[section][key]).absolute())
-    checks.check_data_files(train, sections["eval"], problems)
+    if sections["sft"].get("stage") == "sft":
+        from tidal.train.sft_data import check_sft_data
+
+        check_sft_data(train, sections["sft"], problems)
+    else:
+        checks.check_data_files(train, sections["eval"], problems)
     hf, hf_config = _model(train, problems)
     propagate_shared(sections, {("train", "hf_checkpoint"): hf})
     checks.check_import_paths(rollout, problems, actor)
@@ -172,7 +185,8 @@ def _build_job(sections: dict[str, dict[str, Any]], unknown: list[str], parser, 
         resolved = problems.run(resolve_auto, auto, job, hf_config)
         # unresolved, the budgets hold placeholders that no later check should read
         job, choice = resolved or ({**job, "batching": None}, None)
-    checks.check_job(problems, **job, hf=hf, hf_config=hf_config, given=sections)
+    rl_sections = {name: section for name, section in job.items() if name != "sft"}  # the SFT stage's are its own
+    checks.check_job(problems, **rl_sections, hf=hf, hf_config=hf_config, given=sections)
     problems.raise_if_any()
     return JobConfig(**job, memory_choice=choice)
 
@@ -297,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cause = str(e) or (STOPPED_BY[-1] if STOPPED_BY else "Ctrl-C")
         logger.error("interrupted (%s): every SGLang, Ray and Megatron process was stopped", cause)
-        if not job.train.debug_rollout_only:
+        if job.sft.stage == "sft":  # an SFT run does not resume: its last --save-hf folder is where to go on from
+            logger.error("the SFT stage is not resumed: start a new one from its last --save-hf folder, if any")
+        elif not job.train.debug_rollout_only:
             logger.error("%s", resume_command(argv, job))
         return 130
     except Exception as e:
@@ -339,6 +355,12 @@ def _run(job: JobConfig) -> int:
         from tidal.train.memory import write_memory_plan
 
         write_memory_plan(job, read_hf_config_json(job.actor.hf_checkpoint), job.train.output_dir)
+    if job.sft.stage == "sft":
+        from tidal.train.sft_loop import run_sft
+
+        sft = run_sft(job)
+        logger.info("done in %.1f s: %s", time.monotonic() - start, sft.describe(), extra=TERMINAL)
+        return 0
     result = run(job)
     logger.info(
         "done in %.1f s (RL %.1f s): held-out accuracy %s -> %s; summary %s; curves %s; checkpoint %s",

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.train.sft_config import SftConfig
+
 if TYPE_CHECKING:
     from tidal.actor import ActorConfig, MemoryChoice
     from tidal.batching import BatchingConfig
@@ -20,7 +22,7 @@ WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
 """The values of --update-weight-transport."""
 WANDB_MODES = ("online", "offline", "disabled")
 """The values of --wandb-mode."""
-APP_SECTIONS = ("eval", "parallel", "sync", "offload", "logging")
+APP_SECTIONS = ("eval", "parallel", "sync", "offload", "logging", "sft")
 """The app's sections besides ``train``, each its own config (JobConfig has one attribute per section)."""
 
 
@@ -45,6 +47,10 @@ class TrainConfig:
     metadata_key: str | None = None
     """Key path of a row's value handed to reward functions as sample.metadata (agent functions get the whole
     row); None: none."""
+    environment: str | None = field(default=None, metadata={"metavar": "KIND:NAME"})
+    """Train on an environment of another library, unmodified: verifiers:NAME (a verifiers taskset id or module;
+    needs tidal-train[environments]). Its tasks are the prompts and the held-out set, its episodes run as agents
+    through the gateway, its rubric is the reward; None: none."""
     num_rollout: int = 3
     """Rollouts to run, counted from rollout 0 (a resumed run stops at the same place)."""
     start_rollout_id: int | None = None
@@ -318,6 +324,8 @@ class JobConfig:
     """Model, optimizer and loss."""
     ckpt: CkptConfig
     """Where checkpoints are loaded from and saved to."""
+    sft: SftConfig = field(default_factory=SftConfig)
+    """The stage (RL or SFT) and the SFT stage's data."""
     memory_choice: MemoryChoice | None = field(default=None, compare=False)
     """What ``auto`` budgets and recompute resolved to (tidal.train.auto_memory), for the run folder; None: none
     was ``auto``. A record, not an option: two jobs with the same options are equal whatever chose them."""

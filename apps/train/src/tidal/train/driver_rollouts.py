@@ -294,5 +294,6 @@ class DriverRollouts:
             self.agent_hold.release()
         for runner in (self.agents, self.eval_agents):
             if runner is not None:
+                runner.close()
                 runner.gateway.stop()
         self.agents = self.eval_agents = None

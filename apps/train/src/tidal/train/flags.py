@@ -38,6 +38,7 @@ from tidal.ckpt import CkptConfig
 from tidal.placement import PlacementConfig
 from tidal.rollout import RolloutConfig
 from tidal.train.config import EvalConfig, LogConfig, OffloadConfig, ParallelConfig, TrainConfig, WeightSyncConfig
+from tidal.train.sft_config import SftConfig
 
 # section -> its config class, in the order of `train --help`; JobConfig has one attribute per section.
 SECTIONS: dict[str, type] = {
@@ -47,6 +48,7 @@ SECTIONS: dict[str, type] = {
     "sync": WeightSyncConfig,
     "offload": OffloadConfig,
     "logging": LogConfig,
+    "sft": SftConfig,
     "ckpt": CkptConfig,
     "placement": PlacementConfig,
     "rollout": RolloutConfig,
@@ -61,6 +63,7 @@ TITLES = {
     "sync": "weight sync (apps/train)",
     "offload": "offload (apps/train)",
     "logging": "logging and warnings (apps/train)",
+    "sft": "SFT stage (apps/train)",
     "ckpt": "checkpoints (tidal-ckpt)",
     "placement": "placement (tidal-placement)",
     "rollout": "rollout (tidal-rollout); any other --sglang-<option> VALUE is passed to the SGLang server as "

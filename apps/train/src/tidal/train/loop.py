@@ -144,8 +144,9 @@ def _datasets(job: JobConfig) -> tuple[PromptDataset, dict[str, PromptDataset]]:
     keys = {"input_key": train.input_key, "label_key": train.label_key, "seed": train.seed, "tool_key": train.tool_key}
     if job.rollout.agent_function_path and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"--agent-function-path needs a chat template (the gateway renders the agent's messages with it), and the "
-            f"tokenizer of {job.actor.hf_checkpoint} has none: use a checkpoint whose tokenizer ships one"
+            "--agent-function-path (and --environment) needs a chat template (the gateway renders the agent's "
+            f"messages with it), and the tokenizer of {job.actor.hf_checkpoint} has none: use a checkpoint whose "
+            "tokenizer ships one"
         )
     if job.rollout.apply_chat_template:
         from tidal.rollout import check_chat_template
@@ -170,8 +171,11 @@ def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, act
         version = state.weight_version
         rollouts.restore_carry(state.rollout_carry)  # partial rollout's unfinished groups: nothing is dropped
         buffer.restore(state.rollout_buffer, start)  # rollouts generated ahead and not trained on yet
-        resumed = "resumed from %s: rollout %d done; going on at rollout %d"
-        logger.info(resumed, job.ckpt.load, state.rollout_id, start, extra=TERMINAL)
+        if state.rollout_id < 0:  # an SFT stage's checkpoint: its weights and optimizer, no rollout yet
+            logger.info("starting from %s (no rollout done: an SFT checkpoint)", job.ckpt.load, extra=TERMINAL)
+        else:
+            resumed = "resumed from %s: rollout %d done; going on at rollout %d"
+            logger.info(resumed, job.ckpt.load, state.rollout_id, start, extra=TERMINAL)
     dropped = metrics_log.truncate(start)
     if dropped:
         logger.info("metrics.jsonl: dropped %d record(s) of rollouts >= %d (they run again)", dropped, start)
@@ -179,8 +183,11 @@ def _resume(job: JobConfig, rollouts: RolloutManager, buffer: RolloutBuffer, act
 
 
 def _serve_first_weights(job: JobConfig, rollouts: RolloutManager, weights: WeightSync | None, version: int):
-    """Before the first rollout the engines serve the resumed weights, or an external server the initial ones."""
-    if rollouts.has_engines and weights is not None and version > 0:
+    """Before the first rollout the engines serve --load's weights, or an external server the initial ones.
+
+    --load's are a resumed run's, or an SFT stage's (version 0: no rollout trained them).
+    """
+    if rollouts.has_engines and weights is not None and (version > 0 or job.ckpt.load):
         return weights.sync(rollouts, version)
     if rollouts.external:  # a server run elsewhere may hold any weights
         logger.info("loading %s into the external SGLang server(s)", job.actor.hf_checkpoint)

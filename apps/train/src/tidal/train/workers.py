@@ -30,7 +30,7 @@ class RolloutData:
     loss_masks: list[list[int]]
     """0 on prompt tokens, 1 on response tokens."""
     rollout_log_probs: list[list[float]]
-    """Per-token log-probs from the engine, in tidal's convention (0 on prompt tokens)."""
+    """Per-token log-probs from the engine, in tidal's convention (0 on prompt tokens); empty: none (SFT)."""
     rewards: list[float]
     """Scalar reward of each sample."""
     group_size: int
@@ -121,7 +121,7 @@ class ActorWorker(WeightSender, AdapterSender, DeltaSender):
             loss_masks=rollout.loss_masks,
             rewards=rollout.rewards,
             group_size=rollout.group_size,
-            rollout_log_probs=rollout.rollout_log_probs,
+            rollout_log_probs=rollout.rollout_log_probs or None,
             rank=_dp_rank(),
             dp_size=self.dp_size,
             reference=self.reference,
@@ -130,6 +130,21 @@ class ActorWorker(WeightSender, AdapterSender, DeltaSender):
             routed_experts=rollout.routed_experts,
             episode_ids=rollout.episode_ids,
         )
+
+    def nll(self, tokens: list[list[int]], loss_masks: list[list[int]]) -> tuple[float, float]:
+        """``(sum of -log p over the loss tokens, their count)``; every rank computes every sequence (collectives)."""
+        from tidal.batching import pack_micro_batches, plan_from_config
+
+        plan = plan_from_config(self.batching_cfg, [len(t) for t in tokens], dp_size=1, forward_only=True)
+        batches = pack_micro_batches(
+            plan, 0, tokens, loss_masks=loss_masks, pad_to_multiple_of=self.batching_cfg.pad_to_multiple_of
+        )
+        total = count = 0.0
+        for batch in batches:
+            log_probs = self.actor.compute_log_probs(batch)
+            total -= float((log_probs * batch.loss_mask).sum())
+            count += float(batch.loss_mask.sum())
+        return total, count
 
     def save_hf(self, out_dir: str, max_shard_bytes: int | None = None) -> str:
         """Write the current weights as an HF checkpoint beside --hf-checkpoint's config and tokenizer.

@@ -25,6 +25,7 @@ if not (os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/nvidia0"))
 from tidal.actor.auto_plan import MemoryChoice, choose_memory_config, fix_for_longest_sample  # noqa: E402
 from tidal.actor.config import ActorConfig  # noqa: E402
 from tidal.actor.errors import ActorError, ActorOutOfMemoryError  # noqa: E402
+from tidal.actor.families import FAMILIES, Family, family_of, known_families  # noqa: E402
 from tidal.actor.memory_plan import (  # noqa: E402
     MemoryInputs,
     MemoryPlan,
@@ -94,12 +95,14 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "FAMILIES",
     "Actor",
     "ActorConfig",
     "ActorError",
     "ActorOutOfMemoryError",
     "BaseReference",
     "Critic",
+    "Family",
     "HFTensorBucket",
     "MemoryChoice",
     "MemoryInputs",
@@ -111,9 +114,11 @@ __all__ = [
     "choose_memory_config",
     "data_parallel_rank_and_size",
     "destroy_distributed",
+    "family_of",
     "fix_for_longest_sample",
     "gather_adapter_tensors",
     "init_distributed",
+    "known_families",
     "largest_fitting_tokens",
     "load_hf_weights",
     "merged_hf_tensors",

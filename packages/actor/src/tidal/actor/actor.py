@@ -15,7 +15,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from tidal.actor import moe_loss
 from tidal.actor.attention import HostPackedSeqParams, set_cudnn_min_segment
-from tidal.actor.bridge import build_gpt_model, enable_layer_recompute, load_hf_weights, named_hf_tensors
+from tidal.actor.bridge import (
+    build_gpt_model,
+    enable_layer_recompute,
+    load_hf_weights,
+    named_hf_tensors,
+    router_buffers,
+)
 from tidal.actor.compat import apply_cpu_compat, apply_wgrad_accumulation_fusion
 from tidal.actor.config import ActorConfig
 from tidal.actor.context_parallel import context_parallel_size, gather_rows, shard_inputs
@@ -26,7 +32,7 @@ from tidal.actor.hf_export import HFExporter, HFTensorBucket
 from tidal.actor.logprobs import chunked_log_probs, to_token_convention
 from tidal.actor.loss import LossSettings, actor_loss, load_function
 from tidal.actor.main_params import MainParams
-from tidal.actor.megatron_holds import drop_dispatch_graphs
+from tidal.actor.megatron_holds import release_dispatch_graphs
 from tidal.actor.memory_plan import MemoryInputs, ModelShape, largest_fitting_tokens
 from tidal.actor.offload import CPUOffloadAdamW, PinnedReservation, host_copy_shapes, move_tensors
 from tidal.actor.oom import LOGPROB_FLAG, TRAIN_FLAG, run_reporting_oom
@@ -114,6 +120,7 @@ class Actor:
         """The MoE routers' hooks: replay the engine's experts (--use-rollout-routing-replay), count mismatches."""
         if self.spec.moe is not None:
             moe_loss.prepare_model(self.model)
+            release_dispatch_graphs(self.model)
             self._expert_load = moe_loss.ExpertLoad(self.model)
             self.routing_replay = RoutingReplay(self.model, replay=cfg.use_rollout_routing_replay)
         self._check_routing_replay()
@@ -384,7 +391,6 @@ class Actor:
         if self.stage.size == 1:
             for mb in micro_batches:
                 self._guard_oom(lambda mb=mb: loss_of(mb, forward(mb)).backward(), [mb], logprob=False)
-                drop_dispatch_graphs(self.model)
         else:  # the loss on the last stage; metrics come from there (_metrics)
             self._guard_oom(
                 lambda: run_schedule(
@@ -397,7 +403,6 @@ class Actor:
                 micro_batches,
                 logprob=False,
             )
-            drop_dispatch_graphs(self.model)
         if self.step_log_probs and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the step_log_probs copies have landed
         params = self._optimizer_params()
@@ -516,7 +521,8 @@ class Actor:
 
         Each ``HFTensorBucket`` holds at most ``bucket_bytes`` (a larger single tensor gets its own); iterating
         one yields ``(hf_name, tensor)`` views into its ``flat`` buffer. TP shards are gathered and pipeline stages
-        broadcast (every rank must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype``. With
+        broadcast (every rank must iterate). Equal to ``named_hf_tensors()`` cast to ``dtype`` (the
+        score-correction biases of a ``glm4_moe`` kept float32, in a last bucket). With
         ``reuse_buffers`` the buffers are kept and refilled by the next call (consume a bucket before asking for
         the next export). With ``stage_only`` only this pipeline stage's HF tensors (in HF order; the tied
         embedding from the first stage), with no broadcast between stages: only this rank's TP group iterates.
@@ -524,7 +530,9 @@ class Actor:
         self.require_weights()
         key = (dtype, bucket_bytes, reuse_buffers, stage_only)
         if key not in self._exporters:
-            params = dict(self.model.named_parameters()) if not self.lora else self._merged()
+            params = (
+                dict(self.model.named_parameters()) | router_buffers(self.model) if not self.lora else self._merged()
+            )
             self._exporters[key] = HFExporter(
                 params, self.spec, dtype=dtype, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
                 stage=self.stage, stage_only=stage_only, fixed_sources=not self.lora,

@@ -8,9 +8,13 @@ Layout facts (megatron-core 0.19, local spec):
 * ``linear_fc1`` is column-parallel with the gated unit stacked per rank: ``[gate_r; up_r]``.
 * ``linear_proj`` and ``linear_fc2`` are row-parallel (split on the input dim); the embedding and
   LM head are vocab-parallel (split on dim 0); norms are replicated.
-* An MoE layer (``qwen3_moe``) holds ``mlp.router.weight`` (HF ``mlp.gate.weight``, replicated) and
+* An MoE layer (``qwen3_moe``, ``glm4_moe``) holds ``mlp.router.weight`` (HF ``mlp.gate.weight``, replicated) and
   ``mlp.experts.weight1`` / ``weight2`` (``moe_experts.GroupedExperts``: HF's per-expert gate/up and down projections
   stacked on a leading expert axis); expert-parallel rank ``r`` holds the experts ``[r * E/ep, (r + 1) * E/ep)``.
+  ``glm4_moe`` adds the router's score-correction bias ``mlp.router.expert_bias`` (HF
+  ``mlp.gate.e_score_correction_bias``: a float32 buffer, not a parameter, read and written in float32 here) and a
+  shared expert ``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` (HF ``mlp.shared_experts.{gate,up,down}_proj``,
+  laid out as a dense MLP).
 * With pipeline parallelism a stage's module names its layers from 0 (``pipeline.PipelineStage.local_name``);
   the mappings here use global layer indices. Export broadcasts each HF tensor from its owning stage.
 
@@ -34,6 +38,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -107,13 +112,13 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
         pg_collection=_process_groups(),
     )
     apply_rope_scaling(
         model,
-        head_dim=spec.head_dim,
+        head_dim=spec.rotary_dim,
         theta=spec.rope_theta,
         scaling=spec.rope_scaling,
         max_position_embeddings=spec.max_position_embeddings,
@@ -136,7 +141,11 @@ def _layer_spec(spec: HFModelSpec, config: TransformerConfig, *, moe: bool) -> M
         layer_spec.submodules.self_attention.module = PackedSelfAttention
     if moe:  # megatron's MoE layer (top-k router, token dispatcher) around tidal's stacked experts
         moe_permute.install()  # the dispatcher's permutation without atomic adds
-        layer_spec.submodules.mlp = functools.partial(MoELayer, submodules=MoESubmodules(experts=GroupedExperts))
+        shared = None
+        if spec.moe.shared_ffn_hidden_size:  # megatron's shared-expert MLP with the dense layers' linear layers
+            shared = functools.partial(SharedExpertMLP, submodules=layer_spec.submodules.mlp.keywords["submodules"])
+        submodules = MoESubmodules(experts=GroupedExperts, shared_experts=shared)
+        layer_spec.submodules.mlp = functools.partial(MoELayer, submodules=submodules)
     else:  # megatron's MLP with SwiGLU as Triton kernels (fused_kernels); the spec's mlp is a partial of MLP's
         mlp = layer_spec.submodules.mlp
         layer_spec.submodules.mlp = functools.partial(FusedSwiGLUMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
@@ -187,11 +196,23 @@ class _Mapping:
 
     megatron: str
     hf: tuple[str, ...]
-    kind: str  # "replicated" | "column" | "row" | "qkv" | "glu" | "experts_glu" | "experts"
+    kind: str  # "replicated" | "column" | "row" | "qkv" | "glu" | "experts_glu" | "experts" | "expert_bias"
 
 
 EXPERT_KINDS = ("experts_glu", "experts")
 """Kinds of stacked expert weights: split over the expert-parallel group on their leading (expert) axis."""
+EXPERT_BIAS = "expert_bias"
+"""Kind of the router's score-correction bias: a replicated float32 buffer (``router_buffers``)."""
+
+
+def router_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The routers' score-correction biases of ``model`` by name (buffers that the HF mapping carries like weights)."""
+    return {name: b for name, b in model.named_buffers() if name.endswith("mlp.router.expert_bias")}
+
+
+def hf_dtype(m: _Mapping, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``m``'s HF tensors are moved in: float32 for the score-correction bias, else ``dtype``."""
+    return torch.float32 if m.kind == EXPERT_BIAS else dtype
 
 
 def _moe_mappings(spec: HFModelSpec, hf: str, mg: str) -> list[_Mapping]:
@@ -199,11 +220,19 @@ def _moe_mappings(spec: HFModelSpec, hf: str, mg: str) -> list[_Mapping]:
     experts = range(spec.moe.num_experts)
     gate_up = tuple(f"{hf}mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up") for e in experts)
     down = tuple(f"{hf}mlp.experts.{e}.down_proj.weight" for e in experts)
-    return [
-        _Mapping(mg + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated"),
+    maps = [_Mapping(mg + "mlp.router.weight", (hf + "mlp.gate.weight",), "replicated")]
+    if spec.moe.expert_bias:
+        maps.append(_Mapping(mg + "mlp.router.expert_bias", (hf + "mlp.gate.e_score_correction_bias",), EXPERT_BIAS))
+    maps += [
         _Mapping(mg + "mlp.experts.weight1", gate_up, "experts_glu"),
         _Mapping(mg + "mlp.experts.weight2", down, "experts"),
     ]
+    if spec.moe.shared_ffn_hidden_size:
+        shared = hf + "mlp.shared_experts."
+        fc1 = (shared + "gate_proj.weight", shared + "up_proj.weight")
+        maps.append(_Mapping(mg + "mlp.shared_experts.linear_fc1.weight", fc1, "glu"))
+        maps.append(_Mapping(mg + "mlp.shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), "row"))
+    return maps
 
 
 def weight_mappings(spec: HFModelSpec) -> list[_Mapping]:
@@ -272,6 +301,11 @@ def expected_hf_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.moe is not None and spec.moe.layers[i]:
             f = spec.moe.ffn_hidden_size
             shapes[p + "mlp.gate.weight"] = (spec.moe.num_experts, h)
+            if spec.moe.expert_bias:
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (spec.moe.num_experts,)
+            if spec.moe.shared_ffn_hidden_size:
+                x, s = p + "mlp.shared_experts.", spec.moe.shared_ffn_hidden_size
+                shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)}
             for e in range(spec.moe.num_experts):
                 x = f"{p}mlp.experts.{e}."
                 shapes |= {x + "gate_proj.weight": (f, h), x + "up_proj.weight": (f, h), x + "down_proj.weight": (h, f)}
@@ -304,7 +338,7 @@ def _to_local(m: _Mapping, full: list[torch.Tensor], spec: HFModelSpec, rank: in
     if m.kind == "experts_glu":
         gates, ups = full[: len(full) // 2], full[len(full) // 2 :]
         return torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
-    if m.kind == "replicated":
+    if m.kind in ("replicated", EXPERT_BIAS):
         return full[0]
     if m.kind == "column":  # vocab-parallel: embedding / LM head, padded when the vocabulary does not split
         return pad_vocab_rows(full[0], padded_vocab_size(spec.vocab_size, size)).chunk(size, dim=0)[rank]
@@ -329,7 +363,7 @@ def _to_hf(m: _Mapping, gathered: list[torch.Tensor], spec: HFModelSpec) -> list
             return list(full.unbind(0))
         gates, ups = full.chunk(2, dim=1)
         return [*gates.unbind(0), *ups.unbind(0)]
-    if m.kind == "replicated":
+    if m.kind in ("replicated", EXPERT_BIAS):
         return [gathered[0]]
     if m.kind == "column":
         return [torch.cat(gathered, dim=0)[: spec.vocab_size]]  # drop vocabulary padding
@@ -351,7 +385,7 @@ def gather_shards(m: _Mapping, local: torch.Tensor) -> list[torch.Tensor] | None
 
     Stacked experts are split over the expert-parallel group, the other sharded kinds over the tensor-parallel one.
     """
-    if m.kind == "replicated":
+    if m.kind in ("replicated", EXPERT_BIAS):
         return None
     if m.kind in EXPERT_KINDS:
         group = parallel_state.get_expert_model_parallel_group()
@@ -364,6 +398,14 @@ def gather_shards(m: _Mapping, local: torch.Tensor) -> list[torch.Tensor] | None
     return gathered
 
 
+def _beyond_the_model(spec: HFModelSpec, name: str) -> bool:
+    """A tensor of a layer past the decoder's (GLM-4.5's multi-token-prediction layer), which the model ignores."""
+    if spec.model_type != "glm4_moe" or not name.startswith("model.layers."):
+        return False
+    index = name.split(".")[2]
+    return index.isdigit() and int(index) >= spec.num_layers
+
+
 def _check_hf(spec: HFModelSpec, reader: HFCheckpointReader) -> None:
     """Every tensor the config implies, none it does not, each of its shape: from the shards' headers alone."""
     expected = expected_hf_shapes(spec)
@@ -372,7 +414,9 @@ def _check_hf(spec: HFModelSpec, reader: HFCheckpointReader) -> None:
     extra = sorted(
         n
         for n in available - set(expected)
-        if not n.endswith(_IGNORED_HF_SUFFIXES) and not (spec.tie_word_embeddings and n == "lm_head.weight")
+        if not n.endswith(_IGNORED_HF_SUFFIXES)
+        and not (spec.tie_word_embeddings and n == "lm_head.weight")
+        and not _beyond_the_model(spec, n)
     )
     if missing or extra:
         raise ValueError(
@@ -435,7 +479,7 @@ def load_hf_weights(
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     ep_size = parallel_state.get_expert_model_parallel_world_size()
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters()) | router_buffers(model)
     some = next(iter(params.values()))
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     local_of: dict[tuple[str, ...], list[tuple[_Mapping, str]]] = {}  # HF names -> this rank's parameters of them
@@ -446,11 +490,12 @@ def load_hf_weights(
         if value_head and m.megatron == "output_layer.weight":
             continue
         full: dict[str, torch.Tensor] = {}
+        dtype = hf_dtype(m, some.dtype)
         for name in m.hf:
             if reader is not None:
-                tensor = reader.get(name).to(device=some.device, dtype=some.dtype)
+                tensor = reader.get(name).to(device=some.device, dtype=dtype)
             else:
-                tensor = torch.empty(shapes[name], device=some.device, dtype=some.dtype)
+                tensor = torch.empty(shapes[name], device=some.device, dtype=dtype)
             if world > 1:
                 dist.broadcast(tensor, src=0)
             full[name] = tensor
@@ -496,6 +541,8 @@ def named_hf_tensors(
     e.g. the fp32 main copies.
     """
     params = dict(model.named_parameters()) if params is None else params
+    if spec.moe is not None and spec.moe.expert_bias:
+        params = {**params, **router_buffers(model)}
     stage = stage or PipelineStage(rank=0, size=1, num_layers=spec.num_layers)
     shapes = expected_hf_shapes(spec)
     some = next(iter(params.values()))
@@ -503,7 +550,7 @@ def named_hf_tensors(
         owner = stage.owner(m.megatron)
         if owner != stage.rank:  # another stage's: receive it
             for name in m.hf:
-                tensor = torch.empty(shapes[name], dtype=some.dtype, device=some.device)
+                tensor = torch.empty(shapes[name], dtype=hf_dtype(m, some.dtype), device=some.device)
                 broadcast_from_stage(tensor, owner)
                 yield name, tensor.to("cpu")
             continue

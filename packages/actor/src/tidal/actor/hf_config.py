@@ -1,8 +1,9 @@
 """Read a Hugging Face ``config.json`` and map it to Megatron's ``TransformerConfig``.
 
 Supported architectures: ``qwen2`` (QKV bias), ``qwen3`` (q/k RMSNorm, explicit ``head_dim``), ``llama`` (no bias)
-and ``qwen3_moe`` (Qwen3 attention with routed SwiGLU experts, ``tidal.actor.moe_spec``). RoPE: default, and the
-"linear", "dynamic" and "llama3" scalings (``rope_scaling``).
+``qwen3_moe`` (Qwen3 attention with routed SwiGLU experts, ``tidal.actor.moe_spec``) and ``glm4_moe`` (GLM-4.5:
+partial RoPE, optional q/k norm and attention bias, biased sigmoid routing and a shared expert,
+``tidal.actor.glm4_moe``). RoPE: default, and the "linear", "dynamic" and "llama3" scalings (``rope_scaling``).
 Anything else raises ``ValueError`` naming the model type (or the rope type).
 """
 
@@ -15,13 +16,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tidal.actor.families import FAMILIES, family_of
+from tidal.actor.glm4_moe import parse_glm4_moe, rotary_fraction
 from tidal.actor.moe_spec import MoESpec, moe_transformer_fields, parse_moe
 from tidal.actor.rope_scaling import RopeScaling, parse_rope_scaling
 from tidal.ckpt import read_hf_config_json
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +63,13 @@ class HFModelSpec:
     """Non-default RoPE scaling (``rope_scaling``/``rope_parameters`` of the config), None for default RoPE."""
     moe: MoESpec | None = None
     """The routed experts of a mixture-of-experts model; None for a dense one."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels RoPE rotates (the first ones; GLM-4.5's ``partial_rotary_factor``)."""
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head that RoPE rotates."""
+        return int(self.head_dim * self.rotary_percent)
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -74,18 +84,16 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         ValueError: unsupported ``model_type``, activation, sliding window or RoPE scaling.
     """
     model_type = cfg.get("model_type")
-    moe = parse_moe(cfg)  # names other MoE architectures first
+    moe = parse_glm4_moe(cfg) if model_type == "glm4_moe" else parse_moe(cfg)  # names other MoE architectures first
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"HF model_type {model_type!r} is not supported by tidal.actor; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        family_of(cfg)  # one line naming the known families
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU/silu only)")
     if cfg.get("use_sliding_window"):
         raise ValueError("use_sliding_window=true is not supported by tidal.actor")
     num_heads = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
+    glm = model_type == "glm4_moe"
     if model_type == "llama" and cfg.get("mlp_bias"):
         raise ValueError("llama with mlp_bias=true is not supported by tidal.actor")
     return HFModelSpec(
@@ -103,8 +111,9 @@ def parse_hf_config(cfg: dict) -> HFModelSpec:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or (glm and bool(cfg.get("use_qk_norm", False))),
         moe=moe,
+        rotary_percent=rotary_fraction(cfg) if glm else 1.0,
     )
 
 

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
-from tidal.actor.bridge import EXPERT_KINDS, _Mapping, _to_hf, expected_hf_shapes, gather_shards, weight_mappings
+from tidal.actor.bridge import (
+    EXPERT_BIAS,
+    EXPERT_KINDS,
+    _Mapping,
+    _to_hf,
+    expected_hf_shapes,
+    gather_shards,
+    weight_mappings,
+)
 from tidal.actor.hf_config import HFModelSpec
 from tidal.actor.pipeline import PipelineStage, broadcast_from_stage
 
@@ -59,23 +67,24 @@ def _hf_views(m: _Mapping, local: torch.Tensor, spec: HFModelSpec) -> list[torch
 
 def _sources(
     params: dict[str, torch.Tensor], spec: HFModelSpec, stage: PipelineStage, *, stage_only: bool = False
-) -> Iterator[tuple[str, int, torch.Tensor | None]]:
-    """``(hf_name, owner stage, source)`` for every HF tensor (``stage_only``: for those of ``stage`` alone).
+) -> Iterator[tuple[str, int, torch.Tensor | None, bool]]:
+    """``(hf_name, owner stage, source, float32)`` for every HF tensor (``stage_only``: for those of ``stage`` alone).
 
     The source is a view of the parameter (not split over TP/EP) or a gathered copy; None for the tensors another
-    stage holds.
+    stage holds. ``float32``: the tensor is exported in float32 whatever the export's dtype (the score-correction bias).
     """
     for m in weight_mappings(spec):
         owner = stage.owner(m.megatron)
+        fp32 = m.kind == EXPERT_BIAS
         if owner != stage.rank and stage_only:
             continue
         if owner != stage.rank:
-            yield from ((name, owner, None) for name in m.hf)
+            yield from ((name, owner, None, fp32) for name in m.hf)
             continue
         local = params[stage.local_name(m.megatron)].detach()
         gathered = gather_shards(m, local)
         tensors = _hf_views(m, local, spec) if gathered is None else _to_hf(m, gathered, spec)
-        yield from ((name, owner, t) for name, t in zip(m.hf, tensors, strict=True))
+        yield from ((name, owner, t, fp32) for name, t in zip(m.hf, tensors, strict=True))
 
 
 @dataclass(slots=True)
@@ -85,6 +94,7 @@ class _Plan:
     names: tuple[str, ...]
     sources: list[torch.Tensor | None]
     numel: int
+    dtype: torch.dtype
     segments: tuple[tuple[int, int, int], ...] = ()
     """``(start, end, owner stage)`` of each run of the flat buffer filled by one stage (pipeline parallelism)."""
     bucket: HFTensorBucket | None = None
@@ -141,10 +151,15 @@ class HFExporter:
         return math.prod(self.shapes[name])
 
     def _groups(self) -> Iterator[_Plan]:
+        """The buckets' plans in HF order; the float32-only tensors (if the export is not float32) in a last one."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         pending: list[tuple[str, int, torch.Tensor | None]] = []
+        fp32_only: list[tuple[str, int, torch.Tensor | None]] = []
         pending_numel = 0
-        for name, owner, src in _sources(self.params, self.spec, self.stage, stage_only=self.stage_only):
+        for name, owner, src, fp32 in _sources(self.params, self.spec, self.stage, stage_only=self.stage_only):
+            if fp32 and self.dtype != torch.float32:
+                fp32_only.append((name, owner, src))
+                continue
             if pending and (pending_numel + self._numel(name)) * itemsize > self.bucket_bytes:
                 yield self._plan(pending)
                 pending, pending_numel = [], 0
@@ -152,8 +167,10 @@ class HFExporter:
             pending_numel += self._numel(name)
         if pending:
             yield self._plan(pending)
+        if fp32_only:
+            yield self._plan(fp32_only, torch.float32)
 
-    def _plan(self, group: list[tuple[str, int, torch.Tensor | None]]) -> _Plan:
+    def _plan(self, group: list[tuple[str, int, torch.Tensor | None]], dtype: torch.dtype | None = None) -> _Plan:
         segments: list[tuple[int, int, int]] = []
         offset = 0
         for name, owner, _ in group:
@@ -167,11 +184,15 @@ class HFExporter:
             tuple(n for n, _, _ in group),
             [t for _, _, t in group],
             offset,
+            dtype or self.dtype,
             tuple(segments) if self.stage.size > 1 and not self.stage_only else (),
         )
 
     def buckets(self) -> Iterator[HFTensorBucket]:
         """Every HF tensor (``stage_only``: this stage's), cast to ``dtype``, in HF order.
+
+        The routers' score-correction biases stay float32 (a bf16 copy would move the engine's expert choice off the
+        actor's): when ``dtype`` is not float32 they come last, in a float32 bucket of their own.
 
         Collective with TP > 1 (all-gathers: every TP rank must iterate) and with pipeline stages unless
         ``stage_only`` (broadcasts: every rank of the pipeline must iterate).
@@ -184,7 +205,7 @@ class HFExporter:
         if plan.bucket is not None:
             self._copy(plan.dsts, plan.sources, plan.segments, plan.bucket.flat)
             return plan.bucket
-        flat = torch.empty(plan.numel, dtype=self.dtype, device=self.device)
+        flat = torch.empty(plan.numel, dtype=plan.dtype, device=self.device)
         dsts, views, offset = [], [], 0
         for name, src in zip(plan.names, plan.sources, strict=True):
             part = flat[offset : offset + self._numel(name)]

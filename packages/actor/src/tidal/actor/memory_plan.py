@@ -8,16 +8,17 @@ Standard library only, so the app can plan at parse time. The estimate adds, per
   (``--lora-rank``) the base parameters alone, and main copies, gradients and moments of the adapters only (the
   reference is the base: no second copy);
 - **activations** of one training micro-batch of ``tokens`` tokens kept for backward: per token and layer the
-  tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer what was measured to stay held
-  (``RECOMPUTED_QKV_HOLD``), plus one layer's worth while a recomputed layer runs its backward;
+  tensors the layer saves (see ``layer_activation_bytes``), for a recomputed layer its input (what the checkpoint
+  keeps), plus one layer's worth while a recomputed layer runs its backward;
   the final hidden states; the LM head's logits (all of
   them with ``--no-recompute-lm-head``, one chunk otherwise); cuDNN's padded q/k/v copies when a sequence can reach
   ``--cudnn-attention-min-tokens``;
 - **the backward's transient**: the largest set of gradients alive at once (one layer's MLP, or one LM-head chunk).
 
-A mixture-of-experts model (``qwen3_moe``) counts its MoE layers' router and this rank's share of the experts
-(``--expert-model-parallel-size``), and in their activations each token's top-k copies through the experts (the
-dispatched input, the gate/up output and the SwiGLU output, in even balance) instead of the dense MLP's.
+A mixture-of-experts model (``qwen3_moe``, ``glm4_moe``) counts its MoE layers' router and this rank's share of the
+experts (``--expert-model-parallel-size``), and in their activations each token's top-k copies through the experts
+(the dispatched input, the gate/up output and the SwiGLU output, in even balance) instead of the dense MLP's; a
+shared expert (``glm4_moe``) counts as a dense SwiGLU MLP of its width in every MoE layer.
 
 The log-prob pass (``--log-probs-max-tokens-per-gpu``) keeps no activations: resident state plus the larger of one
 layer's forward and one LM-head chunk. Co-located engines take ``--sglang-mem-fraction-static`` of the card on top.
@@ -38,11 +39,6 @@ if TYPE_CHECKING:
 GIB = 2**30
 ALIGN = 128
 """Token budgets the plan proposes are multiples of this (the usual --pad-to-multiple-of)."""
-RECOMPUTED_QKV_HOLD = 4.25
-"""Elements per q/k/v channel and token that a recomputed layer still holds until its backward when every layer is
-recomputed, as measured on the GPU path (torch's non-reentrant checkpoint around megatron's layer;
-bench/memory_plan_gpu.py, bench/auto_plan_gpu.py): far more than the layer's input alone, for a cause not pinned
-down. With only the first layers recomputed, the measured peaks (bench/auto_plan_gpu.py) fit the layer's input alone."""
 ALLOCATOR_HEADROOM = 0.05
 """Share of the card kept free for the caching allocator's fragmentation and the CUDA context."""
 
@@ -79,15 +75,26 @@ class ModelShape:
     """Intermediate size of one expert."""
     num_moe_layers: int = 0
     """Decoder layers with routed experts (the others have the dense MLP of ``ffn_hidden_size``)."""
+    shared_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert beside the routed ones in each MoE layer (0: none)."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
-        """The shape of an HF ``config.json`` dict (qwen2, qwen3, llama, qwen3_moe and the like)."""
+        """The shape of an HF ``config.json`` dict (qwen2, qwen3, llama, qwen3_moe, glm4_moe and the like)."""
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        glm = cfg.get("model_type") == "glm4_moe"
         moe = {}
-        if experts and cfg.get("moe_intermediate_size"):  # qwen3_moe's layer pattern (tidal.actor.moe_spec)
+        if glm and experts:  # tidal.actor.glm4_moe: dense first layers, a shared expert
+            moe = dict(
+                num_experts=experts,
+                experts_per_token=int(cfg["num_experts_per_tok"]),
+                moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                num_moe_layers=layers - min(layers, int(cfg.get("first_k_dense_replace") or 0)),
+                shared_ffn_hidden_size=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
+            )
+        elif experts and cfg.get("moe_intermediate_size"):  # qwen3_moe's layer pattern (tidal.actor.moe_spec)
             step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
             moe = dict(
                 num_experts=experts,
@@ -105,7 +112,7 @@ class ModelShape:
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
+            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe") or (glm and bool(cfg.get("use_qk_norm"))),
             **moe,
         )
 
@@ -134,7 +141,7 @@ class ModelShape:
         experts = self.num_experts // ep * 3 * self.hidden_size * self.moe_ffn_hidden_size
         return (
             self.layer_params()
-            - 3 * self.hidden_size * self.ffn_hidden_size
+            - 3 * self.hidden_size * (self.ffn_hidden_size - self.shared_ffn_hidden_size)
             + self.num_experts * self.hidden_size
             + experts
         )
@@ -314,13 +321,14 @@ def moe_layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
     """Bytes one MoE layer keeps for backward per token.
 
     The attention's as a dense layer's; then per routed copy (top-k) the dispatched input, the gate/up output,
-    SwiGLU's output and its probability-scaled copy (the down projection's input); the router's fp32 logits and
-    probabilities.
+    SwiGLU's output and its probability-scaled copy (the down projection's input); the shared expert's as a dense
+    MLP's of its width; the router's fp32 logits and probabilities.
     """
     e, h, f = _activation_bytes(inputs), shape.hidden_size, shape.moe_ffn_hidden_size
     dense_mlp = 3 * shape.ffn_hidden_size // inputs.tensor_parallel * e * (1 if inputs.fused_kernels else 2)
     routed = shape.experts_per_token * (h + 4 * f) * e
-    return layer_activation_bytes(shape, inputs) - dense_mlp + routed + 8 * shape.num_experts
+    shared = 3 * shape.shared_ffn_hidden_size * e * (1 if inputs.fused_kernels else 2)
+    return layer_activation_bytes(shape, inputs) - dense_mlp + routed + shared + 8 * shape.num_experts
 
 
 def _mean_layer_activation_bytes(shape: ModelShape, inputs: MemoryInputs) -> int:
@@ -417,10 +425,9 @@ def _activations(shape: ModelShape, inputs: MemoryInputs, tokens: int) -> list[t
     per_layer = _mean_layer_activation_bytes(shape, inputs)
     rows = [(f"activations ({layers - recomputed} layers kept)", (layers - recomputed) * per_layer * t)]
     if recomputed:
-        held = h * e  # the recomputed layer's input, kept by the checkpoint
-        if recomputed == layers:  # every layer recomputed: far more stays held (RECOMPUTED_QKV_HOLD)
-            held = int(RECOMPUTED_QKV_HOLD * shape.qkv_width // inputs.tensor_parallel) * e
-        rows.append((f"recomputed layers ({recomputed}, held)", recomputed * held * t))
+        # the recomputed layer's input, kept by the checkpoint: all it keeps since tidal's checkpoint runs without
+        # torch's early stop and the MoE dispatchers let go of their routing graphs (bench/auto_plan_gpu.py measures it)
+        rows.append((f"recomputed layers ({recomputed}, held)", recomputed * h * e * t))
         # the first layers are recomputed, so their backward runs after every kept layer's has freed its
         # activations: a rebuilt layer adds to the peak only where it exceeds what the kept layers held
         rebuilt = _max_layer_activation_bytes(shape, inputs) * t - (layers - recomputed) * per_layer * t

@@ -2,8 +2,9 @@
 
 Supported: ``qwen3_moe`` (softmax router over ``num_experts``, top-``num_experts_per_tok``, ``norm_topk_prob``
 renormalising the chosen probabilities, SwiGLU experts of ``moe_intermediate_size``, dense SwiGLU layers where
-``mlp_only_layers`` / ``decoder_sparse_step`` say so). Other MoE architectures and variants (shared experts,
-grouped top-k, sigmoid routers, scaled routing weights) raise ``ValueError`` naming the key.
+``mlp_only_layers`` / ``decoder_sparse_step`` say so) and ``glm4_moe`` (``tidal.actor.glm4_moe``: sigmoid router with a
+score-correction bias, grouped top-k, routed scaling factor, a shared expert, dense first layers). Other MoE
+architectures, and those variants in a ``qwen3_moe`` config, raise ``ValueError`` naming the key.
 
 HF's router and Megatron's ``TopKRouter`` in the same arithmetic:
 
@@ -19,14 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 # model types of other mixture-of-experts families, refused by name
 OTHER_MOE_MODEL_TYPES = (
     "qwen2_moe",
     "mixtral",
     "deepseek_v2",
     "deepseek_v3",
-    "glm4_moe",
     "olmoe",
     "dbrx",
     "jamba",
@@ -58,6 +58,18 @@ class MoESpec:
     """The chosen experts' probabilities are renormalised to sum to 1."""
     layers: tuple[bool, ...]
     """Per decoder layer: True for an MoE layer, False for a dense SwiGLU layer (``intermediate_size``)."""
+    score_function: str = "softmax"
+    """The router's score of each expert: "softmax" or "sigmoid"."""
+    expert_bias: bool = False
+    """A per-expert score-correction bias is added to the scores for choosing experts (not for weighting them)."""
+    num_groups: int | None = None
+    """Experts are split into this many groups and only the best ``group_topk`` groups are chosen from."""
+    group_topk: int | None = None
+    """Groups chosen per token (with ``num_groups``)."""
+    scaling_factor: float | None = None
+    """The chosen experts' weights are multiplied by this factor (None: 1)."""
+    shared_ffn_hidden_size: int | None = None
+    """Intermediate size of the shared SwiGLU expert every token goes through beside the routed ones (None: none)."""
 
     @property
     def num_moe_layers(self) -> int:
@@ -85,7 +97,7 @@ def _refuse_variants(cfg: dict[str, Any]) -> None:
 
 
 def parse_moe(cfg: dict[str, Any]) -> MoESpec | None:
-    """The MoE facts of a ``config.json`` dict; None for a dense model type.
+    """The MoE facts of a ``qwen3_moe`` ``config.json`` dict; None for another model type.
 
     Raises:
         ValueError: another MoE architecture (``model_type`` named), or an unsupported variant of ``qwen3_moe``
@@ -97,7 +109,7 @@ def parse_moe(cfg: dict[str, Any]) -> MoESpec | None:
             f"HF model_type {model_type!r} is a mixture-of-experts architecture tidal.actor does not support; "
             f"supported MoE: {', '.join(MOE_MODEL_TYPES)}"
         )
-    if model_type not in MOE_MODEL_TYPES:
+    if model_type != "qwen3_moe":  # a dense model, or glm4_moe (read by tidal.actor.glm4_moe)
         return None
     _refuse_variants(cfg)
     num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
@@ -130,7 +142,12 @@ def moe_transformer_fields(
     aux_loss_coeff: float = 0.0,
     router_dtype: str | None = "fp32",
 ) -> dict[str, Any]:
-    """``TransformerConfig`` keyword arguments of the routed experts (dropless top-k softmax router, no fusions).
+    """``TransformerConfig`` keyword arguments of the routed experts (dropless top-k router, no fusions).
+
+    The score-correction bias (``MoESpec.expert_bias``) is a frozen buffer: loaded, exported and synced with the
+    weights, never updated from expert load (megatron-core's own update runs in its ``finalize_model_grads`` at
+    ``moe_router_bias_update_rate``, default 1e-3; tidal does not call it, and slime's GLM-4.5 scripts set the rate
+    to 0).
 
     Raises:
         ValueError: experts not divisible by the expert-parallel size, or tensor parallelism with experts (megatron
@@ -155,9 +172,15 @@ def moe_transformer_fields(
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_layer_freq=[int(x) for x in moe.layers],
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_topk_scaling_factor=None,
+        moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.norm_topk_prob,
+        moe_router_topk_scaling_factor=moe.scaling_factor,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_bias_update_rate=0.0,  # frozen (slime's GLM-4.5 runs); tidal does not run the update anyway
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size,
+        moe_shared_expert_overlap=False,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=aux_loss_coeff,
         moe_router_dtype=router_dtype,

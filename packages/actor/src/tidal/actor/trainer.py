@@ -181,7 +181,9 @@ def train_on_rollout(
     reuse = reuse_step_log_probs and len(steps) == 1 and reference is None and critic is None
     reuse = reuse and actor.stage.size == 1
     reuse = reuse and cfg.advantage_estimator not in TOKEN_LEVEL_ESTIMATORS
-    passes = _forward_passes(actor, reference, critic, old_log_probs=not reuse)
+    # sft_loss reads no old log-probs: they are computed only to measure the engine's against them
+    old_needed = cfg.loss_type != "sft_loss" or rollout_log_probs is not None
+    passes = _forward_passes(actor, reference, critic, old_log_probs=not reuse and old_needed)
     own = bool(passes) and batching.log_probs_token_budget is not None
     if own:
         fields, num_forward = _forward_only_fields(

@@ -89,6 +89,7 @@ class AgentRunner:
                 f">= 1 and timeout_s ({timeout_s}) > 0"
             )
         self.gateway, self.agent_fn = gateway, agent_fn
+        self._loop: asyncio.Runner | None = None
         self.n, self.max_concurrency, self.timeout_s = n_samples_per_prompt, max_concurrency, timeout_s
         self.failure_log = Path(failure_log) if failure_log is not None else None
 
@@ -142,7 +143,19 @@ class AgentRunner:
                 *(self.group(row, label, limit) for row, label in zip(rows, labels, strict=True))
             )
 
-        return asyncio.run(run())
+        if self._loop is None:
+            self._loop = asyncio.Runner()
+        return self._loop.run(run())
+
+    def close(self) -> None:
+        """Close the event loop every rollout's episodes ran on (idempotent).
+
+        One loop serves the runner's whole life, so an agent's clients made in one rollout and never closed (an
+        ``AsyncOpenAI`` per episode, the common way) are cleaned up on a loop that is still open, not on a closed one.
+        """
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
 
 
 class GroupTally:
