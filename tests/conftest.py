@@ -41,8 +41,8 @@ def _external_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list
     """Two servers, started at once: the second's start-up overlaps the first's wait.
 
     The --max-staleness run of test_train_modes_e2e.py broadcasts to both (each engine gets every pipeline stage's
-    tensors), the run of test_train_router_e2e.py reaches both through the router; every other run attaches to the
-    first alone.
+    tensors), its rollout-only run and the run of test_train_router_e2e.py reach both through the router; every
+    other run attaches to the first alone.
     """
     engines = [_embedded_server(tmp_path_factory, name) for name in ("external_sglang", "second_sglang")]
     try:

@@ -3,9 +3,10 @@
 Runs on the embedded model given a chat template (a copy of its checkpoint: a user's model with a template),
 attached to the session's SGLang server (fp32, as the actor computes):
 
-- two rollouts of 2 groups x 2 two-turn episodes, an agent that raises on some rows (their groups are replaced),
-  its samples saved with their masks, and the actor trained on them; the engine-actor agreement (mismatch) metrics
-  cover the sampled tokens only;
+- two rollouts of 2 groups x 2 two-turn episodes, an agent that raises on some rows (their groups are replaced)
+  and gives partial credit (a graded reward), its samples saved with their masks, and the actor trained on them
+  with a PPO critic (``--advantage-estimator ppo``) fitting those rewards; the engine-actor agreement (mismatch)
+  metrics cover the sampled tokens only;
 - --max-staleness 1 and --partial-rollout (3 prompts a rollout for 2 groups, so one group a rollout is carried
   over, running or finished) with a checkpoint after each rollout: the driver is SIGKILLed once the checkpoint of
   rollout 1 (which holds rollout 2, generated while rollout 1 trained, and the carried groups) is written, then
@@ -60,8 +61,8 @@ def _agent_args(root: Path, model: Path, engine: str, agent: str) -> list[str]:
 def agent_run(tmp_path_factory, external_engine):
     root = tmp_path_factory.mktemp("agents")
     model = _agent_model(root)
-    args = [*_agent_args(root, model, external_engine, "arithmetic_agent"), "--agent-max-concurrency", "3",
-            "--num-rollout", "2"]  # fmt: skip
+    args = [*_agent_args(root, model, external_engine, "graded_arithmetic_agent"), "--agent-max-concurrency", "3",
+            "--num-rollout", "2", "--advantage-estimator", "ppo"]  # fmt: skip
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
         code, log, leftovers = _train(args, out=root / "run")
@@ -97,7 +98,7 @@ def test_agents_train_through_the_gateway_and_failed_groups_are_replaced(agent_r
         samples = load_rollout_data(root / "debug", rollout_id)
         assert num_episodes(samples) == 4 and record["rollout/num_episodes"] == 4.0
         assert len(samples) == 6 and record["rollout/agent/samples_per_episode"] == 1.5
-        assert all(int(str(s.label)[-1]) % 2 == 1 and s.reward in (0.0, 1.0) for s in samples)
+        assert all(int(str(s.label)[-1]) % 2 == 1 and 0.0 <= s.reward <= 1.0 for s in samples)
         episodes: dict[tuple, list] = {}
         for s in samples:
             episodes.setdefault((s.group_index, s.episode), []).append(s)
@@ -137,6 +138,21 @@ def _assert_engine_and_actor_agree(records) -> None:
     for r in records:
         assert all(math.isfinite(r[k]) and r[k] >= 0.0 for k in AGREEMENT), r
         assert r["rollout/logprob_abs_diff/mean"] < 1e-3 and r["rollout/logprob_abs_diff/max"] < 1e-2, r
+
+
+def test_a_critic_fits_the_agents_graded_rewards(agent_run):
+    # --advantage-estimator ppo: every rollout trained the critic beside the actor (no critic-only steps) on the
+    # agent samples' returns, above 0 (partial credit), over their sampled tokens (the template's are off the loss)
+    from tidal.rollout import load_rollout_data
+
+    root, code, log, _ = agent_run
+    assert code == 0, log[-4000:]
+    records = _records(root / "run")
+    for rollout_id, r in enumerate(records):
+        rewards = [s.reward for s in load_rollout_data(root / "debug", rollout_id)]
+        assert max(rewards) > 0.0 and r["rollout/reward/mean"] > 0.0, rewards
+        assert r["train/critic_only"] == 0.0 and r["critic/returns_mean"] > 0.0, r
+        assert r["critic/value_loss"] > 0.0 and r["critic/grad_norm"] > 0.0, r
 
 
 def test_agent_samples_are_covered_by_the_engine_actor_agreement_metrics(agent_run):

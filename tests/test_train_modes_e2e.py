@@ -4,8 +4,9 @@
   must all go within 30 s), then resumed with --load: the metrics continue without a gap or a repeat, the resumed
   rollout trains on the prompts it would have had, and the engine serves the checkpoint's weights again; its actor
   is two pipeline stages, each of whose first rank hands its own stage's tensors to the co-located engine;
-- --debug-rollout-only (no actor; with --partial-rollout, so the driver-side generation path runs) then
-  --debug-train-only on its saved rollouts (no engine), its forward-only passes on --log-probs-max-tokens-per-gpu;
+- --debug-rollout-only (no actor; with --partial-rollout on the session's two servers, so the driver-side
+  generation path runs through sglang-router) then --debug-train-only on its saved rollouts (no engine), its
+  forward-only passes on --log-probs-max-tokens-per-gpu;
 - SIGTERM (to the driver, as `kill` sends it) during the start-up of a decoupled run (actor and engine on separate
   GPUs) stops every process, exits 130 and says no checkpoint was written; Ctrl-C typed on the terminal of a run in
   rollout 1 checkpoints rollout 0 on the way out and prints the command that goes on from it, which does;
@@ -19,8 +20,8 @@
 
 The resumed, rollout-only, terminal and --max-staleness runs attach to the session's one SGLang server
 (``external_engine``, tests/conftest.py) through --rollout-external-engine-addrs, so they pay no SGLang start-up of
-their own (the --max-staleness run adds ``second_external_engine``, started beside it); the first killed run launches
-its own, to show that a SIGKILL of the driver leaves no server behind.
+their own (the rollout-only and --max-staleness runs add ``second_external_engine``, started beside it); the first
+killed run launches its own, to show that a SIGKILL of the driver leaves no server behind.
 """
 
 import contextlib
@@ -422,31 +423,40 @@ def test_resumed_async_run_trains_on_the_buffered_samples_without_gap_or_repeat(
 
 
 @pytest.fixture(scope="module")
-def debug_runs(tmp_path_factory, external_engine, sft_run):
-    """--debug-rollout-only (2 rollouts saved), then --debug-train-only on them with PPO (a critic; the first
-    rollout trains it alone), its forward-only passes (old log-probs, values) packed under
-    --log-probs-max-tokens-per-gpu; its model is the --save-hf folder of the SFT stage's run (``sft_run``)."""
+def debug_runs(tmp_path_factory, external_engine, second_external_engine, external_engine_logs, sft_run):
+    """--debug-rollout-only (2 rollouts saved, partial, through sglang-router to two engines), then --debug-train-only
+    on them with PPO (a critic; the first rollout trains it alone), its forward-only passes (old log-probs, values)
+    packed under --log-probs-max-tokens-per-gpu; its model is the --save-hf folder of the SFT stage's run
+    (``sft_run``)."""
     root = tmp_path_factory.mktemp("debug")
     data = root / "rollouts"
+    engines = [external_engine, second_external_engine]
     gen = [*COMMON, "--num-rollout", "2", "--debug-rollout-only", "--save-debug-rollout-data", str(data),
-           "--partial-rollout", "--over-sampling-batch-size", "6",
-           "--rollout-external-engine-addrs", external_engine]  # fmt: skip
+           "--partial-rollout", "--over-sampling-batch-size", "6", "--sglang-router-policy", "round_robin",
+           "--rollout-external-engine-addrs", external_engine, second_external_engine]  # fmt: skip
+    before = [external_engine_logs[e].read_text().count("POST /generate") for e in engines]
     code, gen_log, gen_left = _train(gen, out=root / "gen")
     assert code == 0, gen_log[-6000:]
+    requests = [
+        external_engine_logs[e].read_text().count("POST /generate") - n for e, n in zip(engines, before, strict=True)
+    ]
     trn = [*COMMON, "--num-rollout", "2", "--debug-train-only", "--load-debug-rollout-data", str(data),
            "--advantage-estimator", "ppo", "--num-critic-only-steps", "1", "--value-clip", "0.2", "--lambd", "0.95",
            "--critic-lr", "1e-3", "--log-probs-max-tokens-per-gpu", "32",
            "--recipe", "embedded", "--hf-checkpoint", str(sft_run[0] / "hf")]  # fmt: skip
     code, train_log, train_left = _train(trn, out=root / "train")  # forward passes at 32 tokens, training at 8192
     assert code == 0, train_log[-6000:]
-    return root, data, gen_left | train_left
+    return root, data, gen_left | train_left, (requests, gen_log)
 
 
 def test_rollout_only_generates_without_training(debug_runs):
-    root, data, _ = debug_runs
+    root, data, _, (requests, log) = debug_runs
     records = _records(root / "gen")
     assert [r["rollout"] for r in records] == [0, 1]
     assert not any("train/loss" in r for r in records)
+    # two engines: the driver's requests, resumed ones included, went through sglang-router, round robin to both
+    assert re.search(r"starting sglang-router at \S+: .* --worker-urls \S+ \S+ --policy round_robin", log)
+    assert all(n > 0 for n in requests), requests
     # partial rollout through the driver: of --over-sampling-batch-size 6 prompts, 4 finished groups are kept and the
     # other 2 carried to rollout 1, which resumes them first beside 6 new prompts and carries 8 - 4 on
     partial = [{k.split("/")[-1]: v for k, v in r.items() if k.startswith("rollout/partial/")} for r in records]
@@ -462,7 +472,7 @@ def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
     from tidal.batching import plan_micro_batches
     from tidal.rollout import load_rollout_data
 
-    root, data, leftovers = debug_runs
+    root, data, leftovers, _ = debug_runs
     records = _records(root / "train")
     assert [r["rollout"] for r in records] == [0, 1]
     for r in records:
@@ -487,7 +497,7 @@ def test_train_only_trains_on_the_saved_rollouts_with_a_critic(debug_runs):
 
 
 def test_train_only_run_starts_from_the_sft_stages_weights(debug_runs, sft_run):
-    root, _, _ = debug_runs
+    root, *_ = debug_runs
     hf = sft_run[0] / "hf"
     actor_log = (root / "train" / "logs" / "actor_r0.log").read_text()
     assert f"actor weights: read from {hf} by rank 0" in actor_log, actor_log[-3000:]

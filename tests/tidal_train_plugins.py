@@ -117,7 +117,7 @@ AGENT_CHAT_TEMPLATE = (
 _EPISODES: defaultdict[str, itertools.count] = defaultdict(itertools.count)
 
 
-async def arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
+async def arithmetic_agent(base_url: str, api_key: str, row: dict, *, graded: bool = False) -> float:
     """Two turns with the openai client: answer, get "check" feedback, answer again; reward 1 when right.
 
     Rows whose label ends in an even digit raise (a broken agent), so the run must replace their groups. Every
@@ -127,10 +127,21 @@ async def arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
     """
     if int(row["label"][-1]) % 2 == 0:
         raise RuntimeError(f"broken agent on {row['prompt']}")
-    return await steady_arithmetic_agent(base_url, api_key, row, rewrite=next(_EPISODES[row["prompt"]]) % 2 == 1)
+    rewrite = next(_EPISODES[row["prompt"]]) % 2 == 1
+    return await steady_arithmetic_agent(base_url, api_key, row, rewrite=rewrite, graded=graded)
 
 
-async def steady_arithmetic_agent(base_url: str, api_key: str, row: dict, *, rewrite: bool = False) -> float:
+async def graded_arithmetic_agent(base_url: str, api_key: str, row: dict) -> float:
+    """``arithmetic_agent`` with partial credit: 1 when right, else 0.1 per character of the answer (at most 0.5).
+
+    A reward above 0 whatever the policy answers (unless it answers nothing), so a critic has returns to fit.
+    """
+    return await arithmetic_agent(base_url, api_key, row, graded=True)
+
+
+async def steady_arithmetic_agent(
+    base_url: str, api_key: str, row: dict, *, rewrite: bool = False, graded: bool = False
+) -> float:
     """``arithmetic_agent`` on every row (none raises, none rewrites): each rollout's groups are its own prompts."""
     import openai
 
@@ -144,7 +155,10 @@ async def steady_arithmetic_agent(base_url: str, api_key: str, row: dict, *, rew
     if rewrite:  # a compacted history: the rendered prompt no longer starts with the first call's tokens
         messages = [{"role": "user", "content": f"{row['prompt']} ({first.choices[0].message.content}) check"}]
     second = await client.chat.completions.create(model="tidal", messages=messages)
-    return float((second.choices[0].message.content or "").strip() == row["label"])
+    answer = (second.choices[0].message.content or "").strip()
+    if graded and answer != row["label"]:
+        return min(len(answer), 5) / 10
+    return float(answer == row["label"])
 
 
 IN_FLIGHT = {"now": 0, "max": 0}

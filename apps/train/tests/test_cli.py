@@ -725,6 +725,22 @@ def test_the_weight_check_with_routing_replay_is_refused_before_start(tmp_path, 
     assert len(str(e.value).splitlines()) == 1
 
 
+def test_routing_replay_is_refused_where_no_sample_would_carry_routed_experts():
+    # sglang-router 0.3.2 forwards /generate without return_routed_experts, and a custom sample is built from several
+    # calls: accepted, either run failed after its first rollout, when the actor found no experts to replay.
+    argv = ["--recipe", "embedded-moe", "--use-rollout-routing-replay", "--no-colocate", "--rollout-num-gpus", "2"]
+    with pytest.raises(ValueError, match=r"^--use-rollout-routing-replay with 2 engine\(s\) behind sglang-router is "
+                       r"not supported: sglang-router 0.3.2 drops return_routed_experts") as e:  # fmt: skip
+        parse_job(argv)
+    assert len(str(e.value).splitlines()) == 1
+    assert parse_job([*argv, "--no-use-router"]).rollout.return_routed_experts  # each engine's worker generates
+    custom = ["--custom-generate-function-path", "json:loads"]
+    with pytest.raises(ValueError, match=r"^--use-rollout-routing-replay with --custom-generate-function-path is not"):
+        parse_job([*argv[:3], *custom])
+    assert not parse_job(custom).rollout.return_routed_experts  # a custom function alone, or replay alone: accepted
+    assert parse_job(argv[:3]).rollout.return_routed_experts
+
+
 def test_rounds_that_can_never_fill_the_batch_are_refused(paths):
     argv = ["--recipe", "base", "--prompt-data", paths["data"], "--rollout-batch-size", "8"]
     argv += ["--dynamic-sampling-filter-path", "reward_variance", "--over-sampling-batch-size", "2"]

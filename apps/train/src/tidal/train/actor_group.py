@@ -246,8 +246,7 @@ def rollout_data(
         raise ValueError(
             f"--use-rollout-routing-replay: {len(missing)} of {len(samples)} samples of rollout {rollout_id} carry no "
             f"routed experts (e.g. sample {missing[0]}); generate with engines that return them (tidal launches its "
-            "own with --enable-return-routed-experts; a custom generate function must fill "
-            "Sample.rollout_routed_experts, and --load-debug-rollout-data must hold them), or drop the flag"
+            "own with --enable-return-routed-experts, and --load-debug-rollout-data must hold them), or drop the flag"
         )
     return RolloutData(
         tokens=[s.tokens for s in samples],

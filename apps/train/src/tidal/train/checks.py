@@ -369,6 +369,29 @@ def check_router(rollout, placement) -> None:
         )
 
 
+def check_routing_replay_sources(rollout, placement) -> None:
+    """Routing replay trains on the experts the engine reported per sample: two paths bring back none, refused.
+
+    A custom generate function builds its own sample from several calls (``tidal.rollout.MultiTurn`` records no
+    routed experts), and sglang-router 0.3.2 re-writes each ``/generate`` request without ``return_routed_experts``
+    (the engines never see it), so either would fail only after a whole rollout.
+    """
+    if not rollout.return_routed_experts:
+        return
+    if rollout.custom_generate_function_path:
+        raise ValueError(
+            "--use-rollout-routing-replay with --custom-generate-function-path is not supported: a custom sample "
+            "(several turns, inserted tokens) carries no routed experts for the actor to replay; drop one of them"
+        )
+    engines = len(rollout.rollout_external_engine_addrs) or placement.num_engines
+    if rollout.router_wanted(engines):
+        raise ValueError(
+            f"--use-rollout-routing-replay with {engines} engine(s) behind sglang-router is not supported: "
+            "sglang-router 0.3.2 drops return_routed_experts from the requests it forwards, so no sample would carry "
+            "the experts to replay; pass --no-use-router (each engine generates its own share) or drop the flag"
+        )
+
+
 def check_engine_tp(rollout, placement) -> None:
     """``--sglang-tp-size``, where given, equals --rollout-num-gpus-per-engine (tidal passes it to each engine)."""
     from tidal.rollout import with_engine_tp
@@ -378,7 +401,12 @@ def check_engine_tp(rollout, placement) -> None:
 
 
 def check_async(train, sync, rollout, placement) -> None:
-    """``--max-staleness K >= 1`` overlaps generation with training: engines of their own, a weight sync per rollout."""
+    """``--max-staleness K >= 1`` overlaps generation with training: engines of their own, a weight sync per rollout.
+
+    Not with --use-fault-tolerance yet: an engine worker's two restart paths (a generation that meets the dead server,
+    and the driver's ``ensure_alive`` before a sync) are not serialised, so an overlapped run can start one server
+    twice (seen in the two-host test made one step off: the second start failed with EADDRINUSE on the NCCL port).
+    """
     k = train.max_staleness
     if k == 0:
         return
@@ -399,6 +427,12 @@ def check_async(train, sync, rollout, placement) -> None:
     ]
     if clash:
         raise ValueError(f"--max-staleness {k} overlaps generation with training; {clash[0]} has only one of them")
+    if train.use_fault_tolerance and not rollout.rollout_external_engine_addrs:
+        raise ValueError(
+            f"--max-staleness {k} with --use-fault-tolerance is not supported yet: an engine that dies while the "
+            "generation ahead and the weight sync both reach it is restarted by each at once, and the second start "
+            "fails on the first's ports; drop one of them"
+        )
     if sync.update_weights_interval != 1:
         raise ValueError(
             f"--max-staleness {k} counts staleness in weight versions, one per rollout; --update-weights-interval "
@@ -577,6 +611,7 @@ def check_job(
     if rollout is not None and placement is not None:
         problems.run(check_router, rollout, placement)
         problems.run(check_engine_tp, rollout, placement)
+        problems.run(check_routing_replay_sources, rollout, placement)
         if train is not None and sync is not None:
             problems.run(check_async, train, sync, rollout, placement)
     if parallel is not None:
