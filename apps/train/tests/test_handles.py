@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import ray
 from tidal.rollout import Sample, save_rollout_data
 from tidal.train.actor_group import rollout_data
 from tidal.train.cli import parse_job
@@ -38,7 +39,8 @@ def test_replayed_rollouts_come_from_disk_without_engines(tmp_path: Path):
         ["--debug-train-only", "--load-debug-rollout-data", str(tmp_path), "--output-dir", str(tmp_path / "o")]
     )
     rollouts = rollout_manager_of(job, SimpleNamespace(tokenizer=None), tmp_path)
-    rollouts.wait_ready()  # nothing was started: no engine, no router
+    rollouts.wait_ready()  # nothing was started: no engine, no router, no Ray (a stale cluster file could hang it)
+    assert not ray.is_initialized()
     assert not rollouts.has_engines and not rollouts.external
     samples, times = rollouts.generate(5)
     assert samples == saved

@@ -243,8 +243,9 @@ class RolloutManager:
         from tidal.placement import PortAllocator
         from tidal.rollout import RolloutRouter
 
-        self.engine_urls = ray.get(self._starting)
-        self.engine_pids = [pid for pid in ray.get([e.pid.remote() for e in self.engines]) if pid is not None]
+        if self.engines:  # none for replayed rollouts or external servers: then no Ray call (none may be running)
+            self.engine_urls = ray.get(self._starting)
+            self.engine_pids = [pid for pid in ray.get([e.pid.remote() for e in self.engines]) if pid is not None]
         if self.engines and self.cfg.router_wanted(len(self.engines)):
             port = PortAllocator().engine_ports().http_port  # the router runs here, in the driver
             router = RolloutRouter.from_config(self.cfg, self.engine_urls, port=port, log_dir=self.log_dir)
