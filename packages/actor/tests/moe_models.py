@@ -26,6 +26,13 @@ def save_tiny_moe(out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.fl
     """A random qwen3_moe saved with save_pretrained; weights ~N(0, 0.1) (router N(0, 1): decisive routing)."""
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**(TINY_MOE | overrides)))
+    _randomize(model)
+    model.to(dtype).save_pretrained(out_dir)
+    return out_dir
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Norms ~N(1, 0.1), embeddings and routers ~N(0, 1) (decisive routing), every other weight ~N(0, 0.1)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -34,8 +41,6 @@ def save_tiny_moe(out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.fl
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.1)
-    model.to(dtype).save_pretrained(out_dir)
-    return out_dir
 
 
 TINY_GLM = dict(
@@ -70,14 +75,8 @@ def save_tiny_glm(out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.fl
 
     torch.manual_seed(seed)
     model = Glm4MoeForCausalLM(Glm4MoeConfig(**(TINY_GLM | overrides)))
+    _randomize(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif "embed" in name or "mlp.gate." in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.3)
