@@ -82,3 +82,17 @@ def save_tiny_glm(out_dir: Path, *, seed: int = 0, dtype: torch.dtype = torch.fl
                 b.normal_(0.0, 0.3)
     model.to(dtype).save_pretrained(out_dir)
     return out_dir
+
+
+def hf_log_probs(path: Path, seqs: list[list[int]]) -> torch.Tensor:
+    """transformers' fp32 log-probs of each sequence run alone (0 at each first position), concatenated."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = []
+    with torch.no_grad():
+        for seq in seqs:
+            ids = torch.tensor([seq])
+            lp = torch.log_softmax(hf(ids).logits[0], -1)[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+            ref.append(torch.cat([torch.zeros(1), lp]))
+    return torch.cat(ref)

@@ -15,7 +15,7 @@ from tidal.batching import pack
 
 sys.path.insert(0, str(Path(__file__).parent))
 try:
-    from moe_models import TINY_GLM, save_tiny_glm
+    from moe_models import TINY_GLM, hf_log_probs, save_tiny_glm
     from test_moe import _build, _hf_named_grads, _packed_logits
 finally:
     sys.path.pop(0)
@@ -61,20 +61,13 @@ def test_settings_megatron_computes_differently_are_refused_by_name(overrides, m
 
 def test_long_packed_log_probs_and_weight_sync_match_transformers_fp32(dist_env, glm_dir):
     """fp32 log-probs of a 700-token sequence packed beside a short one, to 1e-5; the sync buckets equal the export."""
-    from transformers import AutoModelForCausalLM
 
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (700, 37)]
-    hf = AutoModelForCausalLM.from_pretrained(glm_dir, dtype=torch.float32).eval()
-    ref = []
-    with torch.no_grad():
-        for seq in seqs:
-            ids = torch.tensor([seq])
-            lp = torch.log_softmax(hf(ids).logits[0], -1)[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
-            ref.append(torch.cat([torch.zeros(1), lp]))
+    ref = hf_log_probs(glm_dir, seqs)
     actor = Actor(ActorConfig(hf_checkpoint=str(glm_dir)))
     ours = actor.compute_log_probs(pack(seqs))[: sum(map(len, seqs))]
-    diff = (ours - torch.cat(ref)).abs()
+    diff = (ours - ref).abs()
     assert diff.max() < 1e-5, float(diff.max())
     exported = dict(actor.named_hf_tensors())
     buckets = [(n, t) for b in actor.hf_tensor_buckets(dtype=torch.float32, bucket_bytes=2**14) for n, t in b]

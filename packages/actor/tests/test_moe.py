@@ -16,7 +16,7 @@ from tidal.batching import pack
 
 sys.path.insert(0, str(Path(__file__).parent))
 try:
-    from moe_models import TINY_MOE, save_tiny_moe
+    from moe_models import TINY_MOE, hf_log_probs, save_tiny_moe
 finally:
     sys.path.pop(0)
 
@@ -134,20 +134,13 @@ def test_weight_sync_buckets_equal_the_export(dist_env, moe_dir):
 
 def test_long_packed_log_probs_match_transformers_fp32(dist_env, tmp_path):
     """fp32 log-probs at 4k positions (a 3.9k sequence packed beside a short one, rope_theta 1e6) to 1e-5."""
-    from transformers import AutoModelForCausalLM
 
     path = save_tiny_moe(tmp_path / "long", seed=3, norm_topk_prob=True, mlp_only_layers=[1])
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (3900, 37)]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ref = []
-    with torch.no_grad():
-        for seq in seqs:
-            ids = torch.tensor([seq])
-            lp = torch.log_softmax(hf(ids).logits[0], -1)[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
-            ref.append(torch.cat([torch.zeros(1), lp]))
+    ref = hf_log_probs(path, seqs)
     ours = Actor(ActorConfig(hf_checkpoint=str(path))).compute_log_probs(pack(seqs))[: sum(map(len, seqs))]
-    diff = (ours - torch.cat(ref)).abs()
+    diff = (ours - ref).abs()
     assert diff.max() < 1e-5, float(diff.max())
     assert diff[3000:3900].max() < 1e-5  # the far positions too
 
